@@ -1,0 +1,212 @@
+//! # ringmq-shards: the segment store behind every queue
+//!
+//! A *shard* is an append-only log of records owned by exactly one glommio
+//! executor (core). It knows nothing of AMQP: a record is an offset, a flags
+//! byte and two opaque byte strings, `header` (the broker puts exchange,
+//! routing key and properties there) and `body`.
+//! Requirements: ringmq issue 3; design: DESIGN.md, section Storage.
+//!
+//! # Layout
+//! - `format.rs`: on-disk framing (pure functions, unit-tested).
+//! - `side.rs`: the memory-mapped `.idx` (offset index) and `.del` (deletion bitmap) files.
+//! - `shard.rs`: [`Shard`]: append, group-commit sync, reads, deletes, the background writer.
+//! - `recover.rs`: open and crash recovery.
+//! - `cache.rs`: the memory cache of recent records.
+//! - `fault.rs`: fault injection at named points (crash tests).
+//!
+//! # On-disk format (version 1)
+//! A shard directory holds:
+//! - `format`: 4096 bytes, the line `ringmq-shard format 1\n` then zeros. It is
+//!   written (with std::fs, fsync'ed) before any direct-I/O file is opened, and is
+//!   the first file opened with direct I/O: see *IOPOLL trap* below.
+//! - per segment, named by its base offset as 20 decimal digits:
+//!   - `<base>.seg`: record data, written with direct I/O (O_DIRECT through
+//!     io_uring), every write 4096-byte aligned in position and length.
+//!     Bytes 0..4096: header `magic "RMQSEG\0\x01" | version u32 = 1 |
+//!     header_len u32 = 4096 | base u64 | segment_bytes u64 | crc32 u32 of bytes
+//!     0..32`, zeros. From byte 4096: records back to back, then zeros up to the
+//!     next 4096 boundary. A record (all integers little-endian):
+//!
+//!     | bytes | field |
+//!     |---|---|
+//!     | 0..4   | `len` u32: framed length in bytes, ≥ 24 (0 = end of data) |
+//!     | 4..8   | `crc` u32: CRC32 (IEEE, crc32fast) of bytes 8..len |
+//!     | 8..16  | `offset` u64 |
+//!     | 16     | `flags` u8 |
+//!     | 17     | `kind` u8 = 1 (data record) |
+//!     | 18..20 | reserved, 0 |
+//!     | 20..24 | `header_len` u32 |
+//!     | 24..   | header bytes, then body bytes (`len - 24 - header_len`) |
+//!
+//!     A segment takes records until the next one would pass `segment_bytes`
+//!     (default 64 MiB); a single record larger than that gets a segment of its own.
+//!   - `<base>.idx`: 4096-byte header (`magic "RMQIDX\0\x01" | version | flags
+//!     (bit 0 sealed) | base | capacity | count | data_end | entries_crc |
+//!     header_crc`), then one u32 file position per record. Memory-mapped.
+//!     Sealed (with `count`, `data_end` and a CRC of the entries) and fdatasync'ed
+//!     once the segment is full and durable: at open a sealed index is trusted
+//!     and its segment is not scanned.
+//!   - `<base>.del`: 4096-byte header, then the deletion bitmap, one bit per
+//!     record (bit `i % 8` of byte `i / 8`, 1 = deleted). Memory-mapped;
+//!     fdatasync'ed by the next `sync` after a change.
+//!
+//! The side files are sized for `capacity = (segment_bytes - 4096) / 24 + 2`
+//! records and are sparse: only touched pages use disk.
+//!
+//! # Memory per record
+//! - A record in the cache: its header and body (the body `Bytes` is shared
+//!   with the caller, not copied) plus ~96 bytes. The cache keeps the newest
+//!   records up to `cache_bytes`, and always every record not yet written.
+//! - A record not in the cache: **no heap memory**. 4 bytes of index and 1 bit
+//!   of bitmap in memory-mapped files (page cache, reclaimable), i.e. about
+//!   4.1 bytes per record, plus ~250 bytes of heap per segment.
+//!
+//! # Durability and group commit
+//! `append` copies the framed record into a 1 MiB direct-I/O buffer (and the
+//! index entry into the mapped index); full buffers are written in the
+//! background (up to 4 writes in flight). `sync` writes the partial buffer
+//! (padded to 4096; the partial last block is rewritten by the next write, which
+//! is ordered after it), waits for all writes, then fdatasyncs the touched
+//! segment files and the changed deletion bitmaps concurrently, and returns a
+//! [`Synced`] token. Concurrent `sync` calls coalesce into as few rounds as
+//! possible. Records covered by a `Synced` survive kill -9 and power loss;
+//! later records may or may not. Deletes are durable after the next sync; a
+//! delete lost in a crash brings the record back (a duplicate, never a loss).
+//!
+//! # Recovery
+//! Segments with a sealed index are trusted (with
+//! [`ShardConfig::verify_on_open`], every live record's CRC is checked as well,
+//! and a corrupt one is reported and dropped without touching its neighbours).
+//! Other segments are scanned record by record (CRC, expected offset); the
+//! index is rebuilt. A torn or corrupt tail of the last segment is truncated,
+//! zero-padded and fdatasync'ed. Every dropped range is in the
+//! [`RecoveryReport`] and the log; recovery never panics on bad data. Bitmap
+//! bits above the recovered end are cleared, so an offset reused after a crash
+//! is never born deleted.
+//!
+//! Offsets of records that were appended but lost in a crash (not covered by a
+//! `Synced`) are handed out again after recovery.
+//!
+//! # The IOPOLL trap
+//! glommio probes polled I/O on the first direct-I/O file opened on a device
+//! (per thread) with a read at byte 0; on an empty file that probe succeeds
+//! wrongly and later reads fail with EOPNOTSUPP (os error 95) on devices
+//! without poll queues. `open` therefore writes the non-empty `format` file
+//! with std::fs and opens it with direct I/O before any segment.
+//!
+//! # Invariants
+//! See `shard.rs`. In short: dense offsets; one owner executor; no `RefCell`
+//! borrow across an `.await`; a `Synced(n)` is only made after the data and
+//! bitmaps below `n` are fdatasync'ed.
+//!
+//! # Assumptions
+//! - The shard directory is used by one `Shard` at a time.
+//! - `open`/`destroy` and segment rolls do a few small blocking file-system
+//!   calls (mkdir, create/mmap of side files, unlink); the data path does not.
+//! - glommio executors need the default memlock limit (8 MiB).
+
+mod cache;
+mod error;
+mod event;
+pub mod fault;
+pub mod format;
+mod recover;
+mod shard;
+mod side;
+
+use std::path::Path;
+
+use cache::Cache;
+
+pub use error::StoreError;
+pub use fault::{FaultAction, FaultPoint, Faults};
+pub use format::Offset;
+pub use shard::{Reader, Shard, CHUNK_BYTES, MAX_INFLIGHT, MAX_PENDING_CHUNKS, READ_WINDOW};
+
+/// Shard settings.
+#[derive(Clone, Debug)]
+pub struct ShardConfig {
+    /// Bytes per segment file before a new one starts (default 64 MiB;
+    /// 64 KiB ..= 1 GiB).
+    pub segment_bytes: u64,
+    /// Bytes of recent records kept in memory (default 64 MiB). Records not
+    /// yet written to disk are always kept, whatever this says.
+    pub cache_bytes: usize,
+    /// At open, read every sealed segment and check each live record's CRC
+    /// (default false: sealed segments are trusted and checked when read).
+    pub verify_on_open: bool,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        ShardConfig { segment_bytes: 64 << 20, cache_bytes: 64 << 20, verify_on_open: false }
+    }
+}
+
+impl ShardConfig {
+    fn validate(&self) -> Result<(), StoreError> {
+        if !(64 << 10..=1 << 30).contains(&self.segment_bytes) {
+            return Err(StoreError::Config(format!(
+                "segment_bytes {} out of range 65536..=1073741824",
+                self.segment_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A stored record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Its offset in the shard.
+    pub offset: Offset,
+    /// Flags byte, opaque to the store (the broker: persistent, redelivered…).
+    pub flags: u8,
+    /// Opaque header bytes (≤ 1 MiB).
+    pub header: bytes::Bytes,
+    /// Opaque body bytes (≤ 128 MiB).
+    pub body: bytes::Bytes,
+}
+
+/// Proof that every record below [`Synced::upto`] is durable. Only
+/// [`Shard::sync`] makes one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Synced(Offset);
+
+impl Synced {
+    /// The next offset at sync time: records `< upto()` are durable.
+    pub fn upto(&self) -> Offset {
+        self.0
+    }
+}
+
+/// What `Shard::open` found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Live records recovered.
+    pub records: u64,
+    /// Records recovered as deleted (bit set in the deletion bitmap).
+    pub deleted: u64,
+    /// Offset ranges `[from, to)` dropped, with the reason. For a torn tail the
+    /// range is `[first lost, first lost + 1)`: how many unsynced records were
+    /// in the torn bytes is unknown.
+    pub dropped: Vec<(Offset, Offset, String)>,
+    /// Repairs that lost no record but may bring back deleted ones (e.g. an
+    /// unreadable deletion bitmap), or rewrote a header.
+    pub warnings: Vec<String>,
+}
+
+/// Bytes available to unprivileged writers on the filesystem holding `path`
+/// (statvfs `f_bavail * f_frsize`). The broker blocks publishers below a margin.
+pub fn free_disk_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `s` a valid out-pointer.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut s) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}

@@ -1,0 +1,1188 @@
+//! `Shard`: the append/sync/read/delete API and the background writer.
+//!
+//! # Invariants
+//! 1. Offsets are handed out densely by `append`; a record's bytes go to the
+//!    active segment's stream at `data_end`, its index entry is written at once.
+//! 2. Write jobs are numbered; a job that rewrites the partial last block of the
+//!    previous job (`overlaps`) is submitted only when no write is in flight, so
+//!    the device never reorders two versions of one block.
+//! 3. `sync` returns `Synced(n)` only after every job cut so far is written and
+//!    every file written since the previous sync is fdatasync'ed: all records
+//!    `< n` are durable. Deletion bitmaps dirtied before the cut are fdatasync'ed
+//!    in the same sync.
+//! 4. The cache never evicts a record whose bytes are not yet written, so a read
+//!    either hits memory or finds the record on disk.
+//! 5. A segment is sealed (its index trusted at open) only after its data is
+//!    durable, and removed only when it is full, fully deleted and durable.
+//!
+//! # Assumptions
+//! Single-threaded: one executor owns the shard; no `RefCell` borrow is held
+//! across an `.await`.
+
+use std::{
+    cell::RefCell,
+    collections::{BTreeSet, VecDeque},
+    path::{Path, PathBuf},
+    rc::Rc,
+};
+
+use bytes::Bytes;
+use glommio::{
+    io::{BufferedFile, DmaBuffer, DmaFile, OpenOptions},
+    sync::Semaphore,
+    Task,
+};
+use memmap2::MmapMut;
+
+use crate::{
+    error::{gio, StoreError},
+    event::Event,
+    fault::{FaultAction, FaultPoint, Faults},
+    format::{self, align_up, FileKind, Offset, Parse, ALIGN, MAX_BODY_BYTES, MAX_HEADER_BYTES, SEG_HEADER_BYTES},
+    side, Cache, Record, RecoveryReport, ShardConfig, Synced,
+};
+
+/// Size of one write buffer (a chunk of the segment stream), in bytes.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Most writes in flight per shard.
+pub const MAX_INFLIGHT: usize = 4;
+/// `throttle` waits while more chunks than this are cut but not yet written.
+pub const MAX_PENDING_CHUNKS: u64 = 16;
+/// Bytes read per disk access by the sequential [`Reader`].
+pub const READ_WINDOW: u64 = 1 << 20;
+
+/// One segment: its files and counters.
+pub(crate) struct Segment {
+    /// Offset of its first record (also in its file names).
+    pub base: Offset,
+    /// Index/bitmap slots (records that fit).
+    pub capacity: u64,
+    /// Records in this segment, `base..base + count`.
+    pub count: u64,
+    /// Records not deleted.
+    pub live: u64,
+    /// Byte position after the last record in the `.seg` file.
+    pub data_end: u64,
+    /// `.idx` mapping: u32 file position per record.
+    pub idx: MmapMut,
+    /// `.del` mapping: deletion bitmap.
+    pub del: MmapMut,
+    /// The `.seg` file (None until the writer creates it).
+    pub file: Option<Rc<DmaFile>>,
+    /// `.del` opened for fdatasync (opened lazily by `sync`).
+    pub del_file: Option<Rc<BufferedFile>>,
+    /// No more appends (a newer segment exists).
+    pub full: bool,
+    /// Index sealed on disk.
+    pub sealed: bool,
+    /// Bitmap changed since the last sync.
+    pub del_dirty: bool,
+}
+
+impl Segment {
+    fn end(&self) -> Offset {
+        self.base + self.count
+    }
+}
+
+/// The buffer receiving appended bytes for the active segment.
+pub(crate) struct Chunk {
+    pub seg_base: Offset,
+    /// File position of `buf[0]` (aligned).
+    pub pos: u64,
+    pub buf: DmaBuffer,
+    /// Bytes filled.
+    pub fill: usize,
+    /// Leading bytes already submitted in an earlier job.
+    pub clean: usize,
+    /// The first job of this chunk creates the `.seg` file.
+    pub create: bool,
+    /// The first job rewrites the previous job's last block.
+    pub overlaps: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JobKind {
+    Fill,
+    SyncCut,
+    RollCut,
+}
+
+struct Job {
+    seq: u64,
+    seg_base: Offset,
+    pos: u64,
+    buf: DmaBuffer,
+    create: bool,
+    overlaps: bool,
+    kind: JobKind,
+    tear: Option<usize>,
+}
+
+pub(crate) struct State {
+    pub next_offset: Offset,
+    pub live: u64,
+    pub segs: VecDeque<Segment>,
+    pub chunk: Option<Chunk>,
+    jobs: VecDeque<Job>,
+    next_seq: u64,
+    done_seq: u64,
+    done_set: BTreeSet<u64>,
+    inflight: usize,
+    marks: VecDeque<(u64, Offset)>,
+    pub written_offset: Offset,
+    pub durable_offset: Offset,
+    del_epoch: u64,
+    del_durable_epoch: u64,
+    pub cache: Cache,
+    cache_limit: usize,
+    failed: Option<String>,
+    closed: bool,
+    stop: bool,
+    dirty_data: Vec<(Offset, Rc<DmaFile>)>,
+    pub dir_dirty: bool,
+    start_hint: Offset,
+    alloc: Rc<DmaFile>,
+}
+
+pub(crate) struct Inner {
+    pub st: RefCell<State>,
+    work: Event,
+    io_done: Event,
+    sync_lock: Semaphore,
+    pub dir: PathBuf,
+    pub cfg: ShardConfig,
+    pub faults: Option<Faults>,
+}
+
+/// A queue shard: an append-only log of records in segment files, owned by one
+/// glommio executor (`!Send`). See the crate doc for the format and guarantees.
+pub struct Shard {
+    inner: Rc<Inner>,
+    writer: RefCell<Option<Task<()>>>,
+}
+
+/// Records a segment can hold for `segment_bytes` (each record is ≥ 24 bytes).
+pub(crate) fn capacity_for(segment_bytes: u64) -> u64 {
+    (segment_bytes.saturating_sub(SEG_HEADER_BYTES as u64) / format::RECORD_HEAD_BYTES as u64).max(1) + 1
+}
+
+fn eio() -> std::io::Error {
+    std::io::Error::from_raw_os_error(libc::EIO)
+}
+
+impl State {
+    pub(crate) fn new(next_offset: Offset, segs: VecDeque<Segment>, cache_limit: usize, alloc: Rc<DmaFile>) -> State {
+        let live = segs.iter().map(|s| s.live).sum();
+        let start_hint = segs.front().map(|s| s.base).unwrap_or(next_offset);
+        State {
+            next_offset,
+            live,
+            segs,
+            chunk: None,
+            jobs: VecDeque::new(),
+            next_seq: 0,
+            done_seq: 0,
+            done_set: BTreeSet::new(),
+            inflight: 0,
+            marks: VecDeque::new(),
+            written_offset: next_offset,
+            durable_offset: next_offset,
+            del_epoch: 0,
+            del_durable_epoch: 0,
+            cache: Cache::starting_at(next_offset),
+            cache_limit,
+            failed: None,
+            closed: false,
+            stop: false,
+            dirty_data: Vec::new(),
+            dir_dirty: false,
+            start_hint,
+            alloc,
+        }
+    }
+
+    pub(crate) fn alloc_chunk(&self) -> DmaBuffer {
+        self.alloc.alloc_dma_buffer(CHUNK_BYTES)
+    }
+
+    /// Index in `segs` of the segment holding `o`.
+    fn seg_index(&self, o: Offset) -> Option<usize> {
+        let n = self.segs.len();
+        let last = self.segs.back()?;
+        if o >= last.base {
+            return (o < last.end()).then_some(n - 1);
+        }
+        let i = self.segs.partition_point(|s| s.base <= o);
+        if i == 0 {
+            return None;
+        }
+        (o < self.segs[i - 1].end()).then_some(i - 1)
+    }
+
+    fn check_writable(&self, dir: &Path) -> Result<(), StoreError> {
+        if self.closed {
+            return Err(StoreError::Closed { dir: dir.to_path_buf() });
+        }
+        if let Some(r) = &self.failed {
+            return Err(StoreError::Failed { dir: dir.to_path_buf(), reason: r.clone() });
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, reason: String) {
+        if self.failed.is_none() {
+            tracing::error!(%reason, "shard turns read-only");
+            self.failed = Some(reason);
+        }
+        self.jobs.clear();
+    }
+
+    /// Copies `src` into the chunk stream, cutting full chunks into jobs.
+    fn put(&mut self, mut src: &[u8]) {
+        while !src.is_empty() {
+            let c = self.chunk.as_mut().expect("active chunk");
+            let n = (CHUNK_BYTES - c.fill).min(src.len());
+            c.buf.as_bytes_mut()[c.fill..c.fill + n].copy_from_slice(&src[..n]);
+            c.fill += n;
+            src = &src[n..];
+            if c.fill == CHUNK_BYTES {
+                self.cut(JobKind::Fill);
+            }
+        }
+    }
+
+    /// Turns the chunk's unsubmitted bytes into a job (zero-padded to a block);
+    /// the partial last block is copied into a fresh chunk. Returns false if
+    /// there was nothing to write.
+    fn cut(&mut self, kind: JobKind) -> bool {
+        let Some(c) = self.chunk.take() else { return false };
+        if c.fill == c.clean && !c.create {
+            self.chunk = Some(c);
+            return false;
+        }
+        let end = align_up(c.fill as u64) as usize;
+        let tail = c.fill % ALIGN;
+        let mut buf = c.buf;
+        buf.as_bytes_mut()[c.fill..end].fill(0);
+        let mut nb = self.alloc_chunk();
+        if tail > 0 {
+            nb.as_bytes_mut()[..tail].copy_from_slice(&buf.as_bytes()[c.fill - tail..c.fill]);
+        }
+        buf.trim_to_size(end);
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.jobs.push_back(Job {
+            seq,
+            seg_base: c.seg_base,
+            pos: c.pos,
+            buf,
+            create: c.create,
+            overlaps: c.overlaps,
+            kind,
+            tear: None,
+        });
+        self.marks.push_back((seq, self.next_offset));
+        self.chunk = Some(Chunk {
+            seg_base: c.seg_base,
+            pos: c.pos + (c.fill - tail) as u64,
+            buf: nb,
+            fill: tail,
+            clean: tail,
+            create: false,
+            overlaps: tail > 0,
+        });
+        true
+    }
+
+    fn mark_done(&mut self, seq: u64) {
+        self.done_set.insert(seq);
+        while self.done_set.remove(&self.done_seq) {
+            self.done_seq += 1;
+        }
+        while let Some(&(s, below)) = self.marks.front() {
+            if s >= self.done_seq {
+                break;
+            }
+            self.written_offset = self.written_offset.max(below);
+            self.marks.pop_front();
+        }
+        self.cache.evict(self.cache_limit, self.written_offset);
+    }
+
+    fn is_live(&self, o: Offset) -> bool {
+        match self.seg_index(o) {
+            Some(si) => {
+                let s = &self.segs[si];
+                !side::bit_get(&s.del, o - s.base)
+            }
+            None => false,
+        }
+    }
+
+    /// Lowest live offset `>= from`.
+    fn first_live_from(&self, from: Offset) -> Option<Offset> {
+        let start = self.segs.partition_point(|s| s.end() <= from);
+        for s in self.segs.iter().skip(start) {
+            if s.live == 0 {
+                continue;
+            }
+            let i = from.saturating_sub(s.base);
+            if let Some(k) = side::first_clear(&s.del, i, s.count) {
+                return Some(s.base + k);
+            }
+        }
+        None
+    }
+
+    /// Marks `o` deleted; true if it was live.
+    fn delete_one(&mut self, o: Offset, hint: &mut usize) -> bool {
+        let si = match self.segs.get(*hint) {
+            Some(s) if s.base <= o && o < s.end() => *hint,
+            _ => match self.seg_index(o) {
+                Some(i) => {
+                    *hint = i;
+                    i
+                }
+                None => return false,
+            },
+        };
+        let s = &mut self.segs[si];
+        if !side::bit_set(&mut s.del, o - s.base) {
+            return false;
+        }
+        s.live -= 1;
+        s.del_dirty = true;
+        self.live -= 1;
+        self.cache.remove(o);
+        true
+    }
+}
+
+impl Inner {
+    fn seg_file_path(&self, base: Offset, kind: FileKind) -> PathBuf {
+        format::seg_path(&self.dir, base, kind)
+    }
+
+    fn hit(&self, point: FaultPoint) -> Option<FaultAction> {
+        self.faults.as_ref().and_then(|f| f.hit(point))
+    }
+
+    fn crashed(&self) -> bool {
+        self.faults.as_ref().is_some_and(|f| f.crashed())
+    }
+
+    fn crash_error(&self) -> StoreError {
+        StoreError::Failed { dir: self.dir.clone(), reason: "injected crash".into() }
+    }
+
+    /// Starts a new segment at `next_offset` (the previous one is cut and marked full).
+    fn roll(&self, st: &mut State) -> Result<(), StoreError> {
+        let base = st.next_offset;
+        st.cut(JobKind::RollCut);
+        let capacity = capacity_for(self.cfg.segment_bytes);
+        let ip = self.seg_file_path(base, FileKind::Idx);
+        let dp = self.seg_file_path(base, FileKind::Del);
+        let idx = side::create(&ip, true, base, capacity).map_err(|e| StoreError::io("creating index", &ip, e))?;
+        let del = match side::create(&dp, false, base, capacity) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_file(&ip);
+                return Err(StoreError::io("creating deletion bitmap", &dp, e));
+            }
+        };
+        match self.hit(FaultPoint::SegmentRoll) {
+            None => {}
+            Some(FaultAction::Fail) => {
+                let _ = std::fs::remove_file(&ip);
+                let _ = std::fs::remove_file(&dp);
+                return Err(StoreError::io("creating segment", self.seg_file_path(base, FileKind::Seg), eio()));
+            }
+            Some(FaultAction::Crash) => {
+                st.fail("injected crash at segment roll".into());
+                return Err(self.crash_error());
+            }
+            Some(FaultAction::Tear { keep_bytes }) => match st.jobs.iter_mut().rev().find(|j| j.kind == JobKind::RollCut) {
+                Some(j) => j.tear = Some(keep_bytes),
+                None => {
+                    st.fail("injected crash at segment roll".into());
+                    return Err(self.crash_error());
+                }
+            },
+        }
+        if let Some(old) = st.segs.back_mut() {
+            old.full = true;
+        }
+        st.segs.push_back(Segment {
+            base,
+            capacity,
+            count: 0,
+            live: 0,
+            data_end: SEG_HEADER_BYTES as u64,
+            idx,
+            del,
+            file: None,
+            del_file: None,
+            full: false,
+            sealed: false,
+            del_dirty: false,
+        });
+        let mut buf = st.alloc_chunk();
+        format::encode_seg_header(base, self.cfg.segment_bytes, buf.as_bytes_mut());
+        st.chunk = Some(Chunk {
+            seg_base: base,
+            pos: 0,
+            buf,
+            fill: SEG_HEADER_BYTES,
+            clean: 0,
+            create: true,
+            overlaps: false,
+        });
+        st.dir_dirty = true;
+        Ok(())
+    }
+}
+
+async fn writer_loop(inner: Rc<Inner>) {
+    loop {
+        let job = loop {
+            let g = inner.work.gen();
+            {
+                let mut st = inner.st.borrow_mut();
+                if st.stop {
+                    return;
+                }
+                if let Some(j) = st.jobs.pop_front() {
+                    break j;
+                }
+            }
+            inner.work.wait(g).await;
+        };
+        loop {
+            let g = inner.io_done.gen();
+            {
+                let st = inner.st.borrow();
+                if st.stop {
+                    return;
+                }
+                let max = if job.overlaps { 1 } else { MAX_INFLIGHT };
+                if st.inflight < max {
+                    break;
+                }
+            }
+            inner.io_done.wait(g).await;
+        }
+        let path = inner.seg_file_path(job.seg_base, FileKind::Seg);
+        let file = if job.create {
+            if inner.crashed() {
+                None
+            } else {
+                let opened = OpenOptions::new().read(true).write(true).create(true).truncate(true).dma_open(&path).await;
+                match opened {
+                    Ok(f) => {
+                        let f = Rc::new(f);
+                        let mut st = inner.st.borrow_mut();
+                        if let Some(si) = st.segs.iter().position(|s| s.base == job.seg_base) {
+                            st.segs[si].file = Some(f.clone());
+                        }
+                        st.dir_dirty = true;
+                        Some(f)
+                    }
+                    Err(e) => {
+                        let e = StoreError::io("creating segment", &path, gio(e));
+                        inner.st.borrow_mut().fail(e.to_string());
+                        inner.io_done.notify();
+                        continue;
+                    }
+                }
+            }
+        } else {
+            let st = inner.st.borrow();
+            st.segs.iter().find(|s| s.base == job.seg_base).and_then(|s| s.file.clone())
+        };
+        inner.st.borrow_mut().inflight += 1;
+        glommio::spawn_local(write_job(inner.clone(), job, file, path)).detach();
+    }
+}
+
+async fn write_job(inner: Rc<Inner>, job: Job, file: Option<Rc<DmaFile>>, path: PathBuf) {
+    let Job { seq, seg_base, pos, mut buf, kind, tear, .. } = job;
+    let len = buf.len();
+    let action = if tear.is_some() {
+        None
+    } else {
+        match kind {
+            JobKind::Fill => inner.hit(FaultPoint::Append),
+            JobKind::SyncCut => inner.hit(FaultPoint::Sync),
+            JobKind::RollCut => inner.crashed().then_some(FaultAction::Crash),
+        }
+    };
+    let tear = tear.or(match action {
+        Some(FaultAction::Tear { keep_bytes }) => Some(keep_bytes),
+        _ => None,
+    });
+    let res: Result<Rc<DmaFile>, StoreError> = match (file, action) {
+        (None, _) if inner.crashed() => Err(inner.crash_error()),
+        (None, _) => Err(StoreError::io("writing segment (file missing)", &path, std::io::ErrorKind::NotFound.into())),
+        (Some(_), Some(FaultAction::Crash)) => Err(inner.crash_error()),
+        (Some(_), Some(FaultAction::Fail)) => Err(StoreError::io("writing segment", &path, eio())),
+        (Some(f), _) if tear.is_some() => {
+            let keep = (tear.unwrap() / 512 * 512).min(len);
+            if keep > 0 {
+                buf.trim_to_size(keep);
+                let _ = f.write_rc_at(Rc::new(buf), pos).await;
+            }
+            Err(StoreError::Failed { dir: inner.dir.clone(), reason: "injected torn write".into() })
+        }
+        (Some(f), _) => match f.write_rc_at(Rc::new(buf), pos).await {
+            Ok(n) if n == len => Ok(f),
+            Ok(n) => Err(StoreError::ShortWrite { path: path.clone(), pos, written: n, expected: len }),
+            Err(e) => Err(StoreError::io("writing segment", &path, gio(e))),
+        },
+    };
+    {
+        let mut st = inner.st.borrow_mut();
+        st.inflight -= 1;
+        match res {
+            Ok(f) => {
+                if !st.dirty_data.iter().any(|(b, _)| *b == seg_base) {
+                    st.dirty_data.push((seg_base, f));
+                }
+                st.mark_done(seq);
+            }
+            Err(e) => st.fail(e.to_string()),
+        }
+    }
+    inner.io_done.notify();
+}
+
+async fn fdatasync_all(tasks: Vec<Task<Result<(), StoreError>>>) -> Result<(), StoreError> {
+    let mut first = Ok(());
+    for t in tasks {
+        let r = t.await;
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+impl Shard {
+    pub(crate) fn from_parts(inner: Rc<Inner>) -> Shard {
+        let writer = glommio::spawn_local(writer_loop(inner.clone()));
+        Shard { inner, writer: RefCell::new(Some(writer)) }
+    }
+
+    /// Opens (creating if missing) the shard in `dir` and recovers it.
+    ///
+    /// Returns the shard and what recovery found: live and deleted record
+    /// counts and every range it dropped with the reason (also logged).
+    /// Errors: [`StoreError::Config`], [`StoreError::Format`] for a directory
+    /// of another format version, [`StoreError::Io`] for unreadable files.
+    pub async fn open(dir: &Path, cfg: ShardConfig) -> Result<(Shard, RecoveryReport), StoreError> {
+        crate::recover::open(dir, cfg, None).await
+    }
+
+    /// [`Shard::open`] with a fault plan (tests: crash at named points).
+    pub async fn open_with_faults(dir: &Path, cfg: ShardConfig, faults: Faults) -> Result<(Shard, RecoveryReport), StoreError> {
+        crate::recover::open(dir, cfg, Some(faults)).await
+    }
+
+    /// Shard directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Appends a record and returns its offset. Buffered in memory (no I/O wait);
+    /// full 1 MiB chunks are written in the background, durability needs [`Shard::sync`].
+    ///
+    /// `header` ≤ 1 MiB and `body` ≤ 128 MiB ([`StoreError::RecordTooLarge`]).
+    /// Errors: [`StoreError::Failed`] after an earlier write error,
+    /// [`StoreError::Closed`], or an I/O error creating the next segment's
+    /// side files (then nothing was appended).
+    pub fn append(&self, flags: u8, header: &[u8], body: &Bytes) -> Result<Offset, StoreError> {
+        if header.len() > MAX_HEADER_BYTES || body.len() > MAX_BODY_BYTES {
+            return Err(StoreError::RecordTooLarge {
+                header_bytes: header.len(),
+                body_bytes: body.len(),
+                max_header: MAX_HEADER_BYTES,
+                max_body: MAX_BODY_BYTES,
+            });
+        }
+        let inner = &*self.inner;
+        let mut st = inner.st.borrow_mut();
+        st.check_writable(&inner.dir)?;
+        let len = format::record_len(header.len(), body.len()) as u64;
+        let need_roll = match st.segs.back() {
+            None => true,
+            Some(s) => s.full || (s.count > 0 && s.data_end + len > inner.cfg.segment_bytes) || s.count >= s.capacity,
+        };
+        if need_roll {
+            inner.roll(&mut st)?;
+        }
+        let offset = st.next_offset;
+        {
+            let s = st.segs.back_mut().expect("active segment");
+            let i = s.count;
+            side::idx_set(&mut s.idx, i, s.data_end);
+            s.count += 1;
+            s.live += 1;
+            s.data_end += len;
+        }
+        let head = format::encode_record_head(offset, flags, header, body);
+        st.put(&head);
+        st.put(header);
+        st.put(body);
+        st.next_offset += 1;
+        st.live += 1;
+        st.cache.push(Record { offset, flags, header: Bytes::copy_from_slice(header), body: body.clone() });
+        let (limit, written) = (st.cache_limit, st.written_offset);
+        st.cache.evict(limit, written);
+        let queued = !st.jobs.is_empty();
+        drop(st);
+        if queued {
+            inner.work.notify();
+        }
+        Ok(offset)
+    }
+
+    /// Waits while more than [`MAX_PENDING_CHUNKS`] MiB of appended data are not yet
+    /// written, then yields once if writes are queued so the writer can submit
+    /// them. Call it between batches of appends that are not followed by a sync.
+    pub async fn throttle(&self) {
+        for _ in 0..1_000_000 {
+            let g = self.inner.io_done.gen();
+            {
+                let st = self.inner.st.borrow();
+                if st.failed.is_some() || st.stop || st.next_seq - st.done_seq <= MAX_PENDING_CHUNKS {
+                    break;
+                }
+            }
+            self.inner.io_done.wait(g).await;
+        }
+        if !self.inner.st.borrow().jobs.is_empty() {
+            futures_lite::future::yield_now().await;
+        }
+    }
+
+    /// Group commit: makes every record appended so far and every delete so
+    /// far durable, with one write and one fdatasync per touched file.
+    /// Concurrent callers coalesce: a caller whose records were covered by a
+    /// sync that finished while it waited returns at once.
+    ///
+    /// Returns `Synced(n)`: all records `< n` survive a crash (kill -9, power loss).
+    /// Errors: the write or fdatasync error (the shard then turns read-only, see
+    /// [`StoreError::Failed`]), [`StoreError::Closed`].
+    pub async fn sync(&self) -> Result<Synced, StoreError> {
+        let inner = &*self.inner;
+        let (target, del_target) = {
+            let st = inner.st.borrow();
+            st.check_writable(&inner.dir)?;
+            (st.next_offset, st.del_epoch)
+        };
+        let _permit = inner
+            .sync_lock
+            .acquire_permit(1)
+            .await
+            .map_err(|_| StoreError::Closed { dir: inner.dir.clone() })?;
+        let (wait_seq, cut_below, del_epoch, del_segs) = {
+            let mut st = inner.st.borrow_mut();
+            st.check_writable(&inner.dir)?;
+            if st.durable_offset >= target && st.del_durable_epoch >= del_target {
+                return Ok(Synced(st.durable_offset));
+            }
+            st.cut(JobKind::SyncCut);
+            let mut del_segs = Vec::new();
+            for s in st.segs.iter_mut().filter(|s| s.del_dirty) {
+                s.del_dirty = false;
+                del_segs.push((s.base, s.del_file.clone()));
+            }
+            (st.next_seq, st.next_offset, st.del_epoch, del_segs)
+        };
+        inner.work.notify();
+        // 1. Wait for every write cut so far.
+        loop {
+            let g = inner.io_done.gen();
+            {
+                let st = inner.st.borrow();
+                st.check_writable(&inner.dir)?;
+                if st.done_seq >= wait_seq {
+                    break;
+                }
+            }
+            inner.io_done.wait(g).await;
+        }
+        // 2. fdatasync segment data and deletion bitmaps, concurrently.
+        let data_files = std::mem::take(&mut inner.st.borrow_mut().dirty_data);
+        let mut tasks = Vec::new();
+        if !data_files.is_empty() {
+            match inner.hit(FaultPoint::Fdatasync) {
+                None => {}
+                Some(FaultAction::Fail) => return Err(self.fail_with(StoreError::io("fdatasync", &inner.dir, eio()))),
+                Some(_) => return Err(self.fail_with(inner.crash_error())),
+            }
+        }
+        for (base, f) in data_files {
+            let path = inner.seg_file_path(base, FileKind::Seg);
+            tasks.push(glommio::spawn_local(async move {
+                f.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &path, gio(e)))
+            }));
+        }
+        if !del_segs.is_empty() {
+            match inner.hit(FaultPoint::Delete) {
+                None => {}
+                Some(FaultAction::Fail) => return Err(self.fail_with(StoreError::io("fdatasync deletion bitmap", &inner.dir, eio()))),
+                Some(_) => return Err(self.fail_with(inner.crash_error())),
+            }
+        }
+        for (base, handle) in del_segs {
+            let path = inner.seg_file_path(base, FileKind::Del);
+            let f = match handle {
+                Some(f) => f,
+                None => {
+                    let f = BufferedFile::open(&path)
+                        .await
+                        .map_err(|e| self.fail_with(StoreError::io("opening deletion bitmap", &path, gio(e))))?;
+                    let f = Rc::new(f);
+                    if let Some(s) = inner.st.borrow_mut().segs.iter_mut().find(|s| s.base == base) {
+                        s.del_file = Some(f.clone());
+                    }
+                    f
+                }
+            };
+            tasks.push(glommio::spawn_local(async move {
+                f.fdatasync().await.map_err(|e| StoreError::io("fdatasync deletion bitmap", &path, gio(e)))
+            }));
+        }
+        fdatasync_all(tasks).await.map_err(|e| self.fail_with(e))?;
+        // 3. New or removed files: make the directory entries durable.
+        if std::mem::take(&mut inner.st.borrow_mut().dir_dirty) {
+            if inner.crashed() {
+                return Err(self.fail_with(inner.crash_error()));
+            }
+            let d = glommio::io::Directory::open(&inner.dir)
+                .await
+                .map_err(|e| self.fail_with(StoreError::io("opening directory", &inner.dir, gio(e))))?;
+            d.sync().await.map_err(|e| self.fail_with(StoreError::io("fsync directory", &inner.dir, gio(e))))?;
+            let _ = d.close().await;
+        }
+        // 4. Seal full segments whose records are all durable.
+        self.seal_full(cut_below).await?;
+        // 5. Remove full, fully deleted, durable segments.
+        self.remove_dead(cut_below).await;
+        let mut st = inner.st.borrow_mut();
+        st.durable_offset = st.durable_offset.max(cut_below);
+        st.del_durable_epoch = st.del_durable_epoch.max(del_epoch);
+        Ok(Synced(st.durable_offset))
+    }
+
+    fn fail_with(&self, e: StoreError) -> StoreError {
+        self.inner.st.borrow_mut().fail(e.to_string());
+        self.inner.io_done.notify();
+        e
+    }
+
+    async fn seal_full(&self, below: Offset) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let bases: Vec<Offset> = {
+            let mut st = inner.st.borrow_mut();
+            let mut v = Vec::new();
+            for s in st.segs.iter_mut().filter(|s| s.full && !s.sealed && s.end() <= below && s.live > 0) {
+                side::idx_write_seal(&mut s.idx, s.count, s.data_end);
+                s.sealed = true;
+                v.push(s.base);
+            }
+            v
+        };
+        for base in bases {
+            if inner.crashed() {
+                return Err(self.fail_with(inner.crash_error()));
+            }
+            let path = inner.seg_file_path(base, FileKind::Idx);
+            let f = BufferedFile::open(&path).await.map_err(|e| StoreError::io("opening index", &path, gio(e)));
+            let f = f.map_err(|e| self.fail_with(e))?;
+            let r = f.fdatasync().await.map_err(|e| StoreError::io("fdatasync index", &path, gio(e)));
+            let _ = f.close().await;
+            r.map_err(|e| self.fail_with(e))?;
+        }
+        Ok(())
+    }
+
+    async fn remove_dead(&self, below: Offset) {
+        let inner = &*self.inner;
+        let dead: Vec<Segment> = {
+            let mut st = inner.st.borrow_mut();
+            let n = st.segs.len();
+            let mut dead = Vec::new();
+            let mut i = 0;
+            while i < st.segs.len() {
+                let s = &st.segs[i];
+                if i + 1 < n && s.full && s.live == 0 && s.end() <= below {
+                    dead.push(st.segs.remove(i).unwrap());
+                } else {
+                    i += 1;
+                }
+            }
+            if !dead.is_empty() {
+                st.dir_dirty = true;
+            }
+            dead
+        };
+        for s in dead {
+            let base = s.base;
+            let file = s.file.clone();
+            drop(s);
+            if inner.crashed() {
+                return;
+            }
+            let sp = inner.seg_file_path(base, FileKind::Seg);
+            if let Err(e) = std::fs::remove_file(&sp) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %sp.display(), error = %e, "removing dead segment");
+                }
+            }
+            if let Some(f) = file {
+                let _ = DmaFile::close_rc(f).await;
+            }
+            match inner.hit(FaultPoint::SegmentRemove) {
+                Some(FaultAction::Fail) => {
+                    tracing::warn!(base, "injected failure removing segment side files; left for the next open");
+                    continue;
+                }
+                Some(_) => return,
+                None => {}
+            }
+            for kind in [FileKind::Idx, FileKind::Del] {
+                let p = inner.seg_file_path(base, kind);
+                if let Err(e) = std::fs::remove_file(&p) {
+                    tracing::warn!(path = %p.display(), error = %e, "removing dead segment file");
+                }
+            }
+            tracing::debug!(base, "removed fully deleted segment");
+        }
+    }
+
+    /// The record at `offset` if it is in the memory cache and live. No I/O.
+    pub fn read_cached(&self, offset: Offset) -> Option<Record> {
+        self.inner.st.borrow().cache.get(offset).cloned()
+    }
+
+    /// The record at `offset`: from memory if cached, else one disk read.
+    /// `Ok(None)` if deleted or never existed.
+    ///
+    /// Errors: [`StoreError::Corrupt`] if the stored bytes fail their CRC (the
+    /// record is then dropped: later reads return `None`), I/O errors.
+    pub async fn read(&self, offset: Offset) -> Result<Option<Record>, StoreError> {
+        let inner = &*self.inner;
+        let (file, pos, len) = {
+            let st = inner.st.borrow();
+            if let Some(r) = st.cache.get(offset) {
+                return Ok(Some(r.clone()));
+            }
+            let Some(si) = st.seg_index(offset) else { return Ok(None) };
+            let s = &st.segs[si];
+            let i = offset - s.base;
+            if side::bit_get(&s.del, i) || offset >= st.written_offset {
+                return Ok(None);
+            }
+            if st.closed {
+                return Err(StoreError::Closed { dir: inner.dir.clone() });
+            }
+            let pos = side::idx_get(&s.idx, i);
+            let end = if i + 1 < s.count { side::idx_get(&s.idx, i + 1) } else { s.data_end };
+            let Some(f) = s.file.clone() else { return Ok(None) };
+            (f, pos, end.saturating_sub(pos) as usize)
+        };
+        let path = inner.seg_file_path(self.seg_base_of(offset).unwrap_or(0), FileKind::Seg);
+        let rr = file.read_at(pos, len).await.map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
+        match format::parse_record(&rr) {
+            Parse::Record(r) if r.offset == offset && r.len == len => Ok(Some(Record {
+                offset,
+                flags: r.flags,
+                header: Bytes::copy_from_slice(r.header),
+                body: Bytes::copy_from_slice(r.body),
+            })),
+            other => {
+                let reason = match other {
+                    Parse::Record(r) => format!("found offset {} length {} at byte {pos}, expected {offset} length {len}", r.offset, r.len),
+                    Parse::Bad(why) => format!("{why} at byte {pos}"),
+                    Parse::End | Parse::Short { .. } => format!("record at byte {pos} is cut short ({} bytes read)", rr.len()),
+                };
+                Err(self.drop_corrupt(offset, path, reason))
+            }
+        }
+    }
+
+    fn seg_base_of(&self, offset: Offset) -> Option<Offset> {
+        let st = self.inner.st.borrow();
+        st.seg_index(offset).map(|i| st.segs[i].base)
+    }
+
+    fn drop_corrupt(&self, offset: Offset, path: PathBuf, reason: String) -> StoreError {
+        tracing::error!(offset, path = %path.display(), %reason, "corrupt record dropped");
+        self.inner.st.borrow_mut().delete_one(offset, &mut 0);
+        StoreError::Corrupt { offset, path, reason }
+    }
+
+    /// A sequential reader of live records from `from` on (ascending offsets).
+    pub fn reader(&self, from: Offset) -> Reader<'_> {
+        Reader { shard: self, next: from, buf: VecDeque::new() }
+    }
+
+    /// Reads the live records of one segment from `from` on, up to about
+    /// `max_bytes`, in one disk read. Returns them and the offset to continue at.
+    async fn read_run(&self, from: Offset, max_bytes: u64) -> Result<(Vec<Record>, Offset), StoreError> {
+        let inner = &*self.inner;
+        let (file, start, end, first, last, seg_base) = {
+            let st = inner.st.borrow();
+            let Some(si) = st.seg_index(from) else { return Ok((Vec::new(), from + 1)) };
+            let s = &st.segs[si];
+            let i0 = from - s.base;
+            let start = side::idx_get(&s.idx, i0);
+            let limit = s.count.min(st.written_offset.saturating_sub(s.base));
+            let mut j = i0 + 1;
+            while j < limit && side::idx_get(&s.idx, j) - start < max_bytes {
+                j += 1;
+            }
+            let end = if j < s.count { side::idx_get(&s.idx, j) } else { s.data_end };
+            let Some(f) = s.file.clone() else { return Ok((Vec::new(), from + 1)) };
+            (f, start, end, i0, j, s.base)
+        };
+        let path = inner.seg_file_path(seg_base, FileKind::Seg);
+        let rr = file
+            .read_at(start, (end - start) as usize)
+            .await
+            .map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
+        let mut out = Vec::with_capacity((last - first) as usize);
+        let mut corrupt = Vec::new();
+        {
+            let st = inner.st.borrow();
+            let Some(si) = st.seg_index(seg_base) else { return Ok((out, seg_base + last)) };
+            let s = &st.segs[si];
+            for k in first..last {
+                if side::bit_get(&s.del, k) {
+                    continue;
+                }
+                let a = (side::idx_get(&s.idx, k) - start) as usize;
+                let b = if k + 1 < s.count { side::idx_get(&s.idx, k + 1) } else { s.data_end };
+                let b = (b - start) as usize;
+                let o = seg_base + k;
+                match rr.get(a..b).map(format::parse_record) {
+                    Some(Parse::Record(r)) if r.offset == o && r.len == b - a => out.push(Record {
+                        offset: o,
+                        flags: r.flags,
+                        header: Bytes::copy_from_slice(r.header),
+                        body: Bytes::copy_from_slice(r.body),
+                    }),
+                    _ => corrupt.push(o),
+                }
+            }
+        }
+        for o in corrupt {
+            let _ = self.drop_corrupt(o, path.clone(), "CRC or framing check failed during a sequential read".into());
+        }
+        Ok((out, seg_base + last))
+    }
+
+    /// Marks records deleted: any order, O(1) each (a bit flip in the segment's
+    /// mapped bitmap), idempotent; unknown offsets are ignored. Durable by the
+    /// next [`Shard::sync`]; a fully deleted segment is removed by a later sync.
+    pub fn delete_by_offsets(&self, offsets: &[Offset]) -> Result<(), StoreError> {
+        let mut st = self.inner.st.borrow_mut();
+        if st.closed {
+            return Err(StoreError::Closed { dir: self.inner.dir.clone() });
+        }
+        let mut hint = st.segs.len().saturating_sub(1);
+        let mut any = false;
+        for &o in offsets {
+            any |= st.delete_one(o, &mut hint);
+        }
+        if any {
+            st.del_epoch += 1;
+        }
+        Ok(())
+    }
+
+    /// True if `offset` holds a record that is not deleted.
+    pub fn is_live(&self, offset: Offset) -> bool {
+        self.inner.st.borrow().is_live(offset)
+    }
+
+    /// Every live offset, ascending (1 bit read per stored record).
+    pub fn live_offsets(&self) -> Vec<Offset> {
+        let st = self.inner.st.borrow();
+        let mut v = Vec::with_capacity(st.live as usize);
+        for s in &st.segs {
+            let mut i = 0;
+            while let Some(k) = side::first_clear(&s.del, i, s.count) {
+                v.push(s.base + k);
+                i = k + 1;
+            }
+        }
+        v
+    }
+
+    /// Lowest live offset (`== next_offset()` when there is none).
+    pub fn start_offset(&self) -> Offset {
+        let mut st = self.inner.st.borrow_mut();
+        let r = st.first_live_from(st.start_hint).unwrap_or(st.next_offset);
+        st.start_hint = r;
+        r
+    }
+
+    /// Offset the next `append` returns.
+    pub fn next_offset(&self) -> Offset {
+        self.inner.st.borrow().next_offset
+    }
+
+    /// Live (not deleted) records.
+    pub fn len(&self) -> u64 {
+        self.inner.st.borrow().live
+    }
+
+    /// True if no record is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `upto()` of the latest `Synced`: records below it are durable.
+    pub fn durable_offset(&self) -> Offset {
+        self.inner.st.borrow().durable_offset
+    }
+
+    /// Bytes held by the memory cache (headers + bodies + 96 per record).
+    pub fn cached_bytes(&self) -> usize {
+        self.inner.st.borrow().cache.bytes()
+    }
+
+    /// Number of segment files.
+    pub fn segment_count(&self) -> usize {
+        self.inner.st.borrow().segs.len()
+    }
+
+    async fn stop_writer(&self) {
+        {
+            let mut st = self.inner.st.borrow_mut();
+            st.stop = true;
+        }
+        self.inner.work.notify();
+        self.inner.io_done.notify();
+        let task = self.writer.borrow_mut().take();
+        if let Some(t) = task {
+            t.await;
+        }
+        for _ in 0..100_000 {
+            let g = self.inner.io_done.gen();
+            if self.inner.st.borrow().inflight == 0 {
+                break;
+            }
+            self.inner.io_done.wait(g).await;
+        }
+    }
+
+    /// Clean shutdown: sync, then close every file. Later calls fail with
+    /// [`StoreError::Closed`]. Returns the sync error, if any (files are closed anyway).
+    pub async fn close(&self) -> Result<(), StoreError> {
+        if self.inner.st.borrow().closed {
+            return Ok(());
+        }
+        let synced = if self.inner.st.borrow().failed.is_none() { self.sync().await.map(|_| ()) } else { Ok(()) };
+        self.stop_writer().await;
+        let files: Vec<Rc<DmaFile>> = {
+            let mut st = self.inner.st.borrow_mut();
+            st.closed = true;
+            st.dirty_data.clear();
+            st.segs.iter_mut().filter_map(|s| { s.del_file = None; s.file.take() }).collect()
+        };
+        for f in files {
+            let _ = DmaFile::close_rc(f).await;
+        }
+        synced
+    }
+
+    /// Deletes the shard (queue.delete): closes it and removes its directory.
+    pub async fn destroy(self) -> Result<(), StoreError> {
+        let _ = self.close().await;
+        let dir = self.inner.dir.clone();
+        let d2 = dir.clone();
+        glommio::executor()
+            .spawn_blocking(move || std::fs::remove_dir_all(&d2))
+            .await
+            .map_err(|e| StoreError::io("removing shard directory", &dir, e))
+    }
+
+    /// Test hook: stops without syncing, as a kill -9 would (in-flight writes
+    /// finish, queued ones are dropped). Reopen the directory afterwards.
+    #[doc(hidden)]
+    pub async fn abandon(self) {
+        self.stop_writer().await;
+    }
+}
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.inner.st.try_borrow_mut() {
+            st.stop = true;
+        }
+        self.inner.work.notify();
+        if let Some(t) = self.writer.borrow_mut().take() {
+            t.detach();
+        }
+    }
+}
+
+impl std::fmt::Debug for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.inner.st.borrow();
+        f.debug_struct("Shard")
+            .field("dir", &self.inner.dir)
+            .field("next_offset", &st.next_offset)
+            .field("live", &st.live)
+            .field("segments", &st.segs.len())
+            .finish()
+    }
+}
+
+pub(crate) fn new_inner(st: State, dir: PathBuf, cfg: ShardConfig, faults: Option<Faults>) -> Rc<Inner> {
+    Rc::new(Inner {
+        st: RefCell::new(st),
+        work: Event::default(),
+        io_done: Event::default(),
+        sync_lock: Semaphore::new(1),
+        dir,
+        cfg,
+        faults,
+    })
+}
+
+/// Sequential reader over live records (see [`Shard::reader`]). Records in the
+/// memory cache are served from it; older ones are read from disk about
+/// [`READ_WINDOW`] bytes at a time. A record that fails its CRC is logged,
+/// dropped and skipped.
+pub struct Reader<'a> {
+    shard: &'a Shard,
+    next: Offset,
+    buf: VecDeque<Record>,
+}
+
+impl Reader<'_> {
+    /// The next live record, or `None` at the end of the log.
+    pub async fn next(&mut self) -> Result<Option<Record>, StoreError> {
+        loop {
+            while let Some(r) = self.buf.pop_front() {
+                if self.shard.is_live(r.offset) {
+                    return Ok(Some(r));
+                }
+            }
+            let found = self.shard.inner.st.borrow().first_live_from(self.next);
+            let Some(o) = found else { return Ok(None) };
+            if let Some(r) = self.shard.read_cached(o) {
+                self.next = o + 1;
+                return Ok(Some(r));
+            }
+            let (recs, after) = self.shard.read_run(o, READ_WINDOW).await?;
+            self.next = after.max(o + 1);
+            self.buf.extend(recs);
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Per-segment side files mapped with memmap2: the offset index (`.idx`) and the
+//! deletion bitmap (`.del`).
+//!
+//! `.idx`: a 4096-byte header, then one `u32` file position per record.
+//! Header: `magic[8] | version u32 | flags u32 (bit 0 = sealed) | base u64 |
+//! capacity u64 | count u64 | data_end u64 | entries_crc u32 | header_crc u32`
+//! (`header_crc` = CRC32 of bytes 0..52). A sealed index is trusted at open.
+//!
+//! `.del`: a 4096-byte header `magic[8] | version u32 | 0u32 | base u64 |
+//! capacity u64 | header_crc u32` (CRC of bytes 0..32), then one bit per
+//! record, bit `i % 8` of byte `i / 8`, 1 = deleted.
+
+use std::{fs::OpenOptions, path::Path};
+
+use memmap2::MmapMut;
+
+use crate::format::{Offset, DEL_MAGIC, FORMAT_VERSION, IDX_MAGIC, SIDE_HEADER_BYTES};
+
+const H: usize = SIDE_HEADER_BYTES;
+
+/// Creates (or truncates) a side file of `capacity` records and maps it.
+pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64) -> std::io::Result<MmapMut> {
+    let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
+    let body = if idx { capacity * 4 } else { capacity.div_ceil(8) };
+    f.set_len(H as u64 + body)?;
+    // SAFETY: the file is private to this shard (one owner core); nobody truncates it while mapped.
+    let mut m = unsafe { MmapMut::map_mut(&f)? };
+    m[0..8].copy_from_slice(if idx { IDX_MAGIC } else { DEL_MAGIC });
+    m[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    m[16..24].copy_from_slice(&base.to_le_bytes());
+    m[24..32].copy_from_slice(&capacity.to_le_bytes());
+    if idx {
+        let crc = crc32fast::hash(&m[0..52]);
+        m[52..56].copy_from_slice(&crc.to_le_bytes());
+    } else {
+        let crc = crc32fast::hash(&m[0..32]);
+        m[32..36].copy_from_slice(&crc.to_le_bytes());
+    }
+    Ok(m)
+}
+
+/// Maps an existing side file and checks its header; `Err(why)` if unusable.
+pub(crate) fn open(path: &Path, idx: bool, base: Offset) -> Result<(MmapMut, u64), String> {
+    let f = OpenOptions::new().read(true).write(true).open(path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    if len < H as u64 {
+        return Err(format!("{len} bytes, shorter than its header"));
+    }
+    // SAFETY: as in `create`.
+    let m = unsafe { MmapMut::map_mut(&f).map_err(|e| e.to_string())? };
+    if &m[0..8] != (if idx { IDX_MAGIC } else { DEL_MAGIC }) {
+        return Err("bad magic".into());
+    }
+    let (crc_at, crc_end) = if idx { (52, 52) } else { (32, 32) };
+    let crc = u32::from_le_bytes(m[crc_at..crc_at + 4].try_into().unwrap());
+    if crc != crc32fast::hash(&m[0..crc_end]) {
+        return Err("header CRC mismatch".into());
+    }
+    let version = u32::from_le_bytes(m[8..12].try_into().unwrap());
+    if version != FORMAT_VERSION {
+        return Err(format!("unsupported version {version}"));
+    }
+    let b = u64::from_le_bytes(m[16..24].try_into().unwrap());
+    if b != base {
+        return Err(format!("header names base {b}, file name {base}"));
+    }
+    let capacity = u64::from_le_bytes(m[24..32].try_into().unwrap());
+    let body = if idx { capacity * 4 } else { capacity.div_ceil(8) };
+    if len < H as u64 + body {
+        return Err(format!("{len} bytes, capacity {capacity} needs {}", H as u64 + body));
+    }
+    Ok((m, capacity))
+}
+
+/// Index entry `i` (file position of record `base + i`).
+#[inline]
+pub(crate) fn idx_get(m: &[u8], i: u64) -> u64 {
+    let at = H + i as usize * 4;
+    u32::from_le_bytes(m[at..at + 4].try_into().unwrap()) as u64
+}
+
+/// Sets index entry `i`.
+#[inline]
+pub(crate) fn idx_set(m: &mut [u8], i: u64, pos: u64) {
+    let at = H + i as usize * 4;
+    m[at..at + 4].copy_from_slice(&(pos as u32).to_le_bytes());
+}
+
+/// Seal of an index: `(count, data_end)` if the header says sealed and the CRC of
+/// the entries matches.
+pub(crate) fn idx_seal(m: &[u8]) -> Option<(u64, u64)> {
+    let flags = u32::from_le_bytes(m[12..16].try_into().unwrap());
+    if flags & 1 == 0 {
+        return None;
+    }
+    let count = u64::from_le_bytes(m[32..40].try_into().unwrap());
+    let data_end = u64::from_le_bytes(m[40..48].try_into().unwrap());
+    let capacity = u64::from_le_bytes(m[24..32].try_into().unwrap());
+    if count > capacity {
+        return None;
+    }
+    let crc = u32::from_le_bytes(m[48..52].try_into().unwrap());
+    (crc == crc32fast::hash(&m[H..H + count as usize * 4])).then_some((count, data_end))
+}
+
+/// Writes the seal (count, data end, entries CRC) into the index header.
+pub(crate) fn idx_write_seal(m: &mut [u8], count: u64, data_end: u64) {
+    let crc = crc32fast::hash(&m[H..H + count as usize * 4]);
+    m[32..40].copy_from_slice(&count.to_le_bytes());
+    m[40..48].copy_from_slice(&data_end.to_le_bytes());
+    m[48..52].copy_from_slice(&crc.to_le_bytes());
+    m[12..16].copy_from_slice(&1u32.to_le_bytes());
+    let hcrc = crc32fast::hash(&m[0..52]);
+    m[52..56].copy_from_slice(&hcrc.to_le_bytes());
+}
+
+/// True if bit `i` (record `base + i`) is set (deleted).
+#[inline]
+pub(crate) fn bit_get(m: &[u8], i: u64) -> bool {
+    m[H + (i >> 3) as usize] & (1 << (i & 7)) != 0
+}
+
+/// Sets bit `i`; returns true if it was clear.
+#[inline]
+pub(crate) fn bit_set(m: &mut [u8], i: u64) -> bool {
+    let b = &mut m[H + (i >> 3) as usize];
+    let mask = 1u8 << (i & 7);
+    let was_clear = *b & mask == 0;
+    *b |= mask;
+    was_clear
+}
+
+/// Clears bits `from..capacity` (records that do not exist after a crash).
+pub(crate) fn bits_clear_from(m: &mut [u8], from: u64, capacity: u64) {
+    let mut i = from;
+    while i < capacity && i % 8 != 0 {
+        m[H + (i >> 3) as usize] &= !(1u8 << (i & 7));
+        i += 1;
+    }
+    if i < capacity {
+        let start = H + (i >> 3) as usize;
+        let end = H + capacity.div_ceil(8) as usize;
+        m[start..end].fill(0);
+    }
+}
+
+/// Number of set bits among `0..count`.
+pub(crate) fn bits_count(m: &[u8], count: u64) -> u64 {
+    let full = (count / 8) as usize;
+    let mut n: u64 = m[H..H + full].iter().map(|b| b.count_ones() as u64).sum();
+    for i in (full as u64 * 8)..count {
+        n += bit_get(m, i) as u64;
+    }
+    n
+}
+
+/// Index of the first clear bit in `from..count`, if any.
+pub(crate) fn first_clear(m: &[u8], from: u64, count: u64) -> Option<u64> {
+    let mut i = from;
+    while i < count {
+        if i % 8 == 0 && i + 8 <= count && m[H + (i >> 3) as usize] == 0xff {
+            i += 8;
+            continue;
+        }
+        if !bit_get(m, i) {
+            return Some(i);
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitmap_and_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.del");
+        let mut m = create(&p, false, 5, 100).unwrap();
+        assert!(bit_set(&mut m, 3));
+        assert!(!bit_set(&mut m, 3));
+        for i in 8..16 {
+            bit_set(&mut m, i);
+        }
+        assert_eq!(bits_count(&m, 100), 9);
+        assert_eq!(first_clear(&m, 8, 100), Some(16));
+        bits_clear_from(&mut m, 10, 100);
+        assert_eq!(bits_count(&m, 100), 3);
+        drop(m);
+        let (m, cap) = open(&p, false, 5).unwrap();
+        assert_eq!((cap, bits_count(&m, 100)), (100, 3));
+        assert!(open(&p, false, 6).is_err());
+
+        let q = dir.path().join("x.idx");
+        let mut m = create(&q, true, 5, 10).unwrap();
+        idx_set(&mut m, 0, 4096);
+        idx_set(&mut m, 1, 5000);
+        assert_eq!(idx_seal(&m), None);
+        idx_write_seal(&mut m, 2, 6000);
+        assert_eq!(idx_seal(&m), Some((2, 6000)));
+        drop(m);
+        let (mut m, _) = open(&q, true, 5).unwrap();
+        assert_eq!(idx_get(&m, 1), 5000);
+        idx_set(&mut m, 1, 5001);
+        assert_eq!(idx_seal(&m), None, "entry changed after seal: CRC must fail");
+    }
+}

@@ -1,0 +1,177 @@
+//! Class `exchange` (spec 1.6): declare, delete, and RabbitMQ's bind/unbind
+//! (exchange-to-exchange bindings).
+
+use std::rc::Rc;
+
+use amq_protocol::protocol::{exchange, AMQPClass};
+
+use super::{args_equivalent, meta_error};
+use crate::amqp::connection::Session;
+use crate::amqp::error::AmqpError;
+use crate::meta::state::{Binding, Command, DestKind, ExchangeDef, ExchangeKind, Outcome};
+
+fn check_name(name: &str) -> Result<(), AmqpError> {
+    if name.is_empty() || name.starts_with("amq.") {
+        return Err(AmqpError::access_refused(format!(
+            "operation not permitted on the {}",
+            if name.is_empty() { "default exchange".to_owned() } else { format!("exchange '{name}' (the amq. prefix is reserved)") }
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a redeclare against the existing exchange.
+///
+/// # Errors
+/// 406 PRECONDITION_FAILED "inequivalent arg …" as RabbitMQ words it.
+pub fn check_equivalent(old: &ExchangeDef, new: &ExchangeDef) -> Result<(), AmqpError> {
+    let what = |arg: &str, got: String, cur: String| {
+        AmqpError::precondition_failed(format!(
+            "inequivalent arg '{arg}' for exchange '{}' in vhost '{}': received '{got}' but current is '{cur}'",
+            old.name, old.vhost
+        ))
+    };
+    if old.kind != new.kind {
+        return Err(what("type", new.kind.as_str().into(), old.kind.as_str().into()));
+    }
+    if old.durable != new.durable {
+        return Err(what("durable", new.durable.to_string(), old.durable.to_string()));
+    }
+    if old.auto_delete != new.auto_delete {
+        return Err(what("auto_delete", new.auto_delete.to_string(), old.auto_delete.to_string()));
+    }
+    if old.internal != new.internal {
+        return Err(what("internal", new.internal.to_string(), old.internal.to_string()));
+    }
+    if !args_equivalent(&old.arguments, &new.arguments) {
+        return Err(AmqpError::precondition_failed(format!(
+            "inequivalent arguments for exchange '{}' in vhost '{}'",
+            old.name, old.vhost
+        )));
+    }
+    Ok(())
+}
+
+/// Dispatches an exchange method.
+pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> Result<(), AmqpError> {
+    let vhost = s.vhost();
+    let meta = s.core.shared.meta.clone();
+    match m {
+        exchange::AMQPMethod::Declare(d) => {
+            let name = d.exchange.as_str();
+            let topo = s.core.router();
+            if d.passive {
+                if topo.exchange(&vhost, name).is_none() {
+                    return Err(AmqpError::not_found(format!("no exchange '{name}' in vhost '{vhost}'")));
+                }
+            } else {
+                let kind = ExchangeKind::from_name(d.kind.as_str())
+                    .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{}'", d.kind)))?;
+                let def = ExchangeDef {
+                    vhost: vhost.clone(),
+                    name: name.to_owned(),
+                    kind,
+                    durable: d.durable,
+                    auto_delete: d.auto_delete,
+                    internal: d.internal,
+                    arguments: d.arguments.clone(),
+                };
+                match topo.exchange(&vhost, name) {
+                    Some(old) => check_equivalent(old, &def)?,
+                    None => {
+                        check_name(name)?;
+                        match meta.propose(Command::DeclareExchange(def.clone())).await.map_err(meta_error)? {
+                            Outcome::ExchangeExists(old) => check_equivalent(&old, &def)?,
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            if !d.nowait {
+                s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Delete(d) => {
+            let name = d.exchange.as_str();
+            check_name(name)?;
+            if s.core.router().exchange(&vhost, name).is_some() {
+                let cmd = Command::DeleteExchange { vhost: vhost.clone(), name: name.to_owned(), if_unused: d.if_unused };
+                if let Outcome::InUse = meta.propose(cmd).await.map_err(meta_error)? {
+                    return Err(AmqpError::precondition_failed(format!("exchange '{name}' in vhost '{vhost}' in use")));
+                }
+            }
+            if !d.nowait {
+                s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Bind(b) => {
+            let binding = Binding {
+                vhost: vhost.clone(),
+                source: b.source.to_string(),
+                dest_kind: DestKind::Exchange,
+                dest: b.destination.to_string(),
+                routing_key: b.routing_key.to_string(),
+                arguments: b.arguments.clone(),
+            };
+            bind(s, binding).await?;
+            if !b.nowait {
+                s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Unbind(b) => {
+            let binding = Binding {
+                vhost: vhost.clone(),
+                source: b.source.to_string(),
+                dest_kind: DestKind::Exchange,
+                dest: b.destination.to_string(),
+                routing_key: b.routing_key.to_string(),
+                arguments: b.arguments.clone(),
+            };
+            unbind(s, binding).await?;
+            if !b.nowait {
+                s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));
+            }
+            Ok(())
+        }
+        _ => Err(AmqpError::command_invalid("this exchange method is sent by the server")),
+    }
+}
+
+/// Checks both ends of a binding exist (404 otherwise), refuses the default exchange
+/// (403), and adds it.
+pub async fn bind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
+    check_ends(s, &b)?;
+    match s.core.shared.meta.propose(Command::Bind(b.clone())).await.map_err(meta_error)? {
+        Outcome::NotFound => Err(AmqpError::not_found(format!("no exchange '{}' or destination '{}' in vhost '{}'", b.source, b.dest, b.vhost))),
+        _ => Ok(()),
+    }
+}
+
+/// Removes a binding; a missing binding is not an error (RabbitMQ), missing ends are 404.
+pub async fn unbind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
+    check_ends(s, &b)?;
+    s.core.shared.meta.propose(Command::Unbind(b)).await.map_err(meta_error)?;
+    Ok(())
+}
+
+fn check_ends(s: &Rc<Session>, b: &Binding) -> Result<(), AmqpError> {
+    let topo = s.core.router();
+    if b.source.is_empty() || (b.dest_kind == DestKind::Exchange && b.dest.is_empty()) {
+        return Err(AmqpError::access_refused("operation not permitted on the default exchange"));
+    }
+    if topo.exchange(&b.vhost, &b.source).is_none() {
+        return Err(AmqpError::not_found(format!("no exchange '{}' in vhost '{}'", b.source, b.vhost)));
+    }
+    let dest_ok = match b.dest_kind {
+        DestKind::Exchange => topo.exchange(&b.vhost, &b.dest).is_some(),
+        DestKind::Queue => topo.queue_ref(&b.vhost, &b.dest).is_some(),
+    };
+    if !dest_ok {
+        let kind = if b.dest_kind == DestKind::Queue { "queue" } else { "exchange" };
+        return Err(AmqpError::not_found(format!("no {kind} '{}' in vhost '{}'", b.dest, b.vhost)));
+    }
+    Ok(())
+}

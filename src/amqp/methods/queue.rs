@@ -1,0 +1,219 @@
+//! Class `queue` (spec 1.7): declare, bind, unbind, purge, delete.
+
+use std::rc::Rc;
+
+use amq_protocol::protocol::{queue, AMQPClass};
+
+use super::exchange::{bind, unbind};
+use super::{args_equivalent, meta_error, unique_suffix};
+use crate::amqp::connection::Session;
+use crate::amqp::error::AmqpError;
+use crate::broker::{reply_channel, QueueOp, QueueRef};
+use crate::core::placement;
+use crate::meta::state::{Binding, Command, DestKind, Outcome, QueueDef};
+
+/// Looks a queue up for an operation by connection `conn`.
+///
+/// # Errors
+/// 404 NOT_FOUND when missing; 405 RESOURCE_LOCKED when it is another connection's
+/// exclusive queue (spec 1.7.2.1, rule "exclusive").
+pub fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), AmqpError> {
+    let vhost = s.vhost();
+    let router = s.core.router();
+    let def = router
+        .topology
+        .queue(&vhost, name)
+        .cloned()
+        .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
+    if def.exclusive_owner.is_some_and(|o| o != s.id) {
+        return Err(AmqpError::resource_locked(format!(
+            "cannot obtain exclusive access to locked queue '{name}' in vhost '{vhost}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
+        )));
+    }
+    let qref = router.queue_ref(&vhost, name).expect("queue exists");
+    Ok((qref, def))
+}
+
+/// Checks a redeclare against the existing queue (406 "inequivalent arg …").
+fn check_equivalent(old: &QueueDef, new: &QueueDef) -> Result<(), AmqpError> {
+    let what = |arg: &str, got: bool, cur: bool| {
+        AmqpError::precondition_failed(format!(
+            "inequivalent arg '{arg}' for queue '{}' in vhost '{}': received '{got}' but current is '{cur}'",
+            old.name, old.vhost
+        ))
+    };
+    if old.durable != new.durable {
+        return Err(what("durable", new.durable, old.durable));
+    }
+    if old.auto_delete != new.auto_delete {
+        return Err(what("auto_delete", new.auto_delete, old.auto_delete));
+    }
+    if old.exclusive_owner.is_some() != new.exclusive_owner.is_some() {
+        return Err(what("exclusive", new.exclusive_owner.is_some(), old.exclusive_owner.is_some()));
+    }
+    if !args_equivalent(&old.arguments, &new.arguments) {
+        return Err(AmqpError::precondition_failed(format!(
+            "inequivalent arguments for queue '{}' in vhost '{}'",
+            old.name, old.vhost
+        )));
+    }
+    Ok(())
+}
+
+async fn stats(s: &Session, q: &QueueRef) -> Result<(u32, u32), AmqpError> {
+    let (reply, rx) = reply_channel();
+    s.queue_send(q, QueueOp::Stats { reply });
+    rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))?
+}
+
+/// Dispatches a queue method.
+pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Result<(), AmqpError> {
+    let vhost = s.vhost();
+    match m {
+        queue::AMQPMethod::Declare(d) => {
+            let mut name = d.queue.to_string();
+            if d.passive {
+                let (q, _) = lookup(s, &name)?;
+                let (messages, consumers) = stats(s, &q).await?;
+                if !d.nowait {
+                    declare_ok(s, channel, &name, messages, consumers);
+                }
+                return Ok(());
+            }
+            if name.is_empty() {
+                name = format!("amq.gen-{}", unique_suffix(s.core.shared.next_id()));
+            } else if name.starts_with("amq.") {
+                return Err(AmqpError::access_refused(format!(
+                    "queue name '{name}' contains reserved prefix 'amq.*'"
+                )));
+            }
+            let meta = &s.core.shared.meta;
+            let def = QueueDef {
+                vhost: vhost.clone(),
+                name: name.clone(),
+                durable: d.durable,
+                auto_delete: d.auto_delete,
+                exclusive_owner: if d.exclusive { Some(s.id) } else { None },
+                arguments: d.arguments.clone(),
+                owner_node: meta.node_id(),
+                owner_core: placement::owner_core(&vhost, &name, s.core.shared.cores),
+                owner_epoch: meta.boot_epoch(),
+            };
+            validate_arguments(&def)?;
+            let existing = s.core.router().topology.queue(&vhost, &name).cloned();
+            let (messages, consumers) = match existing {
+                Some(old) => {
+                    let (q, _) = lookup(s, &name)?;
+                    check_equivalent(&old, &def)?;
+                    stats(s, &q).await?
+                }
+                None => match meta.propose(Command::DeclareQueue(def.clone())).await.map_err(meta_error)? {
+                    Outcome::QueueExists(old) => {
+                        let (q, _) = lookup(s, &name)?;
+                        check_equivalent(&old, &def)?;
+                        stats(s, &q).await?
+                    }
+                    _ => {
+                        if d.exclusive {
+                            let q = s.core.router().queue_ref(&vhost, &name).expect("just declared");
+                            s.st.borrow_mut().exclusive_queues.push(q);
+                        }
+                        (0, 0)
+                    }
+                },
+            };
+            if !d.nowait {
+                declare_ok(s, channel, &name, messages, consumers);
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Bind(b) => {
+            let binding = Binding {
+                vhost: vhost.clone(),
+                source: b.exchange.to_string(),
+                dest_kind: DestKind::Queue,
+                dest: b.queue.to_string(),
+                routing_key: b.routing_key.to_string(),
+                arguments: b.arguments.clone(),
+            };
+            lookup(s, &binding.dest)?;
+            bind(s, binding).await?;
+            if !b.nowait {
+                s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})));
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Unbind(b) => {
+            let binding = Binding {
+                vhost: vhost.clone(),
+                source: b.exchange.to_string(),
+                dest_kind: DestKind::Queue,
+                dest: b.queue.to_string(),
+                routing_key: b.routing_key.to_string(),
+                arguments: b.arguments.clone(),
+            };
+            lookup(s, &binding.dest)?;
+            unbind(s, binding).await?;
+            s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
+            Ok(())
+        }
+        queue::AMQPMethod::Purge(p) => {
+            let (q, _) = lookup(s, p.queue.as_str())?;
+            let (reply, rx) = reply_channel();
+            s.queue_send(&q, QueueOp::Purge { reply });
+            let n = rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??;
+            if !p.nowait {
+                s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count: n })));
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Delete(d) => {
+            let n = match lookup(s, d.queue.as_str()) {
+                Err(e) if e.code == crate::amqp::error::code::NOT_FOUND => 0,
+                Err(e) => return Err(e),
+                Ok((q, _)) => {
+                    let (reply, rx) = reply_channel();
+                    s.queue_send(&q, QueueOp::Delete { if_unused: d.if_unused, if_empty: d.if_empty, reply });
+                    let n = rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??;
+                    s.st.borrow_mut().exclusive_queues.retain(|x| x.key != q.key);
+                    n
+                }
+            };
+            if !d.nowait {
+                s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk { message_count: n })));
+            }
+            Ok(())
+        }
+        _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
+    }
+}
+
+fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {
+    s.send_method(
+        channel,
+        &AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+            queue: name.into(),
+            message_count,
+            consumer_count,
+        })),
+    );
+}
+
+/// Rejects queue arguments of the wrong type (406, as RabbitMQ does for the x- arguments
+/// it knows).
+fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
+    use crate::broker::router::{int_arg, string_arg};
+    let args = &def.arguments;
+    for key in ["x-dead-letter-exchange", "x-dead-letter-routing-key"] {
+        if args.inner().contains_key(key) && string_arg(args, key).is_none() {
+            return Err(AmqpError::precondition_failed(format!("invalid arg '{key}' for queue '{}': expected a string", def.name)));
+        }
+    }
+    if args.inner().contains_key("x-consumer-timeout") && int_arg(args, "x-consumer-timeout").is_none_or(|v| v < 0) {
+        return Err(AmqpError::precondition_failed(format!(
+            "invalid arg 'x-consumer-timeout' for queue '{}': expected a non-negative integer (ms)",
+            def.name
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,17 @@
+//! The AMQP 0-9-1 protocol: frames, connections, channels, the unacked ledger, publisher
+//! confirms, and one handler file per class. Never touches a file.
+//!
+//! # Layout
+//! - [`codec`]: frame splitting and writing (amq-protocol for method fields).
+//! - [`connection`]: handshake, the reader/writer pair of a connection, error reporting.
+//! - [`channel`]: per-channel state (delivery tags, ledger, consumers, confirms).
+//! - [`unacked`]: the pure ledger of unsettled deliveries.
+//! - [`methods`]: one file per AMQP class.
+//! - [`error`]: [`error::AmqpError`], reply codes and scopes.
+
+pub mod channel;
+pub mod codec;
+pub mod connection;
+pub mod error;
+pub mod methods;
+pub mod unacked;

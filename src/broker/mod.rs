@@ -1,0 +1,289 @@
+//! The broker's domain: exchanges, routing, queues, consumers, settlement and
+//! dead-lettering. It never touches a socket and does no raw file I/O (messages live in
+//! `ringmq-shards`).
+//!
+//! # Layout
+//! - [`exchange`]: one pure matching function per exchange type.
+//! - [`router`]: a core's read-only copy of the routing tables (from the Raft metadata).
+//! - [`queue`]: a queue on its owner core: ready set, consumers, prefetch, unacked offsets;
+//!   [`queue::settle`] holds every transition of a delivered message.
+//! - [`message`]: the stored form of a message.
+//!
+//! # Invariants
+//! - A queue's state is touched only by its owner core; everything else reaches it through a
+//!   [`QueueOp`] sent by the [`Mesh`].
+//! - Events to a client (deliveries, consume-ok, cancel, confirms) travel on that client's
+//!   event channel, so a consumer's consume-ok always precedes its first delivery and its
+//!   cancel-ok follows its last.
+
+pub mod exchange;
+pub mod message;
+pub mod queue;
+pub mod router;
+
+use std::sync::Arc;
+
+use crate::amqp::error::AmqpError;
+use message::Message;
+
+/// Identifies a queue: (vhost, queue name). Cheap to clone and to send between cores.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QueueKey {
+    /// Virtual host.
+    pub vhost: Arc<str>,
+    /// Queue name.
+    pub name: Arc<str>,
+}
+
+impl QueueKey {
+    /// Builds a key.
+    pub fn new(vhost: &str, name: &str) -> QueueKey {
+        QueueKey { vhost: Arc::from(vhost), name: Arc::from(name) }
+    }
+}
+
+/// A routable queue: its key and owner core (from `core::placement`, recorded in the metadata).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct QueueRef {
+    /// Which queue.
+    pub key: QueueKey,
+    /// Executor index that owns it.
+    pub owner_core: u32,
+    /// Durable queue: persistent messages are synced before a confirm.
+    pub durable: bool,
+}
+
+/// A connection's id, unique within this node's run.
+pub type ConnId = u64;
+/// A consumer's id, unique within this node's run.
+pub type ConsumerId = u64;
+
+/// The sending side of a client's event channel (one per connection).
+pub type ClientTx = flume::Sender<ClientEvent>;
+
+/// Events for a client connection, written to its socket in arrival order.
+#[derive(Debug)]
+pub enum ClientEvent {
+    /// Frames the connection's reader already encoded (replies to methods).
+    Frames(Vec<u8>),
+    /// basic.deliver to a consumer. The connection assigns the delivery tag.
+    Deliver(Delivery),
+    /// basic.consume-ok, sent by the queue before the consumer's first delivery.
+    ConsumeOk {
+        /// Channel of the consumer.
+        channel: u16,
+        /// Consumer tag.
+        consumer_tag: Arc<str>,
+    },
+    /// basic.cancel-ok, sent by the queue after the consumer's last delivery.
+    CancelOk {
+        /// Channel of the consumer.
+        channel: u16,
+        /// Consumer tag.
+        consumer_tag: Arc<str>,
+    },
+    /// The broker cancelled a consumer (its queue was deleted): basic.cancel to the client
+    /// when it announced consumer_cancel_notify.
+    Cancelled {
+        /// Channel of the consumer.
+        channel: u16,
+        /// Consumer tag.
+        consumer_tag: Arc<str>,
+    },
+    /// One queue stored (and, when required, synced) publish `seq` of a confirm-mode channel,
+    /// or failed to (`ok == false` → basic.nack).
+    Stored {
+        /// Publishing channel.
+        channel: u16,
+        /// Publish sequence number on that channel (confirm delivery tag).
+        seq: u64,
+        /// Stored successfully.
+        ok: bool,
+    },
+    /// A delivery on `channel` exceeded its queue's acknowledgement timeout: close the
+    /// channel with 406 and requeue (RabbitMQ's consumer_timeout).
+    AckTimeout {
+        /// Channel holding the delivery.
+        channel: u16,
+        /// Incarnation of that channel.
+        chan_uid: u64,
+        /// Timeout that was exceeded, in ms.
+        timeout_ms: u64,
+    },
+    /// Close the whole connection with this error (e.g. 320 on shutdown).
+    Close(AmqpError),
+}
+
+/// A message handed to a consumer.
+#[derive(Debug)]
+pub struct Delivery {
+    /// Channel of the consumer.
+    pub channel: u16,
+    /// Incarnation of that channel (see [`Holder::chan_uid`]).
+    pub chan_uid: u64,
+    /// Consumer tag.
+    pub consumer_tag: Arc<str>,
+    /// Source queue.
+    pub queue: QueueRef,
+    /// Offset of the message in the queue's shard.
+    pub offset: u64,
+    /// Delivered before (requeued).
+    pub redelivered: bool,
+    /// The message.
+    pub message: Message,
+    /// Manual ack: the connection tracks the delivery tag until it is settled.
+    pub track: bool,
+}
+
+/// A basic.get answer.
+#[derive(Debug)]
+pub struct GetReply {
+    /// Offset of the message in the queue's shard.
+    pub offset: u64,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// The message.
+    pub message: Message,
+    /// Messages still ready in the queue after this one.
+    pub message_count: u32,
+}
+
+/// A consumer as the queue sees it.
+#[derive(Debug)]
+pub struct ConsumerSpec {
+    /// Unique id.
+    pub id: ConsumerId,
+    /// Owning connection.
+    pub conn: ConnId,
+    /// Channel on that connection.
+    pub channel: u16,
+    /// Incarnation of that channel (see [`Holder::chan_uid`]).
+    pub chan_uid: u64,
+    /// Consumer tag.
+    pub tag: Arc<str>,
+    /// Automatic acknowledgement (no_ack).
+    pub no_ack: bool,
+    /// Exclusive consumer.
+    pub exclusive: bool,
+    /// basic.qos prefetch_count in force when it started (0 = unlimited).
+    pub prefetch: u32,
+    /// Whether the client wants basic.cancel when the queue goes away.
+    pub cancel_notify: bool,
+    /// Whether the queue must send consume-ok (false for nowait).
+    pub send_consume_ok: bool,
+    /// Where its deliveries go.
+    pub tx: ClientTx,
+}
+
+/// Who asked and where to answer: a holder of deliveries on a channel.
+#[derive(Clone, Debug)]
+pub struct Holder {
+    /// Connection id.
+    pub conn: ConnId,
+    /// Channel.
+    pub channel: u16,
+    /// Unique id of this opening of the channel: a channel number can be reused after a
+    /// close, and a late operation of the old channel must not touch the new one.
+    pub chan_uid: u64,
+    /// Its event channel.
+    pub tx: ClientTx,
+}
+
+/// Publisher-confirm ticket: where to report that a queue stored a message.
+#[derive(Clone, Debug)]
+pub struct ConfirmTo {
+    /// Publisher's event channel.
+    pub tx: ClientTx,
+    /// Publishing channel.
+    pub channel: u16,
+    /// Publish sequence number.
+    pub seq: u64,
+}
+
+/// One-shot reply channel (a bounded(1) flume channel).
+pub type Reply<T> = flume::Sender<T>;
+
+/// Operations on a queue, executed by its owner core in arrival order.
+#[derive(Debug)]
+pub enum QueueOp {
+    /// Append a message; report to `confirm` once stored (synced if durable and persistent).
+    Publish {
+        /// The message.
+        message: Message,
+        /// Confirm ticket for confirm-mode publishers.
+        confirm: Option<ConfirmTo>,
+    },
+    /// basic.get: claim the next ready message.
+    Get {
+        /// Auto-ack: delete on delivery, track nothing.
+        no_ack: bool,
+        /// Who gets it (manual ack).
+        holder: Holder,
+        /// The answer (None = get-empty).
+        reply: Reply<Result<Option<GetReply>, AmqpError>>,
+    },
+    /// basic.consume.
+    Consume {
+        /// The consumer.
+        consumer: ConsumerSpec,
+        /// Ok, or 403 for exclusivity conflicts.
+        reply: Reply<Result<(), AmqpError>>,
+    },
+    /// basic.cancel; the queue sends cancel-ok on the consumer's channel when `send_ok`.
+    Cancel {
+        /// Which consumer.
+        consumer: ConsumerId,
+        /// Send basic.cancel-ok (false for nowait).
+        send_ok: bool,
+    },
+    /// Settle delivered messages by offset (see [`queue::settle`]).
+    Settle {
+        /// Acknowledged: delete.
+        ack: Vec<u64>,
+        /// Requeued: ready again, redelivered=true, original position.
+        requeue: Vec<u64>,
+        /// Rejected without requeue: dead-letter or drop.
+        reject: Vec<u64>,
+    },
+    /// A channel closed (or its connection died): drop its consumers and requeue every
+    /// offset it holds in this queue, including deliveries still on their way to it.
+    ChannelClosed {
+        /// The channel's incarnation ([`Holder::chan_uid`]).
+        chan_uid: u64,
+    },
+    /// basic.recover(requeue=false): deliver these held offsets again to their consumers.
+    Redeliver {
+        /// Offsets held by the channel.
+        offsets: Vec<u64>,
+    },
+    /// Ready and consumer counts (queue.declare-ok).
+    Stats {
+        /// (message_count, consumer_count)
+        reply: Reply<Result<(u32, u32), AmqpError>>,
+    },
+    /// queue.purge: drop every ready message.
+    Purge {
+        /// Messages purged.
+        reply: Reply<Result<u32, AmqpError>>,
+    },
+    /// queue.delete with its conditions (406 when violated).
+    Delete {
+        /// Only if it has no consumers.
+        if_unused: bool,
+        /// Only if it has no ready messages.
+        if_empty: bool,
+        /// Messages deleted.
+        reply: Reply<Result<u32, AmqpError>>,
+    },
+}
+
+/// How the domain reaches queues on any core. Implemented by `core`.
+pub trait Mesh {
+    /// Sends `op` to the owner core of `queue` (a local call when that is this core).
+    fn send(&self, queue: &QueueRef, op: QueueOp);
+}
+
+/// Creates a one-shot reply channel.
+pub fn reply_channel<T>() -> (Reply<T>, flume::Receiver<T>) {
+    flume::bounded(1)
+}

@@ -1,0 +1,449 @@
+//! Thread-per-core glue: one glommio executor per core, the queue registry of each core,
+//! and the cross-core inboxes. The only module that knows there are several cores.
+//!
+//! # Layout
+//! - [`start`]: spawns the pinned executors; each binds the AMQP port with SO_REUSEPORT
+//!   (glommio's `TcpListener::bind`), so the kernel spreads connections over cores.
+//! - [`Core`]: a core's own state (its queues, its routing copy, its connections).
+//! - [`CoreMsg`]: what one core sends another; queue operations travel as
+//!   [`QueueOp`]s in [`CoreMsg::Queue`] to the queue's owner core.
+//! - [`placement`]: which core owns a queue.
+//!
+//! # Invariants
+//! - A queue's state is only touched on its owner core (`owner_core` in its metadata modulo
+//!   the core count).
+//! - Every queue operation goes through the owner's inbox, even from the same core, so
+//!   operations on one queue run in the order they were sent and never re-enter a queue
+//!   that is being modified.
+//! - The inbox loop drains up to [`BATCH`] messages per tick: that is the batching of
+//!   cross-core messages.
+//!
+//! # Assumptions
+//! A core never blocks: no std::fs on an executor after start-up (the Raft metadata runs
+//! on its own thread; shards use io_uring).
+
+pub mod fatal;
+pub mod placement;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::{LocalExecutorBuilder, Placement};
+
+use crate::amqp::error::AmqpError;
+use crate::broker::queue::{Queue, QueueCell, QueueEnv};
+use crate::broker::router::{Route, Router};
+use crate::broker::{ClientEvent, ClientTx, ConnId, Mesh, QueueKey, QueueOp, QueueRef};
+use crate::config::Config;
+use crate::meta::state::Command;
+use crate::meta::MetaHandle;
+use crate::observe::Stats;
+
+/// Most inbox messages handled per tick before yielding.
+pub const BATCH: usize = 1024;
+
+/// State shared by all cores (Send + Sync).
+pub struct Shared {
+    /// Effective configuration.
+    pub config: Arc<Config>,
+    /// The Raft metadata group.
+    pub meta: MetaHandle,
+    /// Inbox of each core, by core index.
+    pub inboxes: Vec<flume::Sender<CoreMsg>>,
+    /// Number of cores.
+    pub cores: u32,
+    next_id: AtomicU64,
+    /// Set when shutdown begins.
+    pub shutting_down: AtomicBool,
+    /// Counters for metrics, one block per core.
+    pub stats: Vec<Stats>,
+}
+
+impl Shared {
+    /// A fresh id for a connection or consumer (unique within this run).
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A message from one core to another.
+pub enum CoreMsg {
+    /// An operation for a queue this core owns.
+    Queue {
+        /// Target queue.
+        queue: QueueRef,
+        /// What to do.
+        op: QueueOp,
+    },
+    /// Stop: close connections with 320, sync and close shards, then reply.
+    Shutdown {
+        /// Answered when this core is done.
+        done: flume::Sender<()>,
+    },
+}
+
+enum Slot {
+    Open(QueueCell),
+    Opening(Vec<QueueOp>),
+    Deleting,
+}
+
+/// One core's state. Lives on its executor only (`Rc`).
+pub struct Core {
+    /// Core index.
+    pub id: u32,
+    /// Shared state.
+    pub shared: Arc<Shared>,
+    queues: RefCell<HashMap<QueueKey, Slot>>,
+    router: RefCell<Rc<Router>>,
+    /// Open connections on this core and their event channels.
+    pub conns: RefCell<HashMap<ConnId, ClientTx>>,
+    me: RefCell<std::rc::Weak<Core>>,
+}
+
+impl Core {
+    fn new(id: u32, shared: Arc<Shared>) -> Rc<Core> {
+        let router = Router::new(shared.meta.topology(), shared.meta.topology_version(), shared.cores);
+        let core = Rc::new(Core {
+            id,
+            shared,
+            queues: RefCell::new(HashMap::new()),
+            router: RefCell::new(Rc::new(router)),
+            conns: RefCell::new(HashMap::new()),
+            me: RefCell::new(std::rc::Weak::new()),
+        });
+        *core.me.borrow_mut() = Rc::downgrade(&core);
+        core
+    }
+
+    /// This core's counters.
+    pub fn stats(&self) -> &Stats {
+        &self.shared.stats[self.id as usize]
+    }
+
+    /// The current routing table (refreshed when the metadata's topology moved).
+    pub fn router(&self) -> Rc<Router> {
+        let v = self.shared.meta.topology_version();
+        if self.router.borrow().version != v {
+            let r = Router::new(self.shared.meta.topology(), v, self.shared.cores);
+            *self.router.borrow_mut() = Rc::new(r);
+        }
+        self.router.borrow().clone()
+    }
+
+    fn handle(self: &Rc<Self>, msg: CoreMsg) {
+        match msg {
+            CoreMsg::Queue { queue, op } => self.queue_op(queue, op),
+            CoreMsg::Shutdown { done } => {
+                let me = self.clone();
+                glommio::spawn_local(async move {
+                    me.shutdown().await;
+                    let _ = done.send(());
+                })
+                .detach();
+            }
+        }
+    }
+
+    fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
+        let mut queues = self.queues.borrow_mut();
+        match queues.get_mut(&qref.key) {
+            Some(Slot::Open(cell)) => {
+                let cell = cell.clone();
+                drop(queues);
+                self.run_op(&cell, op);
+            }
+            Some(Slot::Opening(pending)) => pending.push(op),
+            Some(Slot::Deleting) => refuse(&qref.key, op),
+            None => {
+                let topo = self.router();
+                let Some(def) = topo.topology.queue(&qref.key.vhost, &qref.key.name).cloned() else {
+                    drop(queues);
+                    refuse(&qref.key, op);
+                    return;
+                };
+                queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
+                drop(queues);
+                let me = self.clone();
+                let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or(qref);
+                glommio::spawn_local(async move {
+                    let dir = me.shared.config.queue_dir(&def);
+                    let cfg = ringmq_shards::ShardConfig { segment_bytes: me.shared.config.segment_bytes, ..Default::default() };
+                    let opened = ringmq_shards::Shard::open(&dir, cfg).await;
+                    let pending = match me.queues.borrow_mut().remove(&qref.key) {
+                        Some(Slot::Opening(p)) => p,
+                        _ => Vec::new(),
+                    };
+                    match opened {
+                        Ok((shard, report)) => {
+                            for (from, to, why) in &report.dropped {
+                                tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped records");
+                            }
+                            let env: Rc<dyn QueueEnv> = me.clone();
+                            let cell = Queue::start(def, qref.clone(), shard, me.shared.config.consumer_timeout_ms, env);
+                            me.queues.borrow_mut().insert(qref.key.clone(), Slot::Open(cell.clone()));
+                            for op in pending {
+                                me.run_op(&cell, op);
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(queue = %qref.key.name, error = %e, "cannot open queue shard");
+                            for op in pending {
+                                refuse_with(op, AmqpError::internal_error(format!("queue store unavailable: {e}")));
+                            }
+                        }
+                    }
+                })
+                .detach();
+            }
+        }
+    }
+
+    fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
+        match op {
+            QueueOp::Delete { if_unused, if_empty, reply } => {
+                let checked = cell.borrow().check_delete(if_unused, if_empty);
+                match checked {
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                    Ok(n) => {
+                        let key = cell.borrow().qref.key.clone();
+                        let shard = cell.borrow_mut().tear_down();
+                        self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
+                        let me = self.clone();
+                        glommio::spawn_local(async move {
+                            let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
+                            if let Err(e) = me.shared.meta.propose(cmd).await {
+                                tracing::error!(error = %e, "metadata delete of queue failed");
+                            }
+                            if let Ok(shard) = Rc::try_unwrap(shard) {
+                                if let Err(e) = shard.destroy().await {
+                                    tracing::warn!(error = %e, "removing queue files failed");
+                                }
+                            }
+                            me.queues.borrow_mut().remove(&key);
+                            let _ = reply.send(Ok(n));
+                        })
+                        .detach();
+                    }
+                }
+            }
+            op => Queue::handle(cell, op),
+        }
+    }
+
+    async fn shutdown(self: &Rc<Self>) {
+        for tx in self.conns.borrow().values() {
+            let _ = tx.send(ClientEvent::Close(AmqpError::connection_forced("broker shutdown")));
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !self.conns.borrow().is_empty() && Instant::now() < deadline {
+            glommio::timer::sleep(Duration::from_millis(20)).await;
+        }
+        let cells: Vec<QueueCell> = self
+            .queues
+            .borrow()
+            .values()
+            .filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
+            .collect();
+        for c in cells {
+            let shard = c.borrow().shard.clone();
+            if let Err(e) = shard.close().await {
+                tracing::error!(error = %e, "closing a shard failed");
+            }
+        }
+    }
+
+    /// Once a second: syncs queues with unsynced deletes, and sends every channel that holds
+    /// a delivery past its queue's acknowledgement timeout an [`ClientEvent::AckTimeout`].
+    async fn ack_timeouts(self: Rc<Self>) {
+        loop {
+            glommio::timer::sleep(Duration::from_secs(1)).await;
+            let now = Instant::now();
+            let cells: Vec<QueueCell> = self
+                .queues
+                .borrow()
+                .values()
+                .filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
+                .collect();
+            for c in cells {
+                Queue::sync_if_dirty(&c);
+                let q = c.borrow();
+                let ms = q.consumer_timeout_ms;
+                for h in q.timed_out_holders(now) {
+                    let _ = h.tx.send(ClientEvent::AckTimeout { channel: h.channel, chan_uid: h.chan_uid, timeout_ms: ms });
+                }
+            }
+        }
+    }
+}
+
+/// Answers an operation on a queue that does not exist (any more).
+fn refuse(key: &QueueKey, op: QueueOp) {
+    refuse_with(op, AmqpError::not_found(format!("no queue '{}' in vhost '{}'", key.name, key.vhost)))
+}
+
+fn refuse_with(op: QueueOp, err: AmqpError) {
+    match op {
+        QueueOp::Publish { confirm: Some(c), .. } => {
+            // RabbitMQ confirms a message whose queue vanished while it was routed.
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+        }
+        QueueOp::Get { reply, .. } => drop(reply.send(Err(err))),
+        QueueOp::Consume { reply, .. } => drop(reply.send(Err(err))),
+        QueueOp::Stats { reply } => drop(reply.send(Err(err))),
+        QueueOp::Purge { reply } => drop(reply.send(Err(err))),
+        QueueOp::Delete { reply, .. } => drop(reply.send(Ok(0))),
+        _ => {}
+    }
+}
+
+impl Mesh for Core {
+    fn send(&self, queue: &QueueRef, op: QueueOp) {
+        let core = (queue.owner_core % self.shared.cores) as usize;
+        if self.shared.inboxes[core].send(CoreMsg::Queue { queue: queue.clone(), op }).is_err() {
+            tracing::warn!("core {core} inbox closed (shutting down)");
+        }
+    }
+}
+
+impl QueueEnv for Core {
+    fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&amq_protocol::types::FieldTable>) -> Route {
+        self.router().route(vhost, exchange, routing_key, headers)
+    }
+
+    fn auto_delete(&self, key: &QueueKey) {
+        let qref = QueueRef { key: key.clone(), owner_core: self.id, durable: false };
+        let (reply, _rx) = crate::broker::reply_channel();
+        self.send(&qref, QueueOp::Delete { if_unused: true, if_empty: false, reply });
+    }
+}
+
+/// Runs the broker: starts `config.cores` executors and blocks until they stop.
+///
+/// `shutdown` fires when the process should stop (SIGINT/SIGTERM).
+///
+/// # Errors
+/// Fails when an executor cannot start or the AMQP port cannot be bound.
+pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
+    let cores = config.cores.max(1);
+    let mut inboxes = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..cores {
+        let (tx, rx) = flume::unbounded();
+        inboxes.push(tx);
+        receivers.push(rx);
+    }
+    let shared = Arc::new(Shared {
+        config: config.clone(),
+        meta,
+        inboxes,
+        cores,
+        next_id: AtomicU64::new(1),
+        shutting_down: AtomicBool::new(false),
+        stats: (0..cores).map(|_| Stats::default()).collect(),
+    });
+    crate::observe::serve_metrics(config.metrics_listen, shared.clone());
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let (bound_tx, bound_rx) = flume::unbounded::<std::io::Result<()>>();
+    let mut handles = Vec::new();
+    for (i, rx) in receivers.into_iter().enumerate() {
+        let shared = shared.clone();
+        let bound_tx = bound_tx.clone();
+        let placement = if (cores as usize) <= cpus { Placement::Fixed(i) } else { Placement::Unbound };
+        let h = LocalExecutorBuilder::new(placement)
+            .name(&format!("ringmq-core-{i}"))
+            .spawn(move || async move {
+                let core = Core::new(i as u32, shared.clone());
+                let listener = match glommio::net::TcpListener::bind(shared.config.listen) {
+                    Ok(l) => {
+                        let _ = bound_tx.send(Ok(()));
+                        l
+                    }
+                    Err(e) => {
+                        let _ = bound_tx.send(Err(std::io::Error::other(e.to_string())));
+                        return;
+                    }
+                };
+                let inbox = {
+                    let core = core.clone();
+                    glommio::spawn_local(async move {
+                        while let Ok(msg) = rx.recv_async().await {
+                            let stop = matches!(msg, CoreMsg::Shutdown { .. });
+                            core.handle(msg);
+                            if stop {
+                                break;
+                            }
+                            for _ in 0..BATCH {
+                                match rx.try_recv() {
+                                    Ok(m) => core.handle(m),
+                                    Err(_) => break,
+                                }
+                            }
+                            glommio::yield_if_needed().await;
+                        }
+                    })
+                };
+                glommio::spawn_local(core.clone().ack_timeouts()).detach();
+                let accept = {
+                    let core = core.clone();
+                    glommio::spawn_local(async move {
+                        loop {
+                            match listener.accept().await {
+                                Ok(stream) => {
+                                    if core.shared.shutting_down.load(Ordering::Relaxed) {
+                                        continue;
+                                    }
+                                    glommio::spawn_local(crate::amqp::connection::serve(core.clone(), stream)).detach();
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "accept failed");
+                                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                                }
+                            }
+                        }
+                    })
+                };
+                inbox.await;
+                // Give the shutdown task time to finish (it replies on its own channel).
+                while !core.shared.shutting_down.load(Ordering::Relaxed) {
+                    glommio::timer::sleep(Duration::from_millis(5)).await;
+                }
+                while !core.conns.borrow().is_empty() {
+                    glommio::timer::sleep(Duration::from_millis(5)).await;
+                }
+                drop(accept);
+            })?;
+        handles.push(h);
+    }
+    drop(bound_tx);
+    for _ in 0..cores {
+        match bound_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(std::io::Error::other("an executor died during start-up")),
+        }
+    }
+    tracing::info!(listen = %config.listen, cores, "ringmq ready");
+    eprintln!("ringmq: serving AMQP 0-9-1 on {} with {} cores, data in {}", config.listen, cores, config.data_dir.display());
+    let _ = shutdown.recv();
+    tracing::info!("shutting down");
+    shared.shutting_down.store(true, Ordering::Relaxed);
+    let (done_tx, done_rx) = flume::unbounded();
+    for inbox in &shared.inboxes {
+        let _ = inbox.send(CoreMsg::Shutdown { done: done_tx.clone() });
+    }
+    for _ in 0..cores {
+        let _ = done_rx.recv_timeout(Duration::from_secs(10));
+    }
+    shared.meta.shutdown();
+    // Executors may still hold sockets of clients that ignored connection.close; the
+    // process exits right after this returns, which closes them.
+    drop(handles);
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! The `ringmq` binary: parse the configuration, open the metadata, start the cores.
+
+use std::sync::Arc;
+
+use clap::Parser;
+use ringmq::config::{Cli, Config};
+use ringmq::meta::state::Command;
+use ringmq::meta::MetaHandle;
+
+fn main() {
+    let config = match Config::load(Cli::parse()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ringmq: {e}");
+            std::process::exit(2);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    ringmq::core::fatal::install_panic_hook();
+    if let Err(e) = run(config) {
+        eprintln!("ringmq: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+    std::fs::create_dir_all(&config.data_dir)?;
+    // Non-durable queues do not survive a restart: their shards go with the old run.
+    let transient = config.transient_dir();
+    if transient.exists() {
+        std::fs::remove_dir_all(&transient)?;
+    }
+    std::fs::create_dir_all(&transient)?;
+    std::fs::create_dir_all(config.durable_dir())?;
+    let meta = MetaHandle::start(&config.meta_dir(), config.node_id)?;
+    for vhost in &config.vhosts {
+        if !meta.topology().vhosts.contains(vhost) {
+            futures_lite::future::block_on(meta.propose(Command::DeclareVhost { name: vhost.clone() }))?;
+        }
+    }
+    remove_orphan_shards(&config, &meta)?;
+    let (stop_tx, stop_rx) = flume::bounded(1);
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])?;
+    std::thread::Builder::new().name("ringmq-signals".into()).spawn(move || {
+        if signals.forever().next().is_some() {
+            let _ = stop_tx.send(());
+        }
+    })?;
+    ringmq::core::start(Arc::new(config), meta, stop_rx)?;
+    Ok(())
+}
+
+/// Removes shard directories of durable queues the metadata no longer has (a delete that
+/// crashed between the metadata commit and the file removal).
+fn remove_orphan_shards(config: &Config, meta: &MetaHandle) -> std::io::Result<()> {
+    let topo = meta.topology();
+    let known: std::collections::HashSet<String> =
+        topo.queues.values().map(|q| ringmq::config::queue_dir_name(&q.vhost, &q.name)).collect();
+    for entry in std::fs::read_dir(config.durable_dir())? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !known.contains(&name) {
+            tracing::info!(dir = %entry.path().display(), "removing shard of a deleted queue");
+            std::fs::remove_dir_all(entry.path())?;
+        }
+    }
+    Ok(())
+}

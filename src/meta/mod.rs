@@ -1,0 +1,175 @@
+//! The embedded Raft metadata group (DESIGN.md, "Metadata and the embedded Raft group").
+//!
+//! Owns the durable metadata — vhosts, exchanges, queues (arguments, durability, owner node,
+//! core and epoch), bindings, one shared cursor per queue, and every node's boot epoch — as one
+//! Raft group built on raft-rs (`RawNode`). Single voter by default: no network, the node
+//! campaigns at once and is its own leader. More voters are the same group with a transport
+//! added to the driver (see `node.rs`, "Adding voters").
+//!
+//! # Layout
+//! - `state.rs`: the pure state machine ([`MetaState::apply`]) and the binary command format.
+//! - `storage.rs`: the durable log + snapshot files ([`storage::DiskStorage`], a `raft::Storage`).
+//! - `node.rs`: the driver thread and [`MetaHandle`], the handle every core holds.
+//!
+//! # Invariants
+//! 1. A proposal resolves only after its Raft entry is written and fdatasync'ed, committed, and
+//!    applied to the in-memory state; the topology version is bumped before it resolves.
+//! 2. Group commit: every proposal waiting when the driver wakes rides in one Raft entry
+//!    (bounded by `node::MAX_ENTRY_BYTES`), and one Ready costs one write and one fdatasync.
+//! 3. `apply` is pure: replaying the same log yields the same state on every node and after
+//!    every restart.
+//! 4. Leader check: this node is the leader exactly when raft-rs's current leader id equals its
+//!    own id ([`MetaHandle::is_leader`]); no other election exists.
+//!
+//! # Assumptions
+//! - One process per metadata directory (nothing locks the directory).
+//! - Blocking file I/O happens only on the driver thread, never on a glommio executor.
+//! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
+//!   plain threads (startup, tests).
+
+pub mod node;
+pub mod state;
+pub mod storage;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use node::MetaHandle;
+pub use state::{
+    Binding, Command, DecodeError, DestKind, ExchangeDef, ExchangeKind, MetaState, NodeId, Outcome,
+    QueueDef, Topology, PREDECLARED_EXCHANGES,
+};
+
+/// Errors of the metadata group.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    /// A file operation in the metadata directory failed. Fatal for the driver after a failed
+    /// write or fsync (the page cache state is unknown): it stops and later calls get
+    /// [`MetaError::Failed`].
+    #[error("metadata storage: {what} {}: {source}", path.display())]
+    Io {
+        /// The operation ("fdatasync log", "rename temp file", ...).
+        what: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `meta.log` is damaged somewhere other than its tail (or has a bad header).
+    #[error("corrupt metadata log {} at byte {offset}: {why}", path.display())]
+    CorruptLog {
+        /// The log file.
+        path: PathBuf,
+        /// Byte offset of the bad record.
+        offset: u64,
+        /// What was wrong.
+        why: &'static str,
+    },
+    /// `meta.snap` fails its checksum or does not parse.
+    #[error("corrupt metadata snapshot {}: {why}", path.display())]
+    CorruptSnapshot {
+        /// The snapshot file.
+        path: PathBuf,
+        /// What was wrong.
+        why: String,
+    },
+    /// A committed entry does not decode as a command batch.
+    #[error("corrupt metadata entry at raft index {index}: {source}")]
+    CorruptEntry {
+        /// Raft index of the entry.
+        index: u64,
+        /// The decoding failure.
+        #[source]
+        source: DecodeError,
+    },
+    /// raft-rs returned an error (or a bad argument such as node id 0).
+    #[error("raft: {0}")]
+    Raft(String),
+    /// The driver thread has stopped ([`MetaHandle::shutdown`] or all handles dropped).
+    #[error("metadata group stopped")]
+    Stopped,
+    /// The driver stopped after a fatal error (the message says which); the broker should exit.
+    #[error("metadata group failed: {0}")]
+    Failed(String),
+    /// This node is not the leader, so it cannot propose (multi-voter groups only).
+    #[error("not the metadata leader (leader: {leader:?})")]
+    NotLeader {
+        /// The current leader, if one is known.
+        leader: Option<NodeId>,
+    },
+}
+
+/// Tunables of the metadata group; [`MetaConfig::default`] is what [`MetaHandle::start`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaConfig {
+    /// Compact (snapshot + fresh log) once the log holds more entries than this since the last
+    /// snapshot. Default 10,000.
+    pub compact_entries: u64,
+    /// ...or once `meta.log` is larger than this many bytes. Default 16 MiB.
+    pub compact_bytes: u64,
+}
+
+impl Default for MetaConfig {
+    fn default() -> Self {
+        MetaConfig {
+            compact_entries: storage::COMPACT_ENTRIES,
+            compact_bytes: storage::COMPACT_BYTES,
+        }
+    }
+}
+
+/// Counters of the metadata group since start (for metrics and the bench note).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaStats {
+    /// Raft entries appended to the log (proposal batches + leader no-ops).
+    pub entries_appended: u64,
+    /// fdatasync/fsync calls on the log, snapshot and directory.
+    pub fsyncs: u64,
+    /// Commands applied to the state machine (including replay at start).
+    pub commands_applied: u64,
+    /// Proposal requests received (one per `propose` / `propose_batch` call).
+    pub proposals: u64,
+    /// Bytes written to the log and snapshot files.
+    pub log_bytes_written: u64,
+    /// Snapshots written (log compactions).
+    pub snapshots: u64,
+}
+
+/// One monotonically increasing counter.
+#[derive(Debug, Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    pub(crate) fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The counters behind [`MetaStats`], shared by the driver, the storage and the handles.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) entries_appended: Counter,
+    pub(crate) fsyncs: Counter,
+    pub(crate) commands_applied: Counter,
+    pub(crate) proposals: Counter,
+    pub(crate) log_bytes_written: Counter,
+    pub(crate) snapshots: Counter,
+}
+
+impl Counters {
+    pub(crate) fn stats(&self) -> MetaStats {
+        MetaStats {
+            entries_appended: self.entries_appended.get(),
+            fsyncs: self.fsyncs.get(),
+            commands_applied: self.commands_applied.get(),
+            proposals: self.proposals.get(),
+            log_bytes_written: self.log_bytes_written.get(),
+            snapshots: self.snapshots.get(),
+        }
+    }
+}

@@ -1,0 +1,513 @@
+//! Shared harness for ringmq's black-box integration tests.
+//!
+//! [`Broker::start`] runs the real `ringmq` binary on a free loopback port with a fresh temp data
+//! dir (`--listen 127.0.0.1:PORT --data-dir DIR --metrics-listen 127.0.0.1:PORT2 --cores 2`),
+//! waits (at most 10 s) until the AMQP port accepts, and kills the process by its PID on drop.
+//! The broker's stderr goes to a file that is printed when the owning test panics.
+//!
+//! With `RINGMQ_TEST_BROKER=host:port` set, the harness uses that external broker instead (this is
+//! how the suite is validated against RabbitMQ); tests that need to restart or kill the broker
+//! then print a note and return early (see [`require_own_broker!`]).
+//!
+//! Everything here is bounded: every wait has a deadline, and [`t`] wraps a test step in a
+//! timeout so that a silent broker fails the test instead of hanging it.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::future::Future;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lapin::{Channel, Connection, ConnectionProperties};
+
+pub mod python;
+pub mod raw;
+
+/// How long the broker gets to accept its first connection after being spawned.
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a graceful (SIGTERM) shutdown may take before the test fails.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+/// Default per-step timeout used by [`t`].
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The ringmq binary. In the repo, cargo sets `CARGO_BIN_EXE_ringmq` for integration tests; a
+/// scratch crate that includes these files can point `RINGMQ_BIN` at a built binary instead.
+fn broker_binary() -> PathBuf {
+    if let Some(p) = option_env!("CARGO_BIN_EXE_ringmq") {
+        return PathBuf::from(p);
+    }
+    match std::env::var("RINGMQ_BIN") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => panic!("no ringmq binary: set RINGMQ_BIN or RINGMQ_TEST_BROKER"),
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bind port 0, read it, release it).
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().unwrap().port()
+}
+
+/// A broker under test: either a ringmq child process we own, or an external broker.
+pub struct Broker {
+    addr: SocketAddr,
+    metrics_port: u16,
+    child: Option<Child>,
+    data_dir: Option<tempfile::TempDir>,
+    log_path: Option<PathBuf>,
+    external: bool,
+    /// Extra command-line flags passed at every start (e.g. a config file).
+    extra_args: Vec<String>,
+}
+
+impl Broker {
+    /// Start a fresh ringmq (or attach to `RINGMQ_TEST_BROKER`).
+    pub fn start() -> Broker {
+        Self::start_with_args(&[])
+    }
+
+    /// Like [`Broker::start`] with extra flags for ringmq (ignored for an external broker).
+    pub fn start_with_args(extra: &[&str]) -> Broker {
+        if let Ok(ext) = std::env::var("RINGMQ_TEST_BROKER") {
+            let addr = ext
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .unwrap_or_else(|| panic!("RINGMQ_TEST_BROKER={ext:?} is not host:port"));
+            return Broker {
+                addr,
+                metrics_port: 0,
+                child: None,
+                data_dir: None,
+                log_path: None,
+                external: true,
+                extra_args: Vec::new(),
+            };
+        }
+        let data_dir = tempfile::Builder::new()
+            .prefix("ringmq-test-")
+            .tempdir()
+            .expect("temp data dir");
+        let port = free_port();
+        let mut b = Broker {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            metrics_port: free_port(),
+            child: None,
+            log_path: Some(data_dir.path().with_extension("stderr.log")),
+            data_dir: Some(data_dir),
+            external: false,
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        b.spawn();
+        b
+    }
+
+    /// True when the tests run against an external broker (e.g. RabbitMQ).
+    pub fn is_external(&self) -> bool {
+        self.external
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.ip().to_string()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Metrics port (ringmq only; 0 for an external broker).
+    pub fn metrics_port(&self) -> u16 {
+        self.metrics_port
+    }
+
+    /// The broker's data directory (ringmq only).
+    pub fn data_dir(&self) -> Option<&std::path::Path> {
+        self.data_dir.as_ref().map(|d| d.path())
+    }
+
+    /// `amqp://guest:guest@HOST:PORT/%2f` plus an optional query (`"heartbeat=5"`).
+    pub fn uri_with(&self, query: &str) -> String {
+        let q = if query.is_empty() { String::new() } else { format!("?{query}") };
+        format!("amqp://guest:guest@{}:{}/%2f{}", self.host(), self.port(), q)
+    }
+
+    pub fn uri(&self) -> String {
+        self.uri_with("")
+    }
+
+    fn spawn(&mut self) {
+        let dir = self.data_dir.as_ref().unwrap().path().to_path_buf();
+        let log = self.log_path.clone().unwrap();
+        let stderr = File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("broker log file");
+        let stdout = stderr.try_clone().unwrap();
+        let mut cmd = Command::new(broker_binary());
+        cmd.arg("--listen")
+            .arg(self.addr.to_string())
+            .arg("--data-dir")
+            .arg(&dir)
+            .arg("--metrics-listen")
+            .arg(format!("127.0.0.1:{}", self.metrics_port))
+            .arg("--cores")
+            .arg("2")
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr);
+        let child = cmd.spawn().expect("spawn ringmq");
+        self.child = Some(child);
+        self.wait_accepting();
+    }
+
+    /// Wait until the AMQP port accepts a TCP connection (bounded by [`START_TIMEOUT`]).
+    fn wait_accepting(&mut self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
+                return;
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    panic!("ringmq exited during start-up ({status}); log:\n{}", self.log());
+                }
+            }
+            if Instant::now() > deadline {
+                panic!("ringmq did not accept on {} within {:?}; log:\n{}", self.addr, START_TIMEOUT, self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The broker's captured stdout/stderr so far.
+    pub fn log(&self) -> String {
+        let mut s = String::new();
+        if let Some(p) = &self.log_path {
+            if let Ok(mut f) = File::open(p) {
+                let _ = f.read_to_string(&mut s);
+            }
+        }
+        s
+    }
+
+    /// Graceful restart: SIGTERM, wait (bounded) for exit status 0, start again on the same
+    /// port and data dir. Panics for an external broker (guard with [`require_own_broker!`]).
+    pub fn restart(&mut self) {
+        assert!(!self.external, "restart() needs a ringmq started by the harness");
+        let mut child = self.child.take().expect("broker not running");
+        let pid = child.id();
+        let st = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        assert!(st.map(|s| s.success()).unwrap_or(false), "kill -TERM {pid} failed");
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait ringmq") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("ringmq did not exit within {STOP_TIMEOUT:?} of SIGTERM; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "ringmq exited with {status} after SIGTERM; log:\n{}", self.log());
+        self.spawn_on_same_port();
+    }
+
+    /// Crash restart: SIGKILL, reap, start again on the same port and data dir.
+    pub fn kill9_restart(&mut self) {
+        assert!(!self.external, "kill9_restart() needs a ringmq started by the harness");
+        let mut child = self.child.take().expect("broker not running");
+        let _ = child.kill();
+        let _ = child.wait();
+        self.spawn_on_same_port();
+    }
+
+    /// The old process has exited; the port may still be briefly unavailable for binding, so a
+    /// start that dies at once is retried a few times (bounded).
+    fn spawn_on_same_port(&mut self) {
+        for attempt in 0..20 {
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.spawn()));
+            match res {
+                Ok(()) => return,
+                Err(e) if attempt == 19 => std::panic::resume_unwind(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() && !self.external {
+            eprintln!("----- ringmq log ({}) -----\n{}\n----- end of ringmq log -----", self.addr, self.log());
+        }
+        if let Some(p) = &self.log_path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Return early from a test (with a printed note) when it needs a broker the harness can
+/// restart or kill, or that is ringmq itself.
+#[macro_export]
+macro_rules! require_own_broker {
+    ($b:expr, $why:expr) => {
+        if $b.is_external() {
+            eprintln!("SKIPPED against external broker: {}", $why);
+            return;
+        }
+    };
+}
+
+/// Run one async test step with the default [`STEP_TIMEOUT`]; a timeout fails the test.
+pub async fn t<F: Future>(what: &str, f: F) -> F::Output {
+    tt(what, STEP_TIMEOUT, f).await
+}
+
+/// Run one async test step with an explicit timeout; a timeout fails the test.
+pub async fn tt<F: Future>(what: &str, limit: Duration, f: F) -> F::Output {
+    match tokio::time::timeout(limit, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {limit:?}: {what}"),
+    }
+}
+
+/// A name no other test (or earlier run against an external broker) uses.
+pub fn uniq(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+    format!("ringmq-test.{prefix}.{}.{n}.{nanos:x}", std::process::id())
+}
+
+/// Connect as guest/guest to vhost `/`.
+pub async fn connect(b: &Broker) -> Connection {
+    connect_uri(&b.uri()).await
+}
+
+pub async fn connect_uri(uri: &str) -> Connection {
+    t("connect", Connection::connect(uri, ConnectionProperties::default()))
+        .await
+        .unwrap_or_else(|e| panic!("connect {uri}: {e}"))
+}
+
+/// Connect and open one channel.
+pub async fn connect_ch(b: &Broker) -> (Connection, Channel) {
+    let c = connect(b).await;
+    let ch = t("channel.open", c.create_channel()).await.expect("channel.open");
+    (c, ch)
+}
+
+/// The AMQP reply code carried by a lapin error (channel.close / connection.close), if any.
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) => Some(p.get_id()),
+        _ => None,
+    }
+}
+
+/// Assert that a lapin result failed with the AMQP reply `code`.
+#[track_caller]
+pub fn assert_code<T: std::fmt::Debug>(r: Result<T, lapin::Error>, code: u16, what: &str) {
+    match r {
+        Ok(v) => panic!("{what}: expected reply {code}, got success {v:?}"),
+        Err(e) => assert_eq!(reply_code(&e), Some(code), "{what}: expected reply {code}, got error {e}"),
+    }
+}
+
+/// Watches a channel for a broker-side channel.close, keeping its reply code.
+///
+/// lapin reports a channel.close to later calls only as "invalid channel state", without the
+/// code; the code reaches the channel's consumers, so the watch holds a consumer on a private
+/// server-named queue. Create it *before* the action that should close the channel.
+pub struct CloseWatch {
+    ch: Channel,
+    consumer: lapin::Consumer,
+}
+
+pub async fn close_watch(ch: &Channel) -> CloseWatch {
+    let q = t("watch queue", ch.queue_declare("".into(), lapin::options::QueueDeclareOptions::exclusive(), Default::default()))
+        .await
+        .expect("declare watch queue");
+    let consumer = t("watch consume", ch.basic_consume(q.name().clone(), "".into(), lapin::options::BasicConsumeOptions { no_ack: true, ..Default::default() }, Default::default()))
+        .await
+        .expect("consume watch queue");
+    CloseWatch { ch: ch.clone(), consumer }
+}
+
+impl CloseWatch {
+    /// Force round trips until the broker's channel.close shows up (bounded: ~3 s); return its
+    /// reply code. Panics if the channel stays usable or closes without a code.
+    pub async fn code(mut self, what: &str) -> u16 {
+        use futures_lite::StreamExt;
+        for _ in 0..30 {
+            if let Err(e) = t(what, self.ch.basic_qos(0, lapin::options::BasicQosOptions::default())).await {
+                if let Some(c) = reply_code(&e) {
+                    return c;
+                }
+                break; // closing: the code is delivered to the consumer below
+            }
+            if let Ok(r) = tokio::time::timeout(Duration::from_millis(100), self.consumer.next()).await {
+                match r {
+                    Some(Err(e)) => return reply_code(&e).unwrap_or_else(|| panic!("{what}: channel closed without a reply code: {e}")),
+                    Some(Ok(d)) => panic!("{what}: unexpected delivery on the watch queue: {d:?}"),
+                    None => panic!("{what}: channel closed without an error"),
+                }
+            }
+        }
+        match tt(what, Duration::from_secs(3), self.consumer.next()).await {
+            Some(Err(e)) => reply_code(&e).unwrap_or_else(|| panic!("{what}: channel closed without a reply code: {e}")),
+            other => panic!("{what}: expected the broker to close the channel, got {other:?}"),
+        }
+    }
+}
+
+/// Declare a queue with the given options and arguments; return its name.
+pub async fn declare_queue(ch: &Channel, name: &str, opts: lapin::options::QueueDeclareOptions, args: lapin::types::FieldTable) -> String {
+    let q = t("queue.declare", ch.queue_declare(name.into(), opts, args))
+        .await
+        .unwrap_or_else(|e| panic!("queue.declare {name}: {e}"));
+    q.name().as_str().to_string()
+}
+
+/// Declare a plain (non-durable, non-exclusive, non-auto-delete) queue named uniquely.
+pub async fn plain_queue(ch: &Channel, tag: &str) -> String {
+    declare_queue(ch, &uniq(tag), Default::default(), Default::default()).await
+}
+
+/// Put `ch` in confirm mode (idempotent).
+pub async fn confirm_mode(ch: &Channel) {
+    t("confirm.select", ch.confirm_select(lapin::options::ConfirmSelectOptions::default()))
+        .await
+        .expect("confirm.select");
+}
+
+/// Publish and wait for the publisher confirm (the channel must be in confirm mode).
+/// Returns the confirmation (Ack/Nack, with a returned message when unroutable + mandatory).
+pub async fn publish_confirmed(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: lapin::BasicProperties,
+) -> lapin::Confirmation {
+    let pc = t("basic.publish", ch.basic_publish(exchange.into(), routing_key.into(), Default::default(), body, props))
+        .await
+        .expect("basic.publish");
+    t("publisher confirm", pc).await.expect("confirm")
+}
+
+/// Publish (no confirm wait) with default properties.
+pub async fn publish(ch: &Channel, exchange: &str, routing_key: &str, body: &[u8]) {
+    t("basic.publish", ch.basic_publish(exchange.into(), routing_key.into(), Default::default(), body, Default::default()))
+        .await
+        .expect("basic.publish");
+}
+
+/// basic.get with auto-ack; the body, or None on get-empty.
+pub async fn get_body(ch: &Channel, queue: &str) -> Option<Vec<u8>> {
+    t("basic.get", ch.basic_get(queue.into(), lapin::options::BasicGetOptions { no_ack: true }))
+        .await
+        .expect("basic.get")
+        .map(|m| m.delivery.data)
+}
+
+/// Drain a queue with auto-ack basic.get (at most `max` messages); bodies in order.
+pub async fn drain(ch: &Channel, queue: &str, max: usize) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for _ in 0..max {
+        match get_body(ch, queue).await {
+            Some(b) => out.push(b),
+            None => break,
+        }
+    }
+    out
+}
+
+/// Ready-message count of a queue, by passive queue.declare.
+pub async fn ready_count(ch: &Channel, queue: &str) -> u32 {
+    let opts = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+    t("passive queue.declare", ch.queue_declare(queue.into(), opts, Default::default()))
+        .await
+        .unwrap_or_else(|e| panic!("passive declare {queue}: {e}"))
+        .message_count()
+}
+
+/// Poll (bounded by `limit`) until the queue holds `n` ready messages; return the last count.
+pub async fn wait_ready(ch: &Channel, queue: &str, n: u32, limit: Duration) -> u32 {
+    let deadline = Instant::now() + limit;
+    loop {
+        let c = ready_count(ch, queue).await;
+        if c == n || Instant::now() > deadline {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Does the queue exist? (passive declare on a throwaway channel of `conn`)
+pub async fn queue_exists(conn: &Connection, queue: &str) -> bool {
+    let ch = t("channel.open", conn.create_channel()).await.expect("channel.open");
+    let opts = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+    match t("passive queue.declare", ch.queue_declare(queue.into(), opts, Default::default())).await {
+        Ok(_) => {
+            let _ = t("channel.close", ch.close(200, "ok".into())).await;
+            true
+        }
+        Err(e) => {
+            assert_eq!(reply_code(&e), Some(404), "passive declare {queue}: {e}");
+            false
+        }
+    }
+}
+
+/// Does the exchange exist? (passive declare on a throwaway channel of `conn`)
+pub async fn exchange_exists(conn: &Connection, exchange: &str) -> bool {
+    let ch = t("channel.open", conn.create_channel()).await.expect("channel.open");
+    let opts = lapin::options::ExchangeDeclareOptions { passive: true, ..Default::default() };
+    match t("passive exchange.declare", ch.exchange_declare(exchange.into(), lapin::ExchangeKind::Direct, opts, Default::default())).await {
+        Ok(_) => {
+            let _ = t("channel.close", ch.close(200, "ok".into())).await;
+            true
+        }
+        Err(e) => {
+            assert_eq!(reply_code(&e), Some(404), "passive declare exchange {exchange}: {e}");
+            false
+        }
+    }
+}
+
+/// Receive the next delivery from a consumer within `limit`; panics on timeout or cancel.
+pub async fn next_delivery(c: &mut lapin::Consumer, limit: Duration) -> lapin::message::Delivery {
+    use futures_lite::StreamExt;
+    match tokio::time::timeout(limit, c.next()).await {
+        Ok(Some(Ok(d))) => d,
+        Ok(Some(Err(e))) => panic!("consumer error: {e}"),
+        Ok(None) => panic!("consumer cancelled"),
+        Err(_) => panic!("no delivery within {limit:?}"),
+    }
+}
+
+/// Expect no delivery on `c` for `quiet` (used after settling to check nothing extra arrives).
+pub async fn assert_no_delivery(c: &mut lapin::Consumer, quiet: Duration, what: &str) {
+    use futures_lite::StreamExt;
+    if let Ok(Some(Ok(d))) = tokio::time::timeout(quiet, c.next()).await {
+        panic!("{what}: unexpected delivery {:?} tag {}", String::from_utf8_lossy(&d.data), d.delivery_tag);
+    }
+}
