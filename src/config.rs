@@ -164,7 +164,7 @@ impl Config {
             channel_max: cli.channel_max.or(file.channel_max).unwrap_or(2047),
             consumer_timeout_ms: cli.consumer_timeout_ms.or(file.consumer_timeout_ms).unwrap_or(30 * 60 * 1000),
             segment_bytes: cli.segment_bytes.or(file.segment_bytes).unwrap_or(64 << 20),
-            log: cli.log.or(file.log).unwrap_or_else(|| "info".into()),
+            log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
             users: file.users.unwrap_or_else(|| {
                 vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]
             }),

@@ -110,8 +110,8 @@ async fn requeue_returns_to_original_position() {
     let mut cons = consume(&ch, &q, false).await;
     let d = take(&mut cons, 3).await;
     assert_eq!(bodies(&d), ["a", "b", "c"]);
-    // requeue b then a (out of order): the queue order must still be a, b, then d, e, c? No:
-    // RabbitMQ puts requeued messages back at their original position: a, b, c before d, e.
+    // requeue b, c, then a (out of order): like RabbitMQ, requeued messages go back to their
+    // original position, so the queue reads a, b, c (redelivered) before d, e.
     t("cancel", ch.basic_cancel(cons.tag(), Default::default())).await.unwrap();
     t("nack b", ch.basic_nack(d[1].delivery_tag, BasicNackOptions { multiple: false, requeue: true })).await.unwrap();
     t("nack c", ch.basic_nack(d[2].delivery_tag, BasicNackOptions { multiple: false, requeue: true })).await.unwrap();

@@ -4,7 +4,7 @@
 //! 403 ACCESS_REFUSED on connection.close, unknown vhost → 530 NOT_ALLOWED, channel
 //! open/close, heartbeat negotiation (the client's smaller value is honoured), bodies larger
 //! than frame_max split over several body frames and reassembled intact.
-//! Validated against RabbitMQ 3.10 (see tests/README.md for how).
+//! Validated against RabbitMQ 3.10 (RINGMQ_TEST_BROKER=127.0.0.1:PORT cargo test --test connection).
 
 mod common;
 

@@ -123,6 +123,19 @@ async fn graceful_shutdown_closes_connections_with_320() {
     drop(c);
 }
 
+/// Counts a client as set up (or given up) when dropped.
+struct Ready(Arc<std::sync::atomic::AtomicUsize>);
+impl Ready {
+    fn new(n: Arc<std::sync::atomic::AtomicUsize>) -> Ready {
+        Ready(n)
+    }
+}
+impl Drop for Ready {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// xorshift64*: a tiny seeded generator (no dependency), seed printed for reproduction.
 struct Rng(u64);
 impl Rng {
@@ -170,15 +183,20 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
     while crashes < CRASHES {
         assert!(started.elapsed() < BUDGET, "crash test over its time budget after {crashes} crashes");
         let uri = b.uri();
+        // Both clients must be attached to *this* broker before it is killed: a client that
+        // connected only after the restart would run on untouched and never end.
+        let ready = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         // publisher: persistent messages with confirms, window of 32
         let pub_task = {
             let (uri, q, ledger, next_id) = (uri.clone(), q.clone(), ledger.clone(), next_id.clone());
+            let ready = Ready::new(ready.clone());
             tokio::spawn(async move {
                 let Ok(conn) = lapin::Connection::connect(&uri, Default::default()).await else { return };
                 let Ok(ch) = conn.create_channel().await else { return };
                 if ch.confirm_select(Default::default()).await.is_err() {
                     return;
                 }
+                drop(ready);
                 for _ in 0..10_000 {
                     let mut window = Vec::new();
                     for _ in 0..32 {
@@ -206,6 +224,7 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
         // consumer: manual ack, prefetch 50, acks every delivery
         let cons_task = {
             let (uri, q, ledger) = (uri.clone(), q.clone(), ledger.clone());
+            let ready = Ready::new(ready.clone());
             tokio::spawn(async move {
                 let Ok(conn) = lapin::Connection::connect(&uri, Default::default()).await else { return };
                 let Ok(ch) = conn.create_channel().await else { return };
@@ -213,6 +232,7 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
                     return;
                 }
                 let Ok(mut cons) = ch.basic_consume(q.as_str().into(), "".into(), Default::default(), FieldTable::default()).await else { return };
+                drop(ready);
                 for _ in 0..1_000_000 {
                     let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(5), cons.next()).await else { return };
                     let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
@@ -223,20 +243,26 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
                         }
                         l.delivered.insert(id);
                     }
-                    if d.ack(Default::default()).await.is_err() {
+                    // lapin's ack future can stay pending on a connection whose peer was
+                    // killed, so bound it.
+                    let acked = tokio::time::timeout(Duration::from_secs(3), d.ack(Default::default())).await;
+                    if !matches!(acked, Ok(Ok(_))) {
                         return;
                     }
                     ledger.lock().unwrap().ack_sent.insert(id);
                 }
             })
         };
+        let wait_until = Instant::now() + Duration::from_secs(10);
+        while ready.load(std::sync::atomic::Ordering::SeqCst) < 2 && Instant::now() < wait_until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let delay = rng.range(150, 900);
         tokio::time::sleep(Duration::from_millis(delay)).await;
         tokio::task::block_in_place(|| b.kill9_restart());
         crashes += 1;
-        for task in [pub_task, cons_task] {
-            let _ = tt("client tasks end after the crash", Duration::from_secs(15), task).await;
-        }
+        let _ = tt("publisher ends after the crash", Duration::from_secs(15), pub_task).await;
+        let _ = tt("consumer ends after the crash", Duration::from_secs(15), cons_task).await;
     }
     // drain what is left after the last restart
     let (c, ch) = connect_ch(&b).await;

@@ -15,6 +15,10 @@ use std::time::Duration;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest one topology operation may take.
 pub const OP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest the whole teardown (close, inspect, delete) may take.
+pub const TEARDOWN: Duration = Duration::from_secs(8);
+/// Longest one teardown operation may take; after the first timeout the rest is skipped.
+const TEARDOWN_OP: Duration = Duration::from_secs(3);
 
 /// Runs `f` for at most `d`; a timeout becomes an error string.
 pub async fn within<T>(d: Duration, what: &str, f: impl Future<Output = lapin::Result<T>>) -> Result<T, String> {
@@ -119,24 +123,28 @@ pub fn headers_for(queue: &str, binding: bool) -> FieldTable {
 }
 
 /// Messages ready in each queue (passive queue.declare); `None` for a queue that could
-/// not be inspected. Bounded by [`OP_TIMEOUT`] per queue.
+/// not be inspected. Stops at the first failure or timeout (3 s).
 pub async fn queue_depths(ch: &Channel, queues: &[String]) -> Vec<Option<u64>> {
-    let mut out = Vec::with_capacity(queues.len());
+    let mut out = vec![None; queues.len()];
     let opts = QueueDeclareOptions { passive: true, ..Default::default() };
-    for q in queues {
-        let r = within(OP_TIMEOUT, "queue.declare passive", ch.queue_declare(q.as_str().into(), opts, FieldTable::default())).await;
-        out.push(r.ok().map(|q| u64::from(q.message_count())));
+    for (i, q) in queues.iter().enumerate() {
+        match within(TEARDOWN_OP, "queue.declare passive", ch.queue_declare(q.as_str().into(), opts, FieldTable::default())).await {
+            Ok(q) => out[i] = Some(u64::from(q.message_count())),
+            Err(_) => break, // the channel is closed or the broker stalled: stop asking
+        }
     }
     out
 }
 
-/// Deletes the queues and the bench's exchange (best effort, bounded time).
+/// Deletes the queues and the bench's exchange (best effort; stops at the first failure).
 pub async fn delete_topology(ch: &Channel, cfg: &Config) {
     for q in &cfg.queues {
-        let _ = within(OP_TIMEOUT, "queue.delete", ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await;
+        if within(TEARDOWN_OP, "queue.delete", ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.is_err() {
+            return;
+        }
     }
     if cfg.exchange.declare {
-        let _ = within(OP_TIMEOUT, "exchange.delete", ch.exchange_delete(cfg.exchange.name.as_str().into(), ExchangeDeleteOptions::default())).await;
+        let _ = within(TEARDOWN_OP, "exchange.delete", ch.exchange_delete(cfg.exchange.name.as_str().into(), ExchangeDeleteOptions::default())).await;
     }
 }
 

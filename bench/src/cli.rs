@@ -158,6 +158,9 @@ pub struct Flags {
     /// No progress lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Exit 4 when a message was lost or duplicated or a client error occurred.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 /// Arguments of `report`.
@@ -282,6 +285,8 @@ pub struct Config {
     pub keep_queues: bool,
     /// No progress lines.
     pub quiet: bool,
+    /// Exit 4 on lost/duplicated messages or errors.
+    pub strict: bool,
 }
 
 impl Config {
@@ -381,6 +386,7 @@ impl Config {
             label: f.label,
             keep_queues: f.keep_queues,
             quiet: f.quiet,
+            strict: f.strict,
         })
     }
 

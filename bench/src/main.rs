@@ -62,7 +62,6 @@ fn main() {
         Command::ConnectionChurn(f) => (Scenario::ConnectionChurn, f),
         Command::QueueChurn(f) => (Scenario::QueueChurn, f),
     };
-    let strict = std::env::var_os("RINGMQ_BENCH_STRICT").is_some();
     let cfg = match Config::resolve(scenario, flags) {
         Ok(c) => c,
         Err(e) => {
@@ -76,6 +75,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let local = tokio::task::LocalSet::new();
     let json = cfg.json;
+    let strict = cfg.strict;
     let result = local.block_on(&rt, async move {
         let interrupt = Rc::new(signal::Signal::default());
         let i2 = interrupt.clone();
@@ -102,7 +102,7 @@ fn main() {
                 eprintln!("nothing received: exit 2");
                 2
             } else if strict && out.integrity_issue {
-                eprintln!("RINGMQ_BENCH_STRICT: lost/duplicated messages or errors: exit 4");
+                eprintln!("--strict: lost/duplicated messages or client errors: exit 4");
                 4
             } else {
                 0

@@ -138,7 +138,22 @@ fn setup_human(cfg: &Config) -> String {
     )
 }
 
-fn cpu_figures(w_cpu0: CpuMark, w_cpu1: CpuMark, per: u64, unit: &str, j: &mut Map<String, Value>, h: &mut String, rss_max: u64, pid: Option<u32>) {
+/// What the CPU figures are computed from.
+struct CpuSpan {
+    /// CPU at the start and end of the span.
+    marks: (CpuMark, CpuMark),
+    /// Messages (or operations) the CPU time is divided by.
+    per: u64,
+    /// "msg" or "op".
+    unit: &'static str,
+    /// Largest broker RSS seen, bytes.
+    rss_max: u64,
+    /// Broker process.
+    pid: Option<u32>,
+}
+
+fn cpu_figures(span: CpuSpan, j: &mut Map<String, Value>, h: &mut String) {
+    let CpuSpan { marks: (w_cpu0, w_cpu1), per, unit, rss_max, pid } = span;
     let broker = match (w_cpu0.0, w_cpu1.0) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a)),
         _ => None,
@@ -190,10 +205,13 @@ impl Outcome {
         let send_s = secs(w.t0_ns, w.fill_end_ns.unwrap_or(w.send_end_ns));
         let last_rx = s.last_receive_ns.get().max(recv_from);
         let recv_s = secs(recv_from, last_rx);
+        let depths_known = depths.iter().all(Option::is_some);
         let left: u64 = depths.iter().flatten().sum();
         let expected = env.expected();
         let arrived = env.arrived();
-        let lost = expected.saturating_sub(arrived + left);
+        // Unknown depth (broker stalled or channel closed): loss cannot be told from
+        // messages still queued, so it is not reported as loss.
+        let lost = depths_known.then(|| expected.saturating_sub(arrived + left));
         let unconfirmed = (cfg.confirm > 0).then(|| sent.saturating_sub(s.confirmed.get() + s.nacked.get()));
         let tracked = env.tracking;
         let dup = env.tracker.borrow().duplicates;
@@ -209,7 +227,8 @@ impl Outcome {
         j.insert("lost".into(), if tracked { json!(lost) } else { Value::Null });
         j.insert("duplicates".into(), if tracked { json!(dup) } else { Value::Null });
         j.insert("redelivered".into(), json!(s.redelivered.get()));
-        j.insert("left_in_queues".into(), json!(left));
+        j.insert("left_in_queues".into(), if depths_known { json!(left) } else { Value::Null });
+        j.insert("behind_schedule".into(), json!(s.behind_schedule.get()));
         j.insert("foreign".into(), json!(s.foreign.get()));
         j.insert("errors".into(), json!(s.errors.get()));
         j.insert("first_error".into(), json!(*s.first_error.borrow()));
@@ -233,6 +252,12 @@ impl Outcome {
             s.returned.get(),
             unconfirmed.map(|u| format!(", unconfirmed {u}")).unwrap_or_default()
         ));
+        if s.behind_schedule.get() > 0 {
+            h.push_str(&format!(
+                "  SCHEDULE   {} messages were due but not sent when publishing stopped (broker or bench stalled)\n",
+                s.behind_schedule.get()
+            ));
+        }
         h.push_str(&format!(
             "  consumed   {} in {:.1} s = {} msgs/s, {:.2} MB/s\n",
             thousands(received as f64),
@@ -255,9 +280,12 @@ impl Outcome {
             ));
         }
         if tracked {
+            let unknown = || "unknown".to_string();
             h.push_str(&format!(
-                "  integrity  lost {lost}, duplicates {dup}, redelivered {}, left in queues {left}, foreign {}, errors {}\n",
+                "  integrity  lost {}, duplicates {dup}, redelivered {}, left in queues {}, foreign {}, errors {}\n",
+                lost.map(|l| l.to_string()).unwrap_or_else(unknown),
                 s.redelivered.get(),
+                if depths_known { left.to_string() } else { unknown() },
                 s.foreign.get(),
                 s.errors.get()
             ));
@@ -277,7 +305,7 @@ impl Outcome {
             // Backlog: CPU per message of the drain phase, and of the whole run below.
             let mut jj = Map::new();
             let mut hh = String::new();
-            cpu_figures(cpu0, w.cpu1, received, "msg", &mut jj, &mut hh, rss, env.broker_pid);
+            cpu_figures(CpuSpan { marks: (cpu0, w.cpu1), per: received, unit: "msg", rss_max: rss, pid: env.broker_pid }, &mut jj, &mut hh);
             for (k, v) in jj {
                 if k.ends_with("per_msg") {
                     j.insert(format!("drain_{k}"), v);
@@ -285,8 +313,9 @@ impl Outcome {
             }
             h.push_str(&hh.replace("  broker CPU", "  drain broker CPU").replace("  bench  CPU", "  drain bench  CPU"));
         }
-        cpu_figures(w.cpu0, w.cpu1, if received > 0 { received } else { sent }, "msg", &mut j, &mut h, rss, env.broker_pid);
-        let integrity_issue = s.errors.get() > 0 || (tracked && (lost > 0 || dup > 0));
+        let per = if received > 0 { received } else { sent };
+        cpu_figures(CpuSpan { marks: (w.cpu0, w.cpu1), per, unit: "msg", rss_max: rss, pid: env.broker_pid }, &mut j, &mut h);
+        let integrity_issue = s.errors.get() > 0 || (tracked && (lost.unwrap_or(0) > 0 || dup > 0));
         Outcome { json: j, human: h, ok: received > 0, integrity_issue }
     }
 
@@ -314,7 +343,7 @@ impl Outcome {
             h.push_str(&format!("  first error {e}\n"));
         }
         h.push_str(&format!("  latency    {}\n", with_units(&stats.op.borrow())));
-        cpu_figures(w.cpu0, w.cpu1, ops, "op", &mut j, &mut h, rss, w.broker_pid);
+        cpu_figures(CpuSpan { marks: (w.cpu0, w.cpu1), per: ops, unit: "op", rss_max: rss, pid: w.broker_pid }, &mut j, &mut h);
         Outcome { json: j, human: h, ok: ops > 0, integrity_issue: stats.errors.get() > 0 }
     }
 }
@@ -367,7 +396,11 @@ pub fn compare(a: &Path, b: &Path, label_a: &str, label_b: &str) -> std::io::Res
         println!("no JSON lines in either file");
         return Ok(false);
     };
-    const SKIP: [&str; 6] = ["broker_pid", "producers", "consumers", "queues", "size_bytes", "workers"];
+    // Settings, not figures: identical on both sides by construction.
+    const SKIP: [&str; 10] = [
+        "broker_pid", "producers", "consumers", "queues", "size_bytes", "workers",
+        "rate_per_producer", "confirm_window", "multi_ack_every", "prefetch",
+    ];
     for key in first.keys() {
         if SKIP.contains(&key.as_str()) {
             continue;

@@ -230,7 +230,7 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     w.finish();
 
     env.stop_consuming.fire();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
         for t in consumer_tasks.iter_mut() {
             let _ = t.await;
         }
@@ -240,14 +240,23 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     let _ = tokio::time::timeout(Duration::from_secs(2), ticker).await;
     env.stats.roll_tick();
 
-    for c in &conns {
-        amqp::close(c).await;
-    }
-    let depths = amqp::queue_depths(&setup_ch, &cfg.queues).await;
-    if !cfg.predeclared && !cfg.keep_queues {
-        amqp::delete_topology(&setup_ch, cfg).await;
-    }
-    amqp::close(&setup_conn).await;
+    // Teardown, bounded as a whole: a stalled broker costs at most TEARDOWN more.
+    let mut depths = vec![None; cfg.queues.len()];
+    let _ = tokio::time::timeout(amqp::TEARDOWN, async {
+        let closes: Vec<_> = conns
+            .into_iter()
+            .map(|c| tokio::task::spawn_local(async move { amqp::close(&c).await }))
+            .collect();
+        for c in closes {
+            let _ = c.await;
+        }
+        depths = amqp::queue_depths(&setup_ch, &cfg.queues).await;
+        if !cfg.predeclared && !cfg.keep_queues {
+            amqp::delete_topology(&setup_ch, cfg).await;
+        }
+        amqp::close(&setup_conn).await;
+    })
+    .await;
     Ok(Outcome::from_pubsub(&env, &w, &depths))
 }
 
@@ -440,6 +449,7 @@ async fn producer(env: Rc<Env>, ch: Channel, index: u16, ex: ShortString, rk: Sh
     let mut confirms: VecDeque<(u64, PublisherConfirm)> = VecDeque::with_capacity(window);
     let mut sent: u64 = 0;
     let mut since_return_check = 0u32;
+    let mut counted_behind = false;
     let mut drain_sleep: Option<Pin<Box<tokio::time::Sleep>>> = None;
 
     let result: lapin::Result<()> = poll_fn(|cx| loop {
@@ -488,6 +498,13 @@ async fn producer(env: Rc<Env>, ch: Channel, index: u16, ex: ShortString, rk: Sh
         }
         // 3. Stopping: wait for what is outstanding, at most the drain timeout.
         if env.stop_producing.poll_fired(stop_id, cx).is_ready() || sent >= limit {
+            if let (Some(_), false) = (pacer.as_ref(), counted_behind) {
+                // Fixed rate: messages that were due but never sent (a stall blocked the
+                // window) are reported, not silently dropped from the latency picture.
+                counted_behind = true;
+                let due = ((now_ns().saturating_sub(start)) as f64 * rate / 1e9) as u64 + 1;
+                Stats::bump(&stats.behind_schedule, due.min(limit).saturating_sub(sent));
+            }
             if return_check {
                 count_returns(&ch, stats, cx);
             }

@@ -32,7 +32,7 @@ impl Latency {
 
     /// Quantile `q` (0..=1) in µs, `None` when empty.
     pub fn quantile_us(&self, q: f64) -> Option<f64> {
-        (self.hist.len() > 0).then(|| self.hist.value_at_quantile(q) as f64 / 1000.0)
+        (!self.hist.is_empty()).then(|| self.hist.value_at_quantile(q) as f64 / 1000.0)
     }
 
     /// Adds every sample of `other`.
@@ -88,6 +88,8 @@ pub struct Stats {
     pub confirmed: Cell<u64>,
     /// basic.nack from the broker.
     pub nacked: Cell<u64>,
+    /// Fixed rate: messages due by the schedule but not sent when publishing stopped.
+    pub behind_schedule: Cell<u64>,
     /// basic.return (mandatory, unroutable).
     pub returned: Cell<u64>,
     /// Deliveries received, duplicates and foreign messages included.

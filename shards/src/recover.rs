@@ -371,13 +371,13 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     }
     let next_offset = segs.back().map(|s| s.base + s.count).unwrap_or(0);
     let mut st = State::new(next_offset, segs, cfg.cache_bytes, Rc::new(alloc));
-    if let Some(s) = st.segs.back() {
-        if !s.full {
+    if let Some((full, base, data_end)) = st.segs.back().map(|s| (s.full, s.base, s.data_end)) {
+        if !full {
             let mut buf = st.alloc_chunk();
             buf.as_bytes_mut()[..tail.len()].copy_from_slice(&tail);
             st.chunk = Some(Chunk {
-                seg_base: s.base,
-                pos: align_down(s.data_end),
+                seg_base: base,
+                pos: align_down(data_end),
                 buf,
                 fill: tail.len(),
                 clean: tail.len(),

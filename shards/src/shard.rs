@@ -48,6 +48,8 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 pub const MAX_INFLIGHT: usize = 4;
 /// `throttle` waits while more chunks than this are cut but not yet written.
 pub const MAX_PENDING_CHUNKS: u64 = 16;
+/// Written chunk buffers kept for reuse.
+const POOL_CHUNKS: usize = 8;
 /// Bytes read per disk access by the sequential [`Reader`].
 pub const READ_WINDOW: u64 = 1 << 20;
 
@@ -143,6 +145,8 @@ pub(crate) struct State {
     pub dir_dirty: bool,
     start_hint: Offset,
     alloc: Rc<DmaFile>,
+    /// Written full-size chunk buffers, reused (saves page faults of fresh memory).
+    pool: Vec<DmaBuffer>,
 }
 
 pub(crate) struct Inner {
@@ -199,11 +203,12 @@ impl State {
             dir_dirty: false,
             start_hint,
             alloc,
+            pool: Vec::new(),
         }
     }
 
-    pub(crate) fn alloc_chunk(&self) -> DmaBuffer {
-        self.alloc.alloc_dma_buffer(CHUNK_BYTES)
+    pub(crate) fn alloc_chunk(&mut self) -> DmaBuffer {
+        self.pool.pop().unwrap_or_else(|| self.alloc.alloc_dma_buffer(CHUNK_BYTES))
     }
 
     /// Index in `segs` of the segment holding `o`.
@@ -517,6 +522,7 @@ async fn write_job(inner: Rc<Inner>, job: Job, file: Option<Rc<DmaFile>>, path: 
             JobKind::RollCut => inner.crashed().then_some(FaultAction::Crash),
         }
     };
+    let mut reuse = None;
     let tear = tear.or(match action {
         Some(FaultAction::Tear { keep_bytes }) => Some(keep_bytes),
         _ => None,
@@ -534,14 +540,28 @@ async fn write_job(inner: Rc<Inner>, job: Job, file: Option<Rc<DmaFile>>, path: 
             }
             Err(StoreError::Failed { dir: inner.dir.clone(), reason: "injected torn write".into() })
         }
-        (Some(f), _) => match f.write_rc_at(Rc::new(buf), pos).await {
-            Ok(n) if n == len => Ok(f),
-            Ok(n) => Err(StoreError::ShortWrite { path: path.clone(), pos, written: n, expected: len }),
-            Err(e) => Err(StoreError::io("writing segment", &path, gio(e))),
-        },
+        (Some(f), _) => {
+            let rc = Rc::new(buf);
+            let r = match f.write_rc_at(rc.clone(), pos).await {
+                Ok(n) if n == len => Ok(f),
+                Ok(n) => Err(StoreError::ShortWrite { path: path.clone(), pos, written: n, expected: len }),
+                Err(e) => Err(StoreError::io("writing segment", &path, gio(e))),
+            };
+            if let Ok(b) = Rc::try_unwrap(rc) {
+                if b.len() == CHUNK_BYTES {
+                    reuse = Some(b);
+                }
+            }
+            r
+        }
     };
     {
         let mut st = inner.st.borrow_mut();
+        if let Some(b) = reuse {
+            if st.pool.len() < POOL_CHUNKS {
+                st.pool.push(b);
+            }
+        }
         st.inflight -= 1;
         match res {
             Ok(f) => {

@@ -133,7 +133,7 @@ pub(crate) fn bit_set(m: &mut [u8], i: u64) -> bool {
 /// Clears bits `from..capacity` (records that do not exist after a crash).
 pub(crate) fn bits_clear_from(m: &mut [u8], from: u64, capacity: u64) {
     let mut i = from;
-    while i < capacity && i % 8 != 0 {
+    while i < capacity && !i.is_multiple_of(8) {
         m[H + (i >> 3) as usize] &= !(1u8 << (i & 7));
         i += 1;
     }
@@ -158,7 +158,7 @@ pub(crate) fn bits_count(m: &[u8], count: u64) -> u64 {
 pub(crate) fn first_clear(m: &[u8], from: u64, count: u64) -> Option<u64> {
     let mut i = from;
     while i < count {
-        if i % 8 == 0 && i + 8 <= count && m[H + (i >> 3) as usize] == 0xff {
+        if i.is_multiple_of(8) && i + 8 <= count && m[H + (i >> 3) as usize] == 0xff {
             i += 8;
             continue;
         }

@@ -90,7 +90,8 @@ fn is_known_method(class_id: u16, method_id: u16) -> bool {
 ///
 /// # Errors
 /// 501 FRAME_ERROR for an oversized frame, a bad frame-end octet or an unknown frame type;
-/// 540 NOT_IMPLEMENTED for an unknown class or method; 502 SYNTAX_ERROR for a method or
+/// 540 NOT_IMPLEMENTED for an unknown class or method (and basic.qos with a prefetch_size);
+/// 501 FRAME_ERROR for a method whose arguments do not decode; 502 SYNTAX_ERROR for a
 /// content header whose fields do not parse. All are connection errors.
 pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>, AmqpError> {
     if buf.len() < 7 {
@@ -134,13 +135,20 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
                 ))
                 .on_method(class_id, method_id));
             }
+            // basic.qos prefetch_size is dropped by the parser; RabbitMQ refuses a non-zero one.
+            if (class_id, method_id) == (60, 10) && payload.len() >= 8 && payload[4..8] != [0, 0, 0, 0] {
+                return Err(AmqpError::not_implemented("prefetch_size != 0 is not supported; use prefetch_count")
+                    .on_method(class_id, method_id));
+            }
             match parse_class(&payload[..]) {
                 Ok((rest, method)) if rest.is_empty() => {
                     Frame::Method { channel, method: Box::new(method) }
                 }
+                // Spec "frame-error": a frame the recipient could not decode (RabbitMQ
+                // answers truncated arguments and overlong field tables the same way).
                 _ => {
-                    return Err(AmqpError::syntax_error(format!(
-                        "malformed fields in method {class_id}.{method_id}"
+                    return Err(AmqpError::frame_error(format!(
+                        "cannot decode the arguments of method {class_id}.{method_id}"
                     ))
                     .on_method(class_id, method_id))
                 }

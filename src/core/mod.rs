@@ -2,8 +2,9 @@
 //! and the cross-core inboxes. The only module that knows there are several cores.
 //!
 //! # Layout
-//! - [`start`]: spawns the pinned executors; each binds the AMQP port with SO_REUSEPORT
-//!   (glommio's `TcpListener::bind`), so the kernel spreads connections over cores.
+//! - [`start`]: spawns the pinned executors; each core binds the AMQP port with
+//!   SO_REUSEPORT, so the kernel spreads connections over cores (accepted by a small
+//!   blocking thread per core, see `listen`).
 //! - [`Core`]: a core's own state (its queues, its routing copy, its connections).
 //! - [`CoreMsg`]: what one core sends another; queue operations travel as
 //!   [`QueueOp`]s in [`CoreMsg::Queue`] to the queue's owner core.
@@ -31,6 +32,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use std::os::fd::{FromRawFd, IntoRawFd};
 
 use glommio::{LocalExecutorBuilder, Placement};
 
@@ -135,17 +138,15 @@ impl Core {
         self.router.borrow().clone()
     }
 
-    fn handle(self: &Rc<Self>, msg: CoreMsg) {
+    /// Handles one message; returns the reply channel of a shutdown request, which the
+    /// executor's root task carries out.
+    fn handle(self: &Rc<Self>, msg: CoreMsg) -> Option<flume::Sender<()>> {
         match msg {
-            CoreMsg::Queue { queue, op } => self.queue_op(queue, op),
-            CoreMsg::Shutdown { done } => {
-                let me = self.clone();
-                glommio::spawn_local(async move {
-                    me.shutdown().await;
-                    let _ = done.send(());
-                })
-                .detach();
+            CoreMsg::Queue { queue, op } => {
+                self.queue_op(queue, op);
+                None
             }
+            CoreMsg::Shutdown { done } => Some(done),
         }
     }
 
@@ -324,6 +325,68 @@ impl QueueEnv for Core {
     }
 }
 
+/// Waits (up to 10 s) until no other socket listens on `addr`.
+///
+/// Every core binds with SO_REUSEPORT, which would also let us share the port with a
+/// listener that is still alive, for instance one of a killed ringmq whose io_uring the
+/// kernel has not torn down yet: the kernel would then hand part of the new connections
+/// to that dead listener, and they would be reset. A plain bind (SO_REUSEADDR only) fails
+/// while any listener exists, so it tells us when the port is really ours.
+fn wait_port_free(addr: std::net::SocketAddr) -> std::io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(probe) => {
+                drop(probe);
+                return Ok(());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))),
+        }
+    }
+}
+
+/// Binds core `core`'s listening socket on `addr` (SO_REUSEPORT, so the kernel spreads
+/// connections over the cores' sockets) and starts its accept thread, which hands each
+/// accepted connection to the core through the returned channel.
+///
+/// Accepting happens on a plain thread with accept(2), not through io_uring: a listening
+/// socket with an accept pending in an io_uring outlives a killed process until the kernel
+/// tears the ring down (seen here taking over 10 s after kill -9 under load), and with
+/// SO_REUSEPORT a restarted broker would share the port with it and see connections reset.
+fn listen(core: usize, addr: std::net::SocketAddr) -> std::io::Result<flume::Receiver<std::net::TcpStream>> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    let listener: std::net::TcpListener = socket.into();
+    let (tx, rx) = flume::unbounded();
+    std::thread::Builder::new().name(format!("ringmq-accept-{core}")).spawn(move || loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                if tx.send(stream).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    })?;
+    Ok(rx)
+}
+
 /// Runs the broker: starts `config.cores` executors and blocks until they stop.
 ///
 /// `shutdown` fires when the process should stop (SIGINT/SIGTERM).
@@ -332,6 +395,7 @@ impl QueueEnv for Core {
 /// Fails when an executor cannot start or the AMQP port cannot be bound.
 pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
     let cores = config.cores.max(1);
+    wait_port_free(config.listen)?;
     let mut inboxes = Vec::new();
     let mut receivers = Vec::new();
     for _ in 0..cores {
@@ -350,84 +414,58 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
     });
     crate::observe::serve_metrics(config.metrics_listen, shared.clone());
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let (bound_tx, bound_rx) = flume::unbounded::<std::io::Result<()>>();
     let mut handles = Vec::new();
     for (i, rx) in receivers.into_iter().enumerate() {
         let shared = shared.clone();
-        let bound_tx = bound_tx.clone();
+        let accepted = listen(i, config.listen)?;
         let placement = if (cores as usize) <= cpus { Placement::Fixed(i) } else { Placement::Unbound };
         let h = LocalExecutorBuilder::new(placement)
             .name(&format!("ringmq-core-{i}"))
             .spawn(move || async move {
                 let core = Core::new(i as u32, shared.clone());
-                let listener = match glommio::net::TcpListener::bind(shared.config.listen) {
-                    Ok(l) => {
-                        let _ = bound_tx.send(Ok(()));
-                        l
-                    }
-                    Err(e) => {
-                        let _ = bound_tx.send(Err(std::io::Error::other(e.to_string())));
-                        return;
-                    }
-                };
                 let inbox = {
                     let core = core.clone();
                     glommio::spawn_local(async move {
                         while let Ok(msg) = rx.recv_async().await {
-                            let stop = matches!(msg, CoreMsg::Shutdown { .. });
-                            core.handle(msg);
-                            if stop {
-                                break;
+                            if let Some(done) = core.handle(msg) {
+                                return Some(done);
                             }
                             for _ in 0..BATCH {
                                 match rx.try_recv() {
-                                    Ok(m) => core.handle(m),
+                                    Ok(m) => {
+                                        if let Some(done) = core.handle(m) {
+                                            return Some(done);
+                                        }
+                                    }
                                     Err(_) => break,
                                 }
                             }
                             glommio::yield_if_needed().await;
                         }
+                        None
                     })
                 };
                 glommio::spawn_local(core.clone().ack_timeouts()).detach();
                 let accept = {
                     let core = core.clone();
                     glommio::spawn_local(async move {
-                        loop {
-                            match listener.accept().await {
-                                Ok(stream) => {
-                                    if core.shared.shutting_down.load(Ordering::Relaxed) {
-                                        continue;
-                                    }
-                                    glommio::spawn_local(crate::amqp::connection::serve(core.clone(), stream)).detach();
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "accept failed");
-                                    glommio::timer::sleep(Duration::from_millis(10)).await;
-                                }
+                        while let Ok(stream) = accepted.recv_async().await {
+                            if core.shared.shutting_down.load(Ordering::Relaxed) {
+                                continue;
                             }
+                            // SAFETY: the fd comes from a std TcpStream we own and give up here.
+                            let stream = unsafe { glommio::net::TcpStream::from_raw_fd(stream.into_raw_fd()) };
+                            glommio::spawn_local(crate::amqp::connection::serve(core.clone(), stream)).detach();
                         }
                     })
                 };
-                inbox.await;
-                // Give the shutdown task time to finish (it replies on its own channel).
-                while !core.shared.shutting_down.load(Ordering::Relaxed) {
-                    glommio::timer::sleep(Duration::from_millis(5)).await;
+                if let Some(done) = inbox.await {
+                    drop(accept);
+                    core.shutdown().await;
+                    let _ = done.send(());
                 }
-                while !core.conns.borrow().is_empty() {
-                    glommio::timer::sleep(Duration::from_millis(5)).await;
-                }
-                drop(accept);
             })?;
         handles.push(h);
-    }
-    drop(bound_tx);
-    for _ in 0..cores {
-        match bound_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(std::io::Error::other("an executor died during start-up")),
-        }
     }
     tracing::info!(listen = %config.listen, cores, "ringmq ready");
     eprintln!("ringmq: serving AMQP 0-9-1 on {} with {} cores, data in {}", config.listen, cores, config.data_dir.display());

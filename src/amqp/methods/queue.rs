@@ -209,11 +209,30 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
             return Err(AmqpError::precondition_failed(format!("invalid arg '{key}' for queue '{}': expected a string", def.name)));
         }
     }
-    if args.inner().contains_key("x-consumer-timeout") && int_arg(args, "x-consumer-timeout").is_none_or(|v| v < 0) {
-        return Err(AmqpError::precondition_failed(format!(
-            "invalid arg 'x-consumer-timeout' for queue '{}': expected a non-negative integer (ms)",
-            def.name
-        )));
+    // Integer arguments RabbitMQ knows, with their lowest valid value.
+    for (key, min) in [
+        ("x-consumer-timeout", 0),
+        ("x-message-ttl", 0),
+        ("x-expires", 1),
+        ("x-max-length", 0),
+        ("x-max-length-bytes", 0),
+        ("x-max-priority", 0),
+        ("x-delivery-limit", 0),
+    ] {
+        if args.inner().contains_key(key) && int_arg(args, key).is_none_or(|v| v < min) {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg '{key}' for queue '{}' in vhost '{}': expected an integer >= {min}",
+                def.name, def.vhost
+            )));
+        }
+    }
+    for key in ["x-overflow", "x-queue-mode", "x-queue-type", "x-queue-master-locator"] {
+        if args.inner().contains_key(key) && string_arg(args, key).is_none() {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg '{key}' for queue '{}' in vhost '{}': expected a string",
+                def.name, def.vhost
+            )));
+        }
     }
     Ok(())
 }

@@ -425,6 +425,7 @@ impl Queue {
 /// The dispatcher task of one queue: delivers while consumers have credit and messages
 /// are ready; sleeps until woken by a publish, a settle, or a consumer change.
 async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
+    futures_lite::future::yield_now().await;
     while wake.recv_async().await.is_ok() {
         let mut sent = 0u32;
         loop {
@@ -465,6 +466,8 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
 /// `sync` covers every append made before it; confirms go out only after it returns
 /// (DESIGN.md ack-path rule 9).
 async fn group_commit(weak: Weak<RefCell<Queue>>) {
+    // glommio may run a spawned task at once: let the spawner release its borrow first.
+    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (shard, batch) = {

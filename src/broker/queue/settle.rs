@@ -111,6 +111,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
     drop(q);
     let weak = Rc::downgrade(cell);
     glommio::spawn_local(async move {
+        futures_lite::future::yield_now().await;
         for off in mine {
             let rec = match shard.read(off).await {
                 Ok(Some(r)) => r,
