@@ -201,8 +201,9 @@ impl Config {
         self.data_dir.join("transient")
     }
 
-    /// The shard directory of a queue: `queues/` or `transient/`, then
-    /// `<hex(vhost)>.<hex(name)>` (names may hold any byte).
+    /// The directory of a queue: `queues/` or `transient/`, then `<hex(vhost)>.<hex(name)>`
+    /// (names may hold any byte). It holds the `messages/` shard and, for a durable queue,
+    /// the `unacked/` index shard.
     pub fn queue_dir(&self, def: &QueueDef) -> PathBuf {
         let base = if def.durable && def.exclusive_owner.is_none() { self.durable_dir() } else { self.transient_dir() };
         base.join(queue_dir_name(&def.vhost, &def.name))

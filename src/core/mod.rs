@@ -38,7 +38,7 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use glommio::{LocalExecutorBuilder, Placement};
 
 use crate::amqp::error::AmqpError;
-use crate::broker::queue::{Queue, QueueCell, QueueEnv};
+use crate::broker::queue::{read_index, Queue, QueueCell, QueueEnv, Recovered};
 use crate::broker::router::{Route, Router};
 use crate::broker::{ClientEvent, ClientTx, ConnId, Mesh, QueueKey, QueueOp, QueueRef};
 use crate::config::Config;
@@ -172,27 +172,23 @@ impl Core {
                 let me = self.clone();
                 let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or(qref);
                 glommio::spawn_local(async move {
-                    let dir = me.shared.config.queue_dir(&def);
-                    let cfg = ringmq_shards::ShardConfig { segment_bytes: me.shared.config.segment_bytes, ..Default::default() };
-                    let opened = ringmq_shards::Shard::open(&dir, cfg).await;
+                    let opened = me.open_queue(&def, &qref).await;
                     let pending = match me.queues.borrow_mut().remove(&qref.key) {
                         Some(Slot::Opening(p)) => p,
                         _ => Vec::new(),
                     };
                     match opened {
-                        Ok((shard, report)) => {
-                            for (from, to, why) in &report.dropped {
-                                tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped records");
-                            }
+                        Ok((shard, index, recovered)) => {
                             let env: Rc<dyn QueueEnv> = me.clone();
-                            let cell = Queue::start(def, qref.clone(), shard, me.shared.config.consumer_timeout_ms, env);
+                            let timeout = me.shared.config.consumer_timeout_ms;
+                            let cell = Queue::start(def, qref.clone(), shard, index, recovered, timeout, env);
                             me.queues.borrow_mut().insert(qref.key.clone(), Slot::Open(cell.clone()));
                             for op in pending {
                                 me.run_op(&cell, op);
                             }
                         }
                         Err(e) => {
-                            tracing::error!(queue = %qref.key.name, error = %e, "cannot open queue shard");
+                            tracing::error!(queue = %qref.key.name, error = %e, "cannot open queue store");
                             for op in pending {
                                 refuse_with(op, AmqpError::internal_error(format!("queue store unavailable: {e}")));
                             }
@@ -202,6 +198,29 @@ impl Core {
                 .detach();
             }
         }
+    }
+
+    /// Opens a queue's message shard and, for a durable queue, its unacked index, and
+    /// reads what recovery needs (the committed cursor and the index records).
+    async fn open_queue(
+        &self,
+        def: &crate::meta::state::QueueDef,
+        qref: &QueueRef,
+    ) -> Result<(ringmq_shards::Shard, Option<ringmq_shards::Shard>, Recovered), ringmq_shards::StoreError> {
+        let dir = self.shared.config.queue_dir(def);
+        let cfg = || ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
+        let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg()).await?;
+        for (from, to, why) in &report.dropped {
+            tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
+        }
+        if !qref.durable {
+            return Ok((shard, None, Recovered::default()));
+        }
+        let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
+        let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
+        let held = read_index(&index).await?;
+        let cursor = self.shared.meta.cursor(&qref.key.vhost, &qref.key.name).unwrap_or(0);
+        Ok((shard, Some(index), Recovered { cursor, held }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
@@ -214,7 +233,8 @@ impl Core {
                     }
                     Ok(n) => {
                         let key = cell.borrow().qref.key.clone();
-                        let shard = cell.borrow_mut().tear_down();
+                        let (shard, index) = cell.borrow_mut().tear_down();
+                        let dir = self.shared.config.queue_dir(&cell.borrow().def);
                         self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
                         let me = self.clone();
                         glommio::spawn_local(async move {
@@ -222,11 +242,15 @@ impl Core {
                             if let Err(e) = me.shared.meta.propose(cmd).await {
                                 tracing::error!(error = %e, "metadata delete of queue failed");
                             }
-                            if let Ok(shard) = Rc::try_unwrap(shard) {
-                                if let Err(e) = shard.destroy().await {
-                                    tracing::warn!(error = %e, "removing queue files failed");
+                            for shard in [Some(shard), index].into_iter().flatten() {
+                                if let Ok(shard) = Rc::try_unwrap(shard) {
+                                    if let Err(e) = shard.destroy().await {
+                                        tracing::warn!(error = %e, "removing queue files failed");
+                                    }
                                 }
                             }
+                            // The (now empty) queue directory: one small unlink.
+                            let _ = std::fs::remove_dir(&dir);
                             me.queues.borrow_mut().remove(&key);
                             let _ = reply.send(Ok(n));
                         })
@@ -253,9 +277,11 @@ impl Core {
             .filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
             .collect();
         for c in cells {
-            let shard = c.borrow().shard.clone();
-            if let Err(e) = shard.close().await {
-                tracing::error!(error = %e, "closing a shard failed");
+            let (shard, index) = (c.borrow().shard.clone(), c.borrow().index.clone());
+            for s in [Some(shard), index].into_iter().flatten() {
+                if let Err(e) = s.close().await {
+                    tracing::error!(error = %e, "closing a shard failed");
+                }
             }
         }
     }
@@ -316,6 +342,10 @@ impl Mesh for Core {
 impl QueueEnv for Core {
     fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&amq_protocol::types::FieldTable>) -> Route {
         self.router().route(vhost, exchange, routing_key, headers)
+    }
+
+    fn meta(&self) -> &MetaHandle {
+        &self.shared.meta
     }
 
     fn auto_delete(&self, key: &QueueKey) {

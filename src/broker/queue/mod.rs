@@ -16,6 +16,7 @@
 //! Single-threaded per core: no `RefCell` borrow of a queue is held across an `.await`.
 
 pub mod consumer;
+pub mod index;
 pub mod settle;
 
 use std::cell::RefCell;
@@ -23,7 +24,8 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::rc::{Rc, Weak};
 use std::time::Instant;
 
-use ringmq_shards::{Record, Shard};
+use bytes::Bytes;
+use ringmq_shards::{Record, Shard, Synced};
 
 use super::message::Message;
 use super::router::{int_arg, string_arg, Route};
@@ -31,8 +33,10 @@ use super::{
     ClientEvent, ConfirmTo, ConsumerId, Delivery, GetReply, Holder, Mesh, QueueKey, QueueOp, QueueRef,
 };
 use crate::amqp::error::AmqpError;
-use crate::meta::state::QueueDef;
+use crate::meta::state::{Command, Outcome, QueueDef};
+use crate::meta::MetaHandle;
 use consumer::Consumers;
+use index::{now_ms, IndexRecord};
 
 /// Default delivery acknowledgement timeout: 30 minutes (RabbitMQ's consumer_timeout), in ms.
 pub const DEFAULT_CONSUMER_TIMEOUT_MS: u64 = 30 * 60 * 1000;
@@ -43,6 +47,8 @@ pub trait QueueEnv: Mesh {
     fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&amq_protocol::types::FieldTable>) -> Route;
     /// The queue has become unused and is auto-delete: remove it.
     fn auto_delete(&self, key: &QueueKey);
+    /// The metadata group (cursor commits, leader check, node id and boot epoch).
+    fn meta(&self) -> &MetaHandle;
 }
 
 /// Who holds an outstanding delivery.
@@ -54,6 +60,29 @@ pub struct Outstanding {
     pub holder: Holder,
     /// When it was delivered.
     pub since: Instant,
+    /// Its record in the unacked index (persistent messages of durable queues only).
+    pub index_offset: Option<u64>,
+}
+
+/// A durable queue's shared cursor: every offset below `committed` has been delivered at
+/// least once, and the Raft metadata says so (committed by compare-and-set).
+#[derive(Debug, Default)]
+pub struct Cursor {
+    /// Value stored in the metadata.
+    pub committed: u64,
+    /// Highest delivered offset + 1 (what the next commit proposes).
+    pub target: u64,
+    /// A commit task is running.
+    pub committing: bool,
+}
+
+/// What a queue learns from its store when it opens.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// The committed cursor from the metadata.
+    pub cursor: u64,
+    /// Unacked-index records left by earlier runs: (index offset, record).
+    pub held: Vec<(u64, IndexRecord)>,
 }
 
 /// A queue's state. See the module doc.
@@ -64,6 +93,11 @@ pub struct Queue {
     pub def: QueueDef,
     /// The message store.
     pub shard: Rc<Shard>,
+    /// The unacked index (durable queues only).
+    pub index: Option<Rc<Shard>>,
+    /// The shared cursor (durable queues only; see [`Cursor`]).
+    pub cursor: Cursor,
+    me: Weak<RefCell<Queue>>,
     ready: VecDeque<u64>,
     requeued: BTreeSet<u64>,
     redelivered: HashSet<u64>,
@@ -74,6 +108,8 @@ pub struct Queue {
     had_consumer: bool,
     pending_confirms: Vec<ConfirmTo>,
     syncing: bool,
+    /// Deliveries waiting for their unacked-index records to be synced.
+    unsynced: Vec<(ConsumerId, Delivery)>,
     /// Appends or deletes not yet covered by a sync.
     dirty: bool,
     wake: flume::Sender<()>,
@@ -99,30 +135,58 @@ enum Step {
 }
 
 impl Queue {
-    /// Builds a queue around an opened shard and starts its dispatcher task.
-    /// Ready messages are the shard's live records, in offset order.
-    pub fn start(def: QueueDef, qref: QueueRef, shard: Shard, default_timeout_ms: u64, env: Rc<dyn QueueEnv>) -> QueueCell {
+    /// Builds a queue around its opened shards and starts its dispatcher task.
+    ///
+    /// Ready messages are the shard's live records, in offset order. Recovery (DESIGN.md
+    /// rule 7): a live message below the committed cursor, or named by an unacked-index
+    /// record of an earlier run, was delivered before and comes back redelivered=true. On
+    /// the Raft leader, the scanner then drops those records (their boot epoch is dead:
+    /// the messages are ready again).
+    pub fn start(
+        def: QueueDef,
+        qref: QueueRef,
+        shard: Shard,
+        index: Option<Shard>,
+        recovered: Recovered,
+        default_timeout_ms: u64,
+        env: Rc<dyn QueueEnv>,
+    ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let ready: VecDeque<u64> = shard.live_offsets().into_iter().collect();
+        let mut redelivered: HashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
+        redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
+        if let Some(index) = &index {
+            if env.meta().is_leader() && !recovered.held.is_empty() {
+                let stale: Vec<u64> = recovered.held.iter().map(|(i, _)| *i).collect();
+                tracing::info!(queue = %qref.key.name, records = stale.len(), "requeued deliveries of a dead boot epoch");
+                if let Err(e) = index.delete_by_offsets(&stale) {
+                    tracing::error!(error = %e, "unacked index delete failed");
+                }
+            }
+        }
         let consumer_timeout_ms = int_arg(&def.arguments, "x-consumer-timeout")
             .filter(|v| *v > 0)
             .map(|v| v as u64)
             .unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
-        let q = Rc::new(RefCell::new(Queue {
+        let q = Rc::new_cyclic(|me| RefCell::new(Queue {
             qref,
             def,
             shard: Rc::new(shard),
+            index: index.map(Rc::new),
+            cursor: Cursor { committed: recovered.cursor, target: recovered.cursor, committing: false },
+            me: me.clone(),
             ready,
             requeued: BTreeSet::new(),
-            redelivered: HashSet::new(),
+            redelivered,
             outstanding: HashMap::new(),
             paging: 0,
             consumers: Consumers::default(),
             had_consumer: false,
             pending_confirms: Vec::new(),
             syncing: false,
+            unsynced: Vec::new(),
             dirty: false,
             wake,
             deleted: false,
@@ -297,8 +361,9 @@ impl Queue {
     }
 
     /// Marks the queue deleted and tells every consumer (basic.cancel for clients that
-    /// announced consumer_cancel_notify). Returns the shard for the caller to destroy.
-    pub fn tear_down(&mut self) -> Rc<Shard> {
+    /// announced consumer_cancel_notify). Returns the shards (messages, unacked index) for
+    /// the caller to destroy.
+    pub fn tear_down(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
         self.deleted = true;
         for c in self.consumers.drain() {
             if c.spec.cancel_notify {
@@ -309,7 +374,7 @@ impl Queue {
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
         }
         self.wake();
-        self.shard.clone()
+        (self.shard.clone(), self.index.clone())
     }
 
     fn maybe_auto_delete(&self) {
@@ -352,8 +417,14 @@ impl Queue {
     }
 
     /// Hands `rec` to `consumer`; on a vanished consumer the offset goes back.
+    ///
+    /// A tracked delivery of a persistent message in a durable queue is recorded in the
+    /// unacked index first and leaves the core only once that record is synced
+    /// ([`Queue::flush_unsynced`]): after any crash, a message that reached a client is
+    /// known to have been delivered (redelivered=true), never silently handed out again.
     fn deliver(&mut self, consumer: ConsumerId, rec: Record) {
         let offset = rec.offset;
+        let flags = rec.flags;
         let redelivered = self.redelivered.contains(&offset);
         let qref = self.qref.clone();
         let Some(c) = self.consumers.get_mut(consumer) else {
@@ -368,21 +439,107 @@ impl Queue {
             queue: qref,
             offset,
             redelivered,
-            message: Message { header: rec.header, body: rec.body, flags: rec.flags },
+            message: Message { header: rec.header, body: rec.body, flags },
             track,
         };
-        if c.spec.tx.send(ClientEvent::Deliver(d)).is_err() {
-            // The connection is gone; its close will settle the rest.
-            self.consumers.remove(consumer);
-            self.unclaim(offset);
-            return;
-        }
+        let tx = c.spec.tx.clone();
+        let mut index_offset = None;
         if track {
             c.in_flight += 1;
-            let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: c.spec.tx.clone() };
-            self.outstanding.insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now() });
-        } else {
+            let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
+            index_offset = self.index_delivery(offset, flags, &holder);
+            self.outstanding.insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), index_offset });
+        }
+        self.passed(offset);
+        if index_offset.is_some() {
+            self.unsynced.push((consumer, d));
+            return;
+        }
+        if tx.send(ClientEvent::Deliver(d)).is_err() {
+            // The connection is gone; its close will settle the rest.
+            self.consumers.remove(consumer);
+            if self.settle_one(offset).is_some() || !track {
+                self.unclaim(offset);
+            }
+            return;
+        }
+        if !track {
             self.forget(offset);
+        }
+    }
+
+    /// Sends the deliveries that waited for their unacked-index records, once the index is
+    /// synced. A delivery whose consumer went away meanwhile is requeued.
+    async fn flush_unsynced(weak: &Weak<RefCell<Queue>>) {
+        let Some(cell) = weak.upgrade() else { return };
+        let (batch, index) = {
+            let mut q = cell.borrow_mut();
+            if q.unsynced.is_empty() {
+                return;
+            }
+            (std::mem::take(&mut q.unsynced), q.index.clone())
+        };
+        drop(cell);
+        if let Some(index) = index {
+            if let Err(e) = index.sync().await {
+                crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
+            }
+        }
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        let mut back = Vec::new();
+        for (consumer, d) in batch {
+            let offset = d.offset;
+            let still_held = q.outstanding.get(&offset).is_some_and(|o| o.consumer == Some(consumer));
+            if !still_held {
+                continue; // settled or requeued meanwhile (channel closed)
+            }
+            let sent = q.consumers.get_mut(consumer).map(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());
+            if sent != Some(true) {
+                back.push(offset);
+            }
+        }
+        if !back.is_empty() {
+            q.requeue(&back);
+        }
+    }
+
+    /// Rule 2, first half: a tracked delivery of a persistent message in a durable queue
+    /// gets an unacked-index record (appended now, synced before the cursor passes it).
+    fn index_delivery(&self, offset: u64, flags: u8, holder: &Holder) -> Option<u64> {
+        let index = self.index.as_ref()?;
+        if flags & super::message::FLAG_PERSISTENT == 0 {
+            return None;
+        }
+        let meta = self.env.meta();
+        let rec = IndexRecord {
+            node: meta.node_id(),
+            epoch: meta.boot_epoch(),
+            conn: holder.conn,
+            channel: holder.channel,
+            time_ms: now_ms(),
+            offset,
+            vhost: self.qref.key.vhost.to_string(),
+            queue: self.qref.key.name.to_string(),
+        };
+        match index.append(0, &rec.encode(), &Bytes::new()) {
+            Ok(i) => Some(i),
+            Err(e) => {
+                tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index append failed");
+                None
+            }
+        }
+    }
+
+    /// The cursor moves past a delivered offset; a commit task carries it to the metadata.
+    fn passed(&mut self, offset: u64) {
+        if self.index.is_none() || offset < self.cursor.target {
+            return;
+        }
+        self.cursor.target = offset + 1;
+        if !self.cursor.committing {
+            self.cursor.committing = true;
+            glommio::spawn_local(commit_cursor(self.me.clone())).detach();
         }
     }
 
@@ -399,7 +556,7 @@ impl Queue {
     /// consumers holding them, flagged redelivered.
     fn redeliver(&mut self, offsets: &[u64]) {
         for &off in offsets {
-            let Some(o) = self.outstanding.remove(&off) else { continue };
+            let Some(o) = self.settle_one(off) else { continue };
             let Some(cid) = o.consumer else {
                 // Held by basic.get: no consumer to send it to again; requeue it.
                 self.redelivered.insert(off);
@@ -407,12 +564,12 @@ impl Queue {
                 self.wake();
                 continue;
             };
-            if let Some(c) = self.consumers.get_mut(cid) {
-                c.in_flight = c.in_flight.saturating_sub(1);
-            }
             self.redelivered.insert(off);
             match self.shard.read_cached(off) {
-                Some(rec) => self.deliver(cid, rec),
+                Some(rec) => {
+                    self.deliver(cid, rec);
+                    self.wake();
+                }
                 None => {
                     self.requeued.insert(off);
                     self.wake();
@@ -437,6 +594,7 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                     sent += 1;
                     if sent % 256 == 0 {
                         drop(cell);
+                        Queue::flush_unsynced(&weak).await;
                         glommio::yield_if_needed().await;
                     }
                 }
@@ -459,6 +617,7 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                 }
             }
         }
+        Queue::flush_unsynced(&weak).await;
     }
 }
 
@@ -493,6 +652,77 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
     }
 }
 
+/// Builds the cursor commit. Taking the index's [`Synced`] token is the type-level form of
+/// rule 2: no cursor moves past a delivery whose index record is not yet durable.
+fn cursor_cas(key: &QueueKey, expected: u64, new: u64, _index_synced: &Synced) -> Command {
+    Command::CursorCas { vhost: key.vhost.to_string(), queue: key.name.to_string(), expected, new }
+}
+
+/// Commits the queue's cursor through the Raft group by compare-and-set, one proposal in
+/// flight per queue (the metadata group batches proposals of all queues into one entry).
+/// A rejected CAS re-reads the stored value and retries; nothing is locked or leased.
+async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
+    futures_lite::future::yield_now().await;
+    loop {
+        let Some(cell) = weak.upgrade() else { return };
+        let (shard, index, key, expected, target, env) = {
+            let mut q = cell.borrow_mut();
+            let Some(index) = q.index.clone() else {
+                q.cursor.committing = false;
+                return;
+            };
+            if q.deleted || q.cursor.target <= q.cursor.committed {
+                q.cursor.committing = false;
+                return;
+            }
+            (q.shard.clone(), index, q.qref.key.clone(), q.cursor.committed, q.cursor.target, q.env.clone())
+        };
+        drop(cell);
+        let synced = match (shard.sync().await, index.sync().await) {
+            (Ok(_), Ok(s)) => s,
+            (Err(e), _) | (_, Err(e)) => crate::core::fatal::fatal(&format!("fdatasync before a cursor commit failed: {e}")),
+        };
+        let outcome = env.meta().propose(cursor_cas(&key, expected, target, &synced)).await;
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        match outcome {
+            Ok(Outcome::CasApplied) => q.cursor.committed = target,
+            Ok(Outcome::CasRejected { current }) => {
+                // Someone else moved it (or our view was stale): take the stored value.
+                q.cursor.committed = current.unwrap_or(0);
+                q.cursor.target = q.cursor.target.max(q.cursor.committed);
+            }
+            Ok(other) => {
+                tracing::warn!(queue = %key.name, ?other, "unexpected cursor commit outcome");
+                q.cursor.committing = false;
+                return;
+            }
+            Err(e) => {
+                tracing::error!(queue = %key.name, error = %e, "cursor commit failed");
+                q.cursor.committing = false;
+                return;
+            }
+        }
+    }
+}
+
+/// Reads every live unacked-index record of a queue (at open, before any delivery).
+///
+/// # Errors
+/// The store's error when a record cannot be read.
+pub async fn read_index(index: &Shard) -> Result<Vec<(u64, IndexRecord)>, ringmq_shards::StoreError> {
+    let mut out = Vec::new();
+    for i in index.live_offsets() {
+        if let Some(r) = index.read(i).await? {
+            match IndexRecord::decode(&r.header) {
+                Some(rec) => out.push((i, rec)),
+                None => tracing::warn!(index_offset = i, "undecodable unacked-index record skipped"),
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// basic.get: claims the next ready message for `holder`.
 fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply<Result<Option<GetReply>, AmqpError>>) {
     let mut q = cell.borrow_mut();
@@ -501,8 +731,9 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
         return;
     };
     if let Some(rec) = q.shard.read_cached(offset) {
-        let r = q.finish_get(rec, no_ack, holder);
-        let _ = reply.send(Ok(Some(r)));
+        let (r, sync) = q.finish_get(rec, no_ack, holder);
+        drop(q);
+        reply_get(r, sync, reply);
         return;
     }
     q.paging += 1;
@@ -516,8 +747,9 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
         q.paging -= 1;
         match rec {
             Ok(Some(rec)) => {
-                let r = q.finish_get(rec, no_ack, holder);
-                let _ = reply.send(Ok(Some(r)));
+                let (r, sync) = q.finish_get(rec, no_ack, holder);
+                drop(q);
+                reply_get(r, sync, reply);
             }
             Ok(None) => {
                 let _ = reply.send(Ok(None));
@@ -531,25 +763,46 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
     .detach();
 }
 
-impl Queue {
-    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> GetReply {
-        let offset = rec.offset;
-        let redelivered = self.redelivered.contains(&offset);
-        if no_ack {
-            self.forget(offset);
-        } else {
-            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now() });
-        }
-        GetReply {
-            offset,
-            redelivered,
-            message: Message { header: rec.header, body: rec.body, flags: rec.flags },
-            message_count: self.message_count(),
+/// Answers a basic.get, after syncing the unacked index when the delivery has a record
+/// there (the same rule as [`Queue::flush_unsynced`]).
+fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: super::Reply<Result<Option<GetReply>, AmqpError>>) {
+    match sync {
+        None => drop(reply.send(Ok(Some(r)))),
+        Some(index) => {
+            glommio::spawn_local(async move {
+                if let Err(e) = index.sync().await {
+                    crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
+                }
+                let _ = reply.send(Ok(Some(r)));
+            })
+            .detach();
         }
     }
 }
 
-/// A queue's key as a `QueueKey` (convenience for callers holding a cell).
-pub fn key_of(cell: &QueueCell) -> QueueKey {
-    cell.borrow().qref.key.clone()
+impl Queue {
+    /// Claims `rec` for a basic.get; returns the reply and, when the delivery got an
+    /// unacked-index record, the index to sync before answering.
+    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<Rc<Shard>>) {
+        let offset = rec.offset;
+        let redelivered = self.redelivered.contains(&offset);
+        let mut sync = None;
+        if no_ack {
+            self.forget(offset);
+        } else {
+            let index_offset = self.index_delivery(offset, rec.flags, &holder);
+            if index_offset.is_some() {
+                sync = self.index.clone();
+            }
+            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now(), index_offset });
+        }
+        self.passed(offset);
+        let r = GetReply {
+            offset,
+            redelivered,
+            message: Message { header: rec.header, body: rec.body, flags: rec.flags },
+            message_count: self.message_count(),
+        };
+        (r, sync)
+    }
 }

@@ -5,12 +5,14 @@
 //!
 //! 1. **One consumer at a time.** Only the owner core moves an offset out of the ready set,
 //!    and it records the holder before the delivery leaves the core ([`Queue::step`]).
-//! 2. **Index before cursor.** (Persisted unacked index: see docs/ARCHITECTURE.md, "Ack
-//!    path status".)
+//! 2. **Index before cursor.** A tracked delivery of a persistent message in a durable
+//!    queue appends an unacked-index record ([`super::index`]); the cursor commit that
+//!    passes it needs the index's `Synced` token ([`super::Queue`]'s `commit_cursor`).
 //! 3. **New copy before old delete.** [`reject`] dead-letters by publishing the new copy
 //!    with a confirm ticket, and deletes the original only after every target queue has
 //!    stored (and, for durable targets, synced) it.
-//! 4. **Ack is a delete** of the message's offset in its shard ([`Queue::ack`]).
+//! 4. **Ack is two deletes**: the message's offset in its shard ([`Queue::ack`]) and its
+//!    unacked-index record (`settle_one`, which every transition goes through).
 //! 5. **One requeue primitive**, [`Queue::requeue`], behind basic.nack(requeue),
 //!    basic.reject(requeue), basic.recover(requeue), channel/connection close and the
 //!    acknowledgement timeout. A requeued offset is delivered again with redelivered=true,
@@ -32,22 +34,29 @@ use crate::broker::message::Message;
 use crate::broker::{ClientEvent, ConfirmTo, QueueOp};
 
 impl Queue {
-    /// Takes an offset out of the outstanding set and returns its holder's credit.
-    fn settle_one(&mut self, offset: u64) -> bool {
-        let Some(o) = self.outstanding.remove(&offset) else { return false };
+    /// Takes an offset out of the outstanding set: returns its holder's prefetch credit and
+    /// deletes its unacked-index record (rule 4, second delete). Every transition of a
+    /// delivered message starts here.
+    pub(super) fn settle_one(&mut self, offset: u64) -> Option<super::Outstanding> {
+        let o = self.outstanding.remove(&offset)?;
         if let Some(cid) = o.consumer {
             if let Some(c) = self.consumers.get_mut(cid) {
                 c.in_flight = c.in_flight.saturating_sub(1);
             }
         }
-        true
+        if let (Some(i), Some(index)) = (o.index_offset, &self.index) {
+            if let Err(e) = index.delete_by_offsets(&[i]) {
+                tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index delete failed");
+            }
+        }
+        Some(o)
     }
 
     /// basic.ack: rule 4, delete each settled offset from the shard.
     pub fn ack(&mut self, offsets: &[u64]) {
         let mut done = Vec::with_capacity(offsets.len());
         for &off in offsets {
-            if self.settle_one(off) {
+            if self.settle_one(off).is_some() {
                 self.redelivered.remove(&off);
                 done.push(off);
             }
@@ -66,7 +75,7 @@ impl Queue {
     pub fn requeue(&mut self, offsets: &[u64]) {
         let mut any = false;
         for &off in offsets {
-            if self.settle_one(off) {
+            if self.settle_one(off).is_some() {
                 self.redelivered.insert(off);
                 self.requeued.insert(off);
                 any = true;
@@ -87,7 +96,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
     let mut q = cell.borrow_mut();
     let mut mine = Vec::with_capacity(offsets.len());
     for off in offsets {
-        if q.settle_one(off) {
+        if q.settle_one(off).is_some() {
             mine.push(off);
         }
     }
