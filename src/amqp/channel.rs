@@ -136,6 +136,8 @@ pub struct Channel {
     pub touched: HashSet<QueueRef>,
     /// basic.qos prefetch_count for consumers started after it (0 = unlimited).
     pub prefetch: u32,
+    /// basic.qos global=true: the window shared by all consumers of the channel.
+    pub credit: std::sync::Arc<crate::broker::ChannelCredit>,
     /// Publisher confirms.
     pub confirms: Confirms,
     /// A publish whose content is being received.
@@ -156,6 +158,7 @@ impl Channel {
             consumers: HashMap::new(),
             touched: HashSet::new(),
             prefetch: 0,
+            credit: Default::default(),
             confirms: Confirms::default(),
             publish: None,
             flow_active: true,

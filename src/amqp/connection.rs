@@ -522,7 +522,9 @@ impl Session {
         }
     }
 
-    fn teardown(&self) {
+    /// Closes every channel (requeueing what they hold) and deletes the connection's
+    /// exclusive queues; returns the replies of those deletions.
+    fn close_all(&self) -> Vec<flume::Receiver<Result<u32, AmqpError>>> {
         let mut st = self.st.borrow_mut();
         let channels: Vec<Channel> = st.channels.drain().map(|(_, c)| c).collect();
         let exclusive = std::mem::take(&mut st.exclusive_queues);
@@ -533,10 +535,30 @@ impl Session {
                 self.apply_close_effects(effects);
             }
         }
+        let mut replies = Vec::new();
         for q in exclusive {
-            let (reply, _rx) = crate::broker::reply_channel();
+            let (reply, rx) = crate::broker::reply_channel();
             self.queue_send(&q, QueueOp::Delete { if_unused: false, if_empty: false, reply });
+            replies.push(rx);
         }
+        replies
+    }
+
+    /// [`Session::close_all`], waiting (at most 2 s) until the exclusive queues are deleted.
+    async fn release(&self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for rx in self.close_all() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
+                glommio::timer::sleep(left).await;
+                None
+            })
+            .await;
+        }
+    }
+
+    fn teardown(&self) {
+        let _ = self.close_all();
     }
 
     async fn on_frame(self: &Rc<Self>, frame: Frame) -> Result<(), AmqpError> {
@@ -549,6 +571,9 @@ impl Session {
                 match m {
                     AMQPClass::Connection(conn::AMQPMethod::Close(c)) => {
                         tracing::debug!(conn = self.id, code = c.reply_code, text = %c.reply_text, "client closed connection");
+                        // As RabbitMQ: by close-ok, the channels are closed (their deliveries
+                        // requeued) and the exclusive queues are gone.
+                        self.release().await;
                         self.send_method(0, &AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})));
                         self.finish();
                         Ok(())

@@ -148,6 +148,35 @@ pub struct GetReply {
     pub message_count: u32,
 }
 
+/// A channel's shared prefetch window (basic.qos with global=true, RabbitMQ's reading:
+/// one limit for all consumers of the channel, whichever queues and cores they are on).
+#[derive(Debug, Default)]
+pub struct ChannelCredit {
+    /// prefetch_count for the whole channel (0 = unlimited).
+    pub limit: std::sync::atomic::AtomicU32,
+    /// Tracked deliveries outstanding on the channel.
+    pub in_flight: std::sync::atomic::AtomicU32,
+}
+
+impl ChannelCredit {
+    /// Whether one more delivery fits.
+    pub fn has_room(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let limit = self.limit.load(Relaxed);
+        limit == 0 || self.in_flight.load(Relaxed) < limit
+    }
+    /// A delivery is outstanding.
+    pub fn take(&self) {
+        self.in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// A delivery was settled.
+    pub fn give(&self) {
+        let _ = self.in_flight.fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(1))
+        });
+    }
+}
+
 /// A consumer as the queue sees it.
 #[derive(Debug)]
 pub struct ConsumerSpec {
@@ -167,6 +196,8 @@ pub struct ConsumerSpec {
     pub exclusive: bool,
     /// basic.qos prefetch_count in force when it started (0 = unlimited).
     pub prefetch: u32,
+    /// The channel's shared window (basic.qos global=true).
+    pub channel_credit: Arc<ChannelCredit>,
     /// Whether the client wants basic.cancel when the queue goes away.
     pub cancel_notify: bool,
     /// Whether the queue must send consume-ok (false for nowait).
@@ -256,6 +287,8 @@ pub enum QueueOp {
         /// Offsets held by the channel.
         offsets: Vec<u64>,
     },
+    /// Re-check consumers' credit (a channel-wide window opened up elsewhere).
+    Wake,
     /// Ready and consumer counts (queue.declare-ok).
     Stats {
         /// (message_count, consumer_count)

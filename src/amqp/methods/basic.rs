@@ -39,8 +39,18 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
             Ok(())
         }
         basic::AMQPMethod::Qos(q) => {
+            let mut wake = Vec::new();
             if let Some(c) = s.st.borrow_mut().channels.get_mut(&channel) {
-                c.prefetch = q.prefetch_count as u32;
+                if q.global {
+                    // RabbitMQ: global=true limits the channel as a whole, at once.
+                    c.credit.limit.store(q.prefetch_count as u32, std::sync::atomic::Ordering::Relaxed);
+                    wake.extend(c.consumers.values().map(|x| x.queue.clone()));
+                } else {
+                    c.prefetch = q.prefetch_count as u32;
+                }
+            }
+            for queue in wake {
+                s.queue_send(&queue, QueueOp::Wake);
             }
             s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
             Ok(())
@@ -63,19 +73,21 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
         basic::AMQPMethod::Ack(a) => {
             let done = settle(s, channel, a.delivery_tag, a.multiple)?;
             Stats::add(&s.core.stats().acked, done.len() as u64);
-            for (q, offs) in by_queue(done) {
+            let settled = by_queue(done);
+            wake_channel_queues(s, channel, &settled);
+            for (q, offs) in settled {
                 s.queue_send(&q, QueueOp::Settle { ack: offs, requeue: Vec::new(), reject: Vec::new() });
             }
             Ok(())
         }
         basic::AMQPMethod::Reject(r) => {
             let done = settle(s, channel, r.delivery_tag, false)?;
-            reject_or_requeue(s, done, r.requeue);
+            reject_or_requeue(s, channel, done, r.requeue);
             Ok(())
         }
         basic::AMQPMethod::Nack(n) => {
             let done = settle(s, channel, n.delivery_tag, n.multiple)?;
-            reject_or_requeue(s, done, n.requeue);
+            reject_or_requeue(s, channel, done, n.requeue);
             Ok(())
         }
         basic::AMQPMethod::Recover(r) => {
@@ -101,11 +113,33 @@ fn settle(s: &Session, channel: u16, tag: u64, multiple: bool) -> Result<Vec<Una
     c.ledger.settle(tag, multiple)
 }
 
-fn reject_or_requeue(s: &Session, done: Vec<Unacked>, requeue: bool) {
+/// With a channel-wide window (global prefetch), credit freed by settling in one queue may
+/// let the channel's consumers on *other* queues go on: wake those queues.
+fn wake_channel_queues(s: &Session, channel: u16, settled: &[(crate::broker::QueueRef, Vec<u64>)]) {
+    let st = s.st.borrow();
+    let Some(c) = st.channels.get(&channel) else { return };
+    if c.credit.limit.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut others: Vec<crate::broker::QueueRef> = Vec::new();
+    for cons in c.consumers.values() {
+        if !settled.iter().any(|(q, _)| *q == cons.queue) && !others.contains(&cons.queue) {
+            others.push(cons.queue.clone());
+        }
+    }
+    drop(st);
+    for q in others {
+        s.queue_send(&q, QueueOp::Wake);
+    }
+}
+
+fn reject_or_requeue(s: &Session, channel: u16, done: Vec<Unacked>, requeue: bool) {
     if requeue {
         Stats::add(&s.core.stats().requeued, done.len() as u64);
     }
-    for (q, offs) in by_queue(done) {
+    let settled = by_queue(done);
+    wake_channel_queues(s, channel, &settled);
+    for (q, offs) in settled {
         let op = if requeue {
             QueueOp::Settle { ack: Vec::new(), requeue: offs, reject: Vec::new() }
         } else {
@@ -159,6 +193,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
             no_ack: c.no_ack,
             exclusive: c.exclusive,
             prefetch: ch.prefetch,
+            channel_credit: ch.credit.clone(),
             cancel_notify,
             send_consume_ok: !c.nowait,
             tx: s.tx.clone(),

@@ -15,7 +15,8 @@ pub struct Consumer {
 impl Consumer {
     /// Whether one more delivery fits in the consumer's prefetch window.
     pub fn has_credit(&self) -> bool {
-        self.spec.no_ack || self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch
+        self.spec.no_ack
+            || ((self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch) && self.spec.channel_credit.has_room())
     }
 }
 
@@ -101,6 +102,7 @@ mod tests {
             no_ack: false,
             exclusive: false,
             prefetch,
+            channel_credit: Default::default(),
             cancel_notify: true,
             send_consume_ok: true,
             tx: flume::unbounded().0,

@@ -62,6 +62,8 @@ pub struct Outstanding {
     pub since: Instant,
     /// Its record in the unacked index (persistent messages of durable queues only).
     pub index_offset: Option<u64>,
+    /// The holder channel's shared prefetch window (consumer deliveries only).
+    pub credit: Option<std::sync::Arc<super::ChannelCredit>>,
 }
 
 /// A durable queue's shared cursor: every offset below `committed` has been delivered at
@@ -277,6 +279,7 @@ impl Queue {
                 q.maybe_auto_delete();
             }
             QueueOp::Redeliver { offsets } => q.redeliver(&offsets),
+            QueueOp::Wake => q.wake(),
             QueueOp::Stats { reply } => {
                 let _ = reply.send(Ok((q.message_count(), q.consumers.len() as u32)));
             }
@@ -446,9 +449,12 @@ impl Queue {
         let mut index_offset = None;
         if track {
             c.in_flight += 1;
+            c.spec.channel_credit.take();
+            let credit = Some(c.spec.channel_credit.clone());
             let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
             index_offset = self.index_delivery(offset, flags, &holder);
-            self.outstanding.insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), index_offset });
+            self.outstanding
+                .insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), index_offset, credit });
         }
         self.passed(offset);
         if index_offset.is_some() {
@@ -794,7 +800,7 @@ impl Queue {
             if index_offset.is_some() {
                 sync = self.index.clone();
             }
-            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now(), index_offset });
+            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now(), index_offset, credit: None });
         }
         self.passed(offset);
         let r = GetReply {

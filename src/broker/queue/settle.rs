@@ -39,6 +39,9 @@ impl Queue {
     /// delivered message starts here.
     pub(super) fn settle_one(&mut self, offset: u64) -> Option<super::Outstanding> {
         let o = self.outstanding.remove(&offset)?;
+        if let Some(credit) = &o.credit {
+            credit.give();
+        }
         if let Some(cid) = o.consumer {
             if let Some(c) = self.consumers.get_mut(cid) {
                 c.in_flight = c.in_flight.saturating_sub(1);
