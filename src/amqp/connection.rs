@@ -13,7 +13,6 @@
 //! connection.close-ok (or close) is read, for at most [`CLOSE_WAIT`].
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -44,7 +43,7 @@ pub const MAX_MESSAGE_BYTES: u64 = 128 << 20;
 /// Mutable state of a connection.
 pub struct ConnState {
     /// Virtual host opened.
-    pub vhost: String,
+    pub vhost: Rc<str>,
     /// Logged-in user.
     pub user: String,
     /// Negotiated frame_max, bytes.
@@ -54,7 +53,7 @@ pub struct ConnState {
     /// Negotiated heartbeat, seconds (0 = off).
     pub heartbeat: u16,
     /// Open channels.
-    pub channels: HashMap<u16, Channel>,
+    pub channels: rustc_hash::FxHashMap<u16, Channel>,
     /// The client announced consumer_cancel_notify.
     pub cancel_notify: bool,
     /// The server sent connection.close and waits for close-ok (until this instant).
@@ -112,12 +111,12 @@ pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
         id,
         tx,
         st: RefCell::new(ConnState {
-            vhost: tuned.vhost,
+            vhost: Rc::from(tuned.vhost.as_str()),
             user: tuned.user,
             frame_max: tuned.frame_max,
             channel_max: tuned.channel_max,
             heartbeat: hb,
-            channels: HashMap::new(),
+            channels: Default::default(),
             cancel_notify: tuned.cancel_notify,
             closing: None,
             finish: false,
@@ -460,7 +459,7 @@ impl Session {
     }
 
     /// The vhost of this connection.
-    pub fn vhost(&self) -> String {
+    pub fn vhost(&self) -> Rc<str> {
         self.st.borrow().vhost.clone()
     }
 
@@ -762,17 +761,7 @@ impl Session {
                     c.ledger.insert(tag, Unacked { queue: d.queue, offset: d.offset });
                 }
                 let (exchange, rk, props) = split_header(&d.message.header);
-                encode_method(
-                    out,
-                    d.channel,
-                    &AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
-                        consumer_tag: d.consumer_tag.as_ref().into(),
-                        delivery_tag: tag,
-                        redelivered: d.redelivered,
-                        exchange: exchange.into(),
-                        routing_key: rk.into(),
-                    })),
-                );
+                codec::encode_deliver(out, d.channel, &d.consumer_tag, tag, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);
             }

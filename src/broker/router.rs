@@ -6,7 +6,7 @@
 //! cores"). Routing follows the spec (3.1.3) plus RabbitMQ's exchange-to-exchange bindings
 //! and alternate exchanges.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -32,24 +32,30 @@ pub struct Router {
     pub version: u64,
     /// The topology.
     pub topology: Arc<Topology>,
-    /// Number of cores, for the owner-core mapping.
-    cores: u32,
+    /// vhost → queue name → routable reference, built once per topology version so that
+    /// routing allocates nothing but its result.
+    queues: HashMap<String, HashMap<String, QueueRef>>,
 }
 
 impl Router {
-    /// Wraps a topology snapshot taken at `version`.
+    /// Wraps a topology snapshot taken at `version`; `cores` maps owner cores.
     pub fn new(topology: Arc<Topology>, version: u64, cores: u32) -> Router {
-        Router { version, topology, cores: cores.max(1) }
+        let cores = cores.max(1);
+        let mut queues: HashMap<String, HashMap<String, QueueRef>> = HashMap::new();
+        for def in topology.queues.values() {
+            let r = QueueRef {
+                key: QueueKey::new(&def.vhost, &def.name),
+                owner_core: def.owner_core % cores,
+                durable: def.durable,
+            };
+            queues.entry(def.vhost.clone()).or_default().insert(def.name.clone(), r);
+        }
+        Router { version, topology, queues }
     }
 
     /// The queue's routable reference, if it exists.
     pub fn queue_ref(&self, vhost: &str, name: &str) -> Option<QueueRef> {
-        let def = self.topology.queue(vhost, name)?;
-        Some(QueueRef {
-            key: QueueKey::new(vhost, name),
-            owner_core: def.owner_core % self.cores,
-            durable: def.durable,
-        })
+        self.queues.get(vhost)?.get(name).cloned()
     }
 
     /// The exchange, if it exists.
@@ -65,10 +71,22 @@ impl Router {
     /// A missing exchange routes nowhere (the caller checks existence first: 404).
     pub fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&FieldTable>) -> Route {
         let mut route = Route::default();
-        let mut seen_q: HashSet<&str> = HashSet::new();
-        let mut seen_x: HashSet<&str> = HashSet::new();
-        self.route_into(vhost, exchange, routing_key, headers, &mut route, &mut seen_q, &mut seen_x, 0);
+        if exchange.is_empty() {
+            // The default exchange: the queue named by the routing key, no bindings to walk.
+            route.queues.extend(self.queue_ref(vhost, routing_key));
+            return route;
+        }
+        let mut seen_x: Vec<&str> = Vec::new();
+        self.route_into(vhost, exchange, routing_key, headers, &mut route, &mut seen_x, 0);
         route
+    }
+
+    /// Adds `q` to the route unless it is there already (routes are short: a Vec beats a set).
+    fn push_queue(&self, vhost: &str, name: &str, out: &mut Route) {
+        if out.queues.iter().any(|q| &*q.key.name == name) {
+            return;
+        }
+        out.queues.extend(self.queue_ref(vhost, name));
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -79,23 +97,17 @@ impl Router {
         rk: &str,
         headers: Option<&FieldTable>,
         out: &mut Route,
-        seen_q: &mut HashSet<&'a str>,
-        seen_x: &mut HashSet<&'a str>,
+        seen_x: &mut Vec<&'a str>,
         depth: usize,
     ) -> bool {
-        if depth > MAX_HOPS || !seen_x.insert(exchange) {
+        if depth > MAX_HOPS || seen_x.contains(&exchange) {
             return false;
         }
+        seen_x.push(exchange);
         if exchange.is_empty() {
-            if let Some((k, _)) = self.topology.queues.get_key_value(&(vhost.to_owned(), rk.to_owned())) {
-                if seen_q.insert(k.1.as_str()) {
-                    if let Some(q) = self.queue_ref(vhost, rk) {
-                        out.queues.push(q);
-                    }
-                }
-                return true;
-            }
-            return false;
+            let exists = self.queue_ref(vhost, rk).is_some();
+            self.push_queue(vhost, rk, out);
+            return exists;
         }
         let Some(def) = self.topology.exchange(vhost, exchange) else { return false };
         let mut routed = false;
@@ -106,14 +118,10 @@ impl Router {
             match b.dest_kind {
                 DestKind::Queue => {
                     routed = true;
-                    if seen_q.insert(b.dest.as_str()) {
-                        if let Some(q) = self.queue_ref(vhost, &b.dest) {
-                            out.queues.push(q);
-                        }
-                    }
+                    self.push_queue(vhost, &b.dest, out);
                 }
                 DestKind::Exchange => {
-                    routed |= self.route_into(vhost, &b.dest, rk, headers, out, seen_q, seen_x, depth + 1);
+                    routed |= self.route_into(vhost, &b.dest, rk, headers, out, seen_x, depth + 1);
                 }
             }
         }
@@ -121,7 +129,7 @@ impl Router {
             if let Some(alt) = string_arg(&def.arguments, "alternate-exchange") {
                 // The alternate exchange's name borrows from the topology, which outlives `out`.
                 let alt: &'a str = alt;
-                routed = self.route_into(vhost, alt, rk, headers, out, seen_q, seen_x, depth + 1);
+                routed = self.route_into(vhost, alt, rk, headers, out, seen_x, depth + 1);
             }
         }
         routed

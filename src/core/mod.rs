@@ -101,7 +101,7 @@ pub struct Core {
     pub id: u32,
     /// Shared state.
     pub shared: Arc<Shared>,
-    queues: RefCell<HashMap<QueueKey, Slot>>,
+    queues: RefCell<rustc_hash::FxHashMap<QueueKey, Slot>>,
     router: RefCell<Rc<Router>>,
     /// Open connections on this core and their event channels.
     pub conns: RefCell<HashMap<ConnId, ClientTx>>,
@@ -114,7 +114,7 @@ impl Core {
         let core = Rc::new(Core {
             id,
             shared,
-            queues: RefCell::new(HashMap::new()),
+            queues: RefCell::new(Default::default()),
             router: RefCell::new(Rc::new(router)),
             conns: RefCell::new(HashMap::new()),
             me: RefCell::new(std::rc::Weak::new()),

@@ -68,7 +68,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
                 let kind = ExchangeKind::from_name(d.kind.as_str())
                     .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{}'", d.kind)))?;
                 let def = ExchangeDef {
-                    vhost: vhost.clone(),
+                    vhost: vhost.to_string(),
                     name: name.to_owned(),
                     kind,
                     durable: d.durable,
@@ -96,7 +96,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             let name = d.exchange.as_str();
             check_name(name)?;
             if s.core.router().exchange(&vhost, name).is_some() {
-                let cmd = Command::DeleteExchange { vhost: vhost.clone(), name: name.to_owned(), if_unused: d.if_unused };
+                let cmd = Command::DeleteExchange { vhost: vhost.to_string(), name: name.to_owned(), if_unused: d.if_unused };
                 if let Outcome::InUse = meta.propose(cmd).await.map_err(meta_error)? {
                     return Err(AmqpError::precondition_failed(format!("exchange '{name}' in vhost '{vhost}' in use")));
                 }
@@ -108,7 +108,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         }
         exchange::AMQPMethod::Bind(b) => {
             let binding = Binding {
-                vhost: vhost.clone(),
+                vhost: vhost.to_string(),
                 source: b.source.to_string(),
                 dest_kind: DestKind::Exchange,
                 dest: b.destination.to_string(),
@@ -123,7 +123,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         }
         exchange::AMQPMethod::Unbind(b) => {
             let binding = Binding {
-                vhost: vhost.clone(),
+                vhost: vhost.to_string(),
                 source: b.source.to_string(),
                 dest_kind: DestKind::Exchange,
                 dest: b.destination.to_string(),

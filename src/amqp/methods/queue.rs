@@ -89,7 +89,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             }
             let meta = &s.core.shared.meta;
             let def = QueueDef {
-                vhost: vhost.clone(),
+                vhost: vhost.to_string(),
                 name: name.clone(),
                 durable: d.durable,
                 auto_delete: d.auto_delete,
@@ -129,7 +129,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Bind(b) => {
             let binding = Binding {
-                vhost: vhost.clone(),
+                vhost: vhost.to_string(),
                 source: b.exchange.to_string(),
                 dest_kind: DestKind::Queue,
                 dest: b.queue.to_string(),
@@ -145,7 +145,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Unbind(b) => {
             let binding = Binding {
-                vhost: vhost.clone(),
+                vhost: vhost.to_string(),
                 source: b.exchange.to_string(),
                 dest_kind: DestKind::Queue,
                 dest: b.queue.to_string(),

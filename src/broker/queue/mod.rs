@@ -20,7 +20,9 @@ pub mod index;
 pub mod settle;
 
 use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::rc::{Rc, Weak};
 use std::time::Instant;
 
@@ -102,8 +104,8 @@ pub struct Queue {
     me: Weak<RefCell<Queue>>,
     ready: VecDeque<u64>,
     requeued: BTreeSet<u64>,
-    redelivered: HashSet<u64>,
-    outstanding: HashMap<u64, Outstanding>,
+    redelivered: FxHashSet<u64>,
+    outstanding: FxHashMap<u64, Outstanding>,
     paging: usize,
     /// Attached consumers.
     pub consumers: Consumers,
@@ -112,6 +114,9 @@ pub struct Queue {
     syncing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery)>,
+    /// Records read ahead from disk, by offset (see [`read_ahead`]); bounded by
+    /// [`READ_AHEAD_BYTES`] per read, dropped when taken or purged.
+    paged: std::collections::BTreeMap<u64, Record>,
     /// Appends or deletes not yet covered by a sync.
     dirty: bool,
     wake: flume::Sender<()>,
@@ -155,7 +160,7 @@ impl Queue {
     ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let ready: VecDeque<u64> = shard.live_offsets().into_iter().collect();
-        let mut redelivered: HashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
+        let mut redelivered: FxHashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
         if let Some(index) = &index {
             if env.meta().is_leader() && !recovered.held.is_empty() {
@@ -182,13 +187,14 @@ impl Queue {
             ready,
             requeued: BTreeSet::new(),
             redelivered,
-            outstanding: HashMap::new(),
+            outstanding: FxHashMap::default(),
             paging: 0,
             consumers: Consumers::default(),
             had_consumer: false,
             pending_confirms: Vec::new(),
             syncing: false,
             unsynced: Vec::new(),
+            paged: Default::default(),
             dirty: false,
             wake,
             deleted: false,
@@ -337,6 +343,7 @@ impl Queue {
 
     fn purge(&mut self) -> u32 {
         let n = self.message_count();
+        self.paged.clear();
         let mut offs: Vec<u64> = self.ready.drain(..).collect();
         offs.extend(std::mem::take(&mut self.requeued));
         for o in &offs {
@@ -407,7 +414,7 @@ impl Queue {
         }
         let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else { return Step::Idle };
         let offset = self.take_next().expect("message_count > 0");
-        match self.shard.read_cached(offset) {
+        match self.paged.remove(&offset).or_else(|| self.shard.read_cached(offset)) {
             Some(rec) => {
                 self.deliver(consumer, rec);
                 Step::Sent
@@ -607,12 +614,29 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                 Step::Read { offset, consumer } => {
                     let shard = cell.borrow().shard.clone();
                     drop(cell);
-                    let rec = shard.read(offset).await;
+                    let run = read_ahead(&shard, offset).await;
                     let Some(cell) = weak.upgrade() else { return };
                     let mut q = cell.borrow_mut();
                     q.paging -= 1;
-                    match rec {
-                        Ok(Some(rec)) if !q.deleted => q.deliver(consumer, rec),
+                    match run {
+                        Ok(recs) if !q.deleted => {
+                            if q.paged.len() > 4 * READ_AHEAD_RECORDS {
+                                // Entries nobody took (settled elsewhere): start over.
+                                q.paged.clear();
+                            }
+                            let mut first = None;
+                            for r in recs {
+                                if r.offset == offset {
+                                    first = Some(r);
+                                } else if r.offset > offset {
+                                    q.paged.insert(r.offset, r);
+                                }
+                            }
+                            // None: deleted meanwhile (purge), nothing to deliver.
+                            if let Some(rec) = first {
+                                q.deliver(consumer, rec);
+                            }
+                        }
                         Ok(_) => {}
                         Err(e) => {
                             tracing::error!(queue = %q.qref.key.name, error = %e, "read failed; message left in place");
@@ -625,6 +649,30 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
         }
         Queue::flush_unsynced(&weak).await;
     }
+}
+
+/// Most records one read-ahead brings into a queue's page buffer.
+pub const READ_AHEAD_RECORDS: usize = 1024;
+/// Most body bytes one read-ahead brings in.
+pub const READ_AHEAD_BYTES: usize = 4 << 20;
+
+/// Reads the live records from `offset` on, up to [`READ_AHEAD_RECORDS`] or
+/// [`READ_AHEAD_BYTES`], with the shard's sequential reader (a few large disk reads instead
+/// of one read per message) — for a consumer draining a backlog that left the cache.
+async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringmq_shards::StoreError> {
+    let mut reader = shard.reader(offset);
+    let mut out = Vec::new();
+    let mut bytes = 0;
+    while out.len() < READ_AHEAD_RECORDS && bytes < READ_AHEAD_BYTES {
+        match reader.next().await? {
+            Some(r) => {
+                bytes += r.body.len() + r.header.len();
+                out.push(r);
+            }
+            None => break,
+        }
+    }
+    Ok(out)
 }
 
 /// Group commit for publisher confirms of persistent messages in a durable queue: one
@@ -736,7 +784,7 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
         let _ = reply.send(Ok(None));
         return;
     };
-    if let Some(rec) = q.shard.read_cached(offset) {
+    if let Some(rec) = q.paged.remove(&offset).or_else(|| q.shard.read_cached(offset)) {
         let (r, sync) = q.finish_get(rec, no_ack, holder);
         drop(q);
         reply_get(r, sync, reply);
