@@ -149,3 +149,15 @@ async fn connection_close_by_client_then_reconnect() {
         assert!(!c.status().connected());
     }
 }
+
+/// RabbitMQ refuses channel.flow active=false from a client with 540 NOT_IMPLEMENTED (a
+/// connection error); active=true is answered with flow-ok.
+#[tokio::test]
+async fn channel_flow_active_false_is_not_implemented() {
+    let b = Broker::start();
+    let (c, ch) = connect_ch(&b).await;
+    t("flow on", ch.channel_flow(ChannelFlowOptions { active: true })).await.unwrap();
+    let r = t("flow off", ch.channel_flow(ChannelFlowOptions { active: false })).await;
+    assert_code(r, 540, "channel.flow active=false");
+    drop(c);
+}

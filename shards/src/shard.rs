@@ -485,6 +485,9 @@ async fn writer_loop(inner: Rc<Inner>) {
                 let opened = OpenOptions::new().read(true).write(true).create(true).truncate(true).dma_open(&path).await;
                 match opened {
                     Ok(f) => {
+                        if std::env::var_os("SHARD_PREALLOC").is_some() {
+                            let _ = f.pre_allocate(inner.cfg.segment_bytes, false).await;
+                        }
                         let f = Rc::new(f);
                         let mut st = inner.st.borrow_mut();
                         if let Some(si) = st.segs.iter().position(|s| s.base == job.seg_base) {

@@ -29,7 +29,7 @@ use super::error::{AmqpError, Scope};
 use super::methods;
 use super::unacked::Unacked;
 use crate::broker::message::split_header;
-use crate::broker::{ClientEvent, ClientTx, ConnId, Mesh, QueueOp, QueueRef};
+use crate::broker::{ClientEvent, ClientTx, ConnId, QueueOp, QueueRef};
 use crate::core::Core;
 use crate::observe::Stats;
 
@@ -465,7 +465,7 @@ impl Session {
 
     /// Sends an operation to a queue's owner core.
     pub fn queue_send(&self, queue: &QueueRef, op: QueueOp) {
-        self.core.send(queue, op);
+        self.core.send_from_connection(queue, op);
     }
 
     /// Reports an error: channel.close for a soft error (the channel then drops everything

@@ -243,6 +243,8 @@ pub enum QueueOp {
         message: Message,
         /// Confirm ticket for confirm-mode publishers.
         confirm: Option<ConfirmTo>,
+        /// When its basic.publish content was complete (for the publish→stored histogram).
+        published: std::time::Instant,
     },
     /// basic.get: claim the next ready message.
     Get {

@@ -13,9 +13,11 @@
 //! # Invariants
 //! - A queue's state is only touched on its owner core (`owner_core` in its metadata modulo
 //!   the core count).
-//! - Every queue operation goes through the owner's inbox, even from the same core, so
-//!   operations on one queue run in the order they were sent and never re-enter a queue
-//!   that is being modified.
+//! - Operations a queue sends (dead-lettering, auto-delete) go through the owner's inbox,
+//!   even on the same core, so a queue never re-enters a queue that is being modified.
+//!   Connections call a queue on their own core directly
+//!   ([`Core::send_from_connection`]); a connection's operations on one queue run in the
+//!   order it sent them either way.
 //! - The inbox loop drains up to [`BATCH`] messages per tick: that is the batching of
 //!   cross-core messages.
 //!
@@ -330,6 +332,20 @@ fn refuse_with(op: QueueOp, err: AmqpError) {
     }
 }
 
+impl Core {
+    /// Sends `op` from a connection: a queue on this core gets it at once (no inbox hop),
+    /// a queue elsewhere through its core's inbox. A connection's operations on one queue
+    /// keep their order either way. Never call this from inside a queue (a queue that
+    /// dead-letters to itself would re-enter itself): queues use [`Mesh::send`].
+    pub fn send_from_connection(self: &Rc<Self>, queue: &QueueRef, op: QueueOp) {
+        if queue.owner_core % self.shared.cores == self.id {
+            self.queue_op(queue.clone(), op);
+        } else {
+            self.send(queue, op);
+        }
+    }
+}
+
 impl Mesh for Core {
     fn send(&self, queue: &QueueRef, op: QueueOp) {
         let core = (queue.owner_core % self.shared.cores) as usize;
@@ -346,6 +362,10 @@ impl QueueEnv for Core {
 
     fn meta(&self) -> &MetaHandle {
         &self.shared.meta
+    }
+
+    fn stats(&self) -> &Stats {
+        Core::stats(self)
     }
 
     fn auto_delete(&self, key: &QueueKey) {

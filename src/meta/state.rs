@@ -225,16 +225,36 @@ impl Topology {
         }
     }
 
-    /// Removes every binding for which `drop` returns true; returns how many went.
-    fn remove_bindings_where(&mut self, mut drop: impl FnMut(&Binding) -> bool) -> usize {
-        let mut removed = 0;
-        self.bindings.retain(|_, list| {
+    /// Removes every binding for which `drop` returns true; returns the (vhost, source) of
+    /// each binding that went (for [`Topology::reap_auto_delete`]).
+    fn remove_bindings_where(&mut self, mut drop: impl FnMut(&Binding) -> bool) -> Vec<(String, String)> {
+        let mut sources = Vec::new();
+        self.bindings.retain(|key, list| {
             let before = list.len();
             list.retain(|b| !drop(b));
-            removed += before - list.len();
+            if list.len() != before {
+                sources.push(key.clone());
+            }
             !list.is_empty()
         });
-        removed
+        sources
+    }
+
+    /// Deletes every auto-delete exchange among `candidates` (sources that just lost a
+    /// binding) that has no binding left as a source, as RabbitMQ does; deleting one removes
+    /// the bindings to it, which may reap further exchanges.
+    fn reap_auto_delete(&mut self, mut candidates: Vec<(String, String)>) {
+        while let Some(key) = candidates.pop() {
+            let reap = self.exchanges.get(&key).is_some_and(|e| e.auto_delete) && !self.bindings.contains_key(&key);
+            if !reap {
+                continue;
+            }
+            self.exchanges.remove(&key);
+            let (vhost, name) = key;
+            candidates.extend(
+                self.remove_bindings_where(|b| b.dest_kind == DestKind::Exchange && b.vhost == vhost && b.dest == name),
+            );
+        }
     }
 }
 
@@ -395,9 +415,10 @@ impl MetaState {
                 }
                 topo.exchanges.remove(&key);
                 topo.bindings.remove(&key);
-                topo.remove_bindings_where(|b| {
+                let sources = topo.remove_bindings_where(|b| {
                     b.dest_kind == DestKind::Exchange && b.vhost == *vhost && b.dest == *name
                 });
+                topo.reap_auto_delete(sources);
                 Outcome::Deleted
             }
             Command::DeclareQueue(def) => {
@@ -415,9 +436,10 @@ impl MetaState {
                     return Outcome::NotFound;
                 }
                 self.cursors.remove(&key);
-                topo.remove_bindings_where(|b| {
+                let sources = topo.remove_bindings_where(|b| {
                     b.dest_kind == DestKind::Queue && b.vhost == *vhost && b.dest == *name
                 });
+                topo.reap_auto_delete(sources);
                 Outcome::Deleted
             }
             Command::Bind(b) => {
@@ -446,6 +468,7 @@ impl MetaState {
                 if list.is_empty() {
                     topo.bindings.remove(&key);
                 }
+                topo.reap_auto_delete(vec![key]);
                 Outcome::Deleted
             }
             Command::CursorCas {
@@ -1100,6 +1123,37 @@ pub(crate) mod tests {
         let o = st.apply(&cmd);
         st.check_invariants().unwrap();
         o
+    }
+
+    #[test]
+    fn auto_delete_exchange_goes_with_its_last_binding() {
+        let mut st = MetaState::default();
+        applied(&mut st, Command::DeclareVhost { name: "/".into() });
+        let mut x = exchange("ad", ExchangeKind::Fanout, false);
+        x.auto_delete = true;
+        let mut x2 = exchange("ad2", ExchangeKind::Fanout, false);
+        x2.auto_delete = true;
+        applied(&mut st, Command::DeclareExchange(x));
+        applied(&mut st, Command::DeclareExchange(x2));
+        applied(&mut st, Command::DeclareQueue(queue("q1", false, None)));
+        applied(&mut st, Command::DeclareQueue(queue("q2", false, None)));
+        applied(&mut st, Command::Bind(bind("ad", DestKind::Queue, "q1", "")));
+        applied(&mut st, Command::Bind(bind("ad", DestKind::Queue, "q2", "")));
+        applied(&mut st, Command::Bind(bind("ad2", DestKind::Exchange, "ad", "")));
+        // a binding left: the exchange stays
+        applied(&mut st, Command::Unbind(bind("ad", DestKind::Queue, "q1", "")));
+        assert!(st.topology.exchange("/", "ad").is_some());
+        // the last binding goes with its queue: the exchange goes, and so does ad2, whose
+        // only binding pointed at it
+        applied(&mut st, Command::DeleteQueue { vhost: "/".into(), name: "q2".into() });
+        assert!(st.topology.exchange("/", "ad").is_none());
+        assert!(st.topology.exchange("/", "ad2").is_none());
+        // a new auto-delete exchange with no binding yet stays
+        let mut x3 = exchange("ad3", ExchangeKind::Direct, false);
+        x3.auto_delete = true;
+        applied(&mut st, Command::DeclareExchange(x3));
+        applied(&mut st, Command::Unbind(bind("ad3", DestKind::Queue, "q1", "")));
+        assert!(st.topology.exchange("/", "ad3").is_some());
     }
 
     #[test]

@@ -10,9 +10,64 @@ use std::sync::Arc;
 
 use crate::core::Shared;
 
+/// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
+/// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).
+#[derive(Debug)]
+pub struct Histogram {
+    /// `buckets[i]` counts samples ≤ 2^i µs (and above 2^(i-1) µs).
+    buckets: [AtomicU64; Histogram::BUCKETS],
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram { buckets: std::array::from_fn(|_| AtomicU64::new(0)), sum_ns: AtomicU64::new(0), count: AtomicU64::new(0) }
+    }
+}
+
+impl Histogram {
+    /// Number of buckets (the last one also takes everything larger).
+    pub const BUCKETS: usize = 32;
+
+    /// Records one sample.
+    pub fn record(&self, d: std::time::Duration) {
+        let us = d.as_micros() as u64;
+        let i = if us <= 1 { 0 } else { (64 - (us - 1).leading_zeros()) as usize }.min(Self::BUCKETS - 1);
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Renders the per-core histograms of one stage, summed, as a Prometheus histogram in
+/// seconds with label `stage`.
+fn render_histogram(out: &mut String, name: &str, stage: &str, parts: &[&Histogram]) {
+    let mut cumulative = 0u64;
+    for i in 0..Histogram::BUCKETS {
+        cumulative += parts.iter().map(|h| h.buckets[i].load(Ordering::Relaxed)).sum::<u64>();
+        let le = (1u64 << i) as f64 / 1e6;
+        out.push_str(&format!("{name}_bucket{{stage=\"{stage}\",le=\"{le}\"}} {cumulative}\n"));
+    }
+    let count: u64 = parts.iter().map(|h| h.count.load(Ordering::Relaxed)).sum();
+    let sum: u64 = parts.iter().map(|h| h.sum_ns.load(Ordering::Relaxed)).sum();
+    out.push_str(&format!("{name}_bucket{{stage=\"{stage}\",le=\"+Inf\"}} {count}\n"));
+    out.push_str(&format!("{name}_sum{{stage=\"{stage}\"}} {}\n", sum as f64 / 1e9));
+    out.push_str(&format!("{name}_count{{stage=\"{stage}\"}} {count}\n"));
+}
+
 /// Counters of one core. Relaxed atomics: written by their core only, read on scrape.
 #[derive(Debug, Default)]
 pub struct Stats {
+    /// End of basic.publish → the queue stored the message (appended; for a persistent
+    /// message in a durable queue: synced).
+    pub publish_to_stored: Histogram,
+    /// Stored → handed to a consumer or a basic.get (first deliveries only).
+    pub stored_to_delivered: Histogram,
+    /// Delivered → acknowledged (manual ack only).
+    pub delivered_to_acked: Histogram,
+    /// fdatasync calls of queue shards and unacked indexes (group commits).
+    pub queue_syncs: AtomicU64,
     /// Connections accepted.
     pub connections_opened: AtomicU64,
     /// Connections closed.
@@ -38,26 +93,42 @@ impl Stats {
     }
 }
 
-/// Renders every core's counters (summed) and the metadata group's figures.
+fn counter(out: &mut String, name: &str, help: &str, v: u64) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
+}
+
+/// Renders every core's counters and histograms (summed) and the metadata group's figures.
 pub fn render(shared: &Shared) -> String {
     let sum = |f: fn(&Stats) -> &AtomicU64| shared.stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
     let mut out = String::new();
-    let mut counter = |name: &str, help: &str, v: u64| {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
-    };
-    counter("ringmq_connections_opened_total", "Connections accepted.", sum(|s| &s.connections_opened));
-    counter("ringmq_connections_closed_total", "Connections closed.", sum(|s| &s.connections_closed));
-    counter("ringmq_messages_published_total", "Messages received by basic.publish.", sum(|s| &s.published));
-    counter("ringmq_messages_delivered_total", "Messages sent by basic.deliver or basic.get-ok.", sum(|s| &s.delivered));
-    counter("ringmq_messages_acked_total", "Deliveries acknowledged.", sum(|s| &s.acked));
-    counter("ringmq_messages_requeued_total", "Deliveries requeued.", sum(|s| &s.requeued));
-    counter("ringmq_messages_confirmed_total", "Publisher confirms sent.", sum(|s| &s.confirmed));
-    counter("ringmq_messages_returned_total", "Unroutable mandatory messages returned.", sum(|s| &s.returned));
+    let o = &mut out;
+    counter(o, "ringmq_connections_opened_total", "Connections accepted.", sum(|s| &s.connections_opened));
+    counter(o, "ringmq_connections_closed_total", "Connections closed.", sum(|s| &s.connections_closed));
+    counter(o, "ringmq_messages_published_total", "Messages received by basic.publish.", sum(|s| &s.published));
+    counter(o, "ringmq_messages_delivered_total", "Messages sent by basic.deliver or basic.get-ok.", sum(|s| &s.delivered));
+    counter(o, "ringmq_messages_acked_total", "Deliveries acknowledged.", sum(|s| &s.acked));
+    counter(o, "ringmq_messages_requeued_total", "Deliveries requeued.", sum(|s| &s.requeued));
+    counter(o, "ringmq_messages_confirmed_total", "Publisher confirms sent.", sum(|s| &s.confirmed));
+    counter(o, "ringmq_messages_returned_total", "Unroutable mandatory messages returned.", sum(|s| &s.returned));
+    counter(o, "ringmq_queue_syncs_total", "Group commits (fdatasync) of queue shards and unacked indexes.", sum(|s| &s.queue_syncs));
+    let name = "ringmq_stage_latency_seconds";
+    o.push_str(&format!(
+        "# HELP {name} Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.\n# TYPE {name} histogram\n"
+    ));
+    let stages: [(&str, fn(&Stats) -> &Histogram); 3] = [
+        ("publish_to_stored", |s| &s.publish_to_stored),
+        ("stored_to_delivered", |s| &s.stored_to_delivered),
+        ("delivered_to_acked", |s| &s.delivered_to_acked),
+    ];
+    for (stage, pick) in stages {
+        let parts: Vec<&Histogram> = shared.stats.iter().map(pick).collect();
+        render_histogram(o, name, stage, &parts);
+    }
     let m = shared.meta.stats();
-    counter("ringmq_raft_entries_total", "Raft entries appended by this node.", m.entries_appended);
-    counter("ringmq_raft_fsyncs_total", "fdatasync calls of the Raft log.", m.fsyncs);
-    counter("ringmq_raft_commands_total", "Metadata commands applied.", m.commands_applied);
-    out.push_str(&format!(
+    counter(o, "ringmq_raft_entries_total", "Raft entries appended by this node.", m.entries_appended);
+    counter(o, "ringmq_raft_fsyncs_total", "fdatasync calls of the Raft log.", m.fsyncs);
+    counter(o, "ringmq_raft_commands_total", "Metadata commands applied.", m.commands_applied);
+    o.push_str(&format!(
         "# HELP ringmq_raft_is_leader 1 when this node leads the metadata group.\n# TYPE ringmq_raft_is_leader gauge\nringmq_raft_is_leader {}\n",
         shared.meta.is_leader() as u8
     ));
@@ -109,5 +180,27 @@ pub fn serve_metrics(addr: SocketAddr, shared: Arc<Shared>) {
     });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "metrics thread did not start");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn buckets_are_cumulative_powers_of_two() {
+        let h = Histogram::default();
+        h.record(Duration::from_nanos(500)); // ≤ 1 µs
+        h.record(Duration::from_micros(3)); // ≤ 4 µs
+        h.record(Duration::from_micros(4)); // ≤ 4 µs
+        h.record(Duration::from_secs(100_000)); // last bucket
+        let mut out = String::new();
+        render_histogram(&mut out, "x", "s", &[&h]);
+        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000001\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000002\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000004\"} 3\n"), "{out}");
+        assert!(out.contains("x_bucket{stage=\"s\",le=\"+Inf\"} 4\n"), "{out}");
+        assert!(out.contains("x_count{stage=\"s\"} 4\n"), "{out}");
     }
 }

@@ -320,12 +320,13 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
         }
         return Ok(());
     }
+    let published = std::time::Instant::now();
     let last = route.queues.len() - 1;
     let mut message = Some(message);
     for (i, q) in route.queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
         let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel, seq });
-        s.queue_send(q, QueueOp::Publish { message: m, confirm });
+        s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
     }
     Ok(())
 }

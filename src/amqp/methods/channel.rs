@@ -48,6 +48,11 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: chan::AMQPMethod) -> Resul
             Ok(())
         }
         chan::AMQPMethod::Flow(f) => {
+            if !f.active {
+                // As RabbitMQ: a client cannot pause the server's deliveries this way
+                // (use basic.qos); a hard 540.
+                return Err(AmqpError::not_implemented("active=false").on_method(20, 20));
+            }
             if let Some(c) = s.st.borrow_mut().channels.get_mut(&channel) {
                 c.flow_active = f.active;
             }

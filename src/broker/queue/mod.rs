@@ -51,6 +51,8 @@ pub trait QueueEnv: Mesh {
     fn auto_delete(&self, key: &QueueKey);
     /// The metadata group (cursor commits, leader check, node id and boot epoch).
     fn meta(&self) -> &MetaHandle;
+    /// This core's counters and latency histograms.
+    fn stats(&self) -> &crate::observe::Stats;
 }
 
 /// Who holds an outstanding delivery.
@@ -103,6 +105,8 @@ pub struct Queue {
     pub cursor: Cursor,
     me: Weak<RefCell<Queue>>,
     ready: VecDeque<u64>,
+    /// When each `ready` offset was stored (same order), for the stored→delivered histogram.
+    ready_at: VecDeque<Instant>,
     requeued: BTreeSet<u64>,
     redelivered: FxHashSet<u64>,
     outstanding: FxHashMap<u64, Outstanding>,
@@ -110,7 +114,7 @@ pub struct Queue {
     /// Attached consumers.
     pub consumers: Consumers,
     had_consumer: bool,
-    pending_confirms: Vec<ConfirmTo>,
+    pending_confirms: Vec<(ConfirmTo, Instant)>,
     syncing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery)>,
@@ -160,6 +164,7 @@ impl Queue {
     ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let ready: VecDeque<u64> = shard.live_offsets().into_iter().collect();
+        let ready_at: VecDeque<Instant> = std::iter::repeat_n(Instant::now(), ready.len()).collect();
         let mut redelivered: FxHashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
         if let Some(index) = &index {
@@ -185,6 +190,7 @@ impl Queue {
             cursor: Cursor { committed: recovered.cursor, target: recovered.cursor, committing: false },
             me: me.clone(),
             ready,
+            ready_at,
             requeued: BTreeSet::new(),
             redelivered,
             outstanding: FxHashMap::default(),
@@ -223,7 +229,14 @@ impl Queue {
     }
 
     fn take_next(&mut self) -> Option<u64> {
-        self.requeued.pop_first().or_else(|| self.ready.pop_front())
+        if let Some(o) = self.requeued.pop_first() {
+            return Some(o);
+        }
+        let o = self.ready.pop_front()?;
+        if let Some(at) = self.ready_at.pop_front() {
+            self.env.stats().stored_to_delivered.record(at.elapsed());
+        }
+        Some(o)
     }
 
     /// Puts a claimed but undelivered offset back at its original position (not redelivered).
@@ -232,6 +245,7 @@ impl Queue {
             self.requeued.insert(offset);
         } else {
             self.ready.push_front(offset);
+            self.ready_at.push_front(Instant::now());
         }
     }
 
@@ -239,7 +253,7 @@ impl Queue {
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
         match op {
-            QueueOp::Publish { message, confirm } => q.publish(cell, message, confirm),
+            QueueOp::Publish { message, confirm, published } => q.publish(cell, message, confirm, published),
             QueueOp::Get { no_ack, holder, reply } => {
                 drop(q);
                 basic_get(cell, no_ack, holder, reply);
@@ -301,17 +315,26 @@ impl Queue {
         }
     }
 
-    fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>) {
+    fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Instant) {
         let needs_sync = self.qref.durable && message.persistent();
         match self.shard.append(message.flags, &message.header, &message.body) {
             Ok(offset) => {
+                let now = Instant::now();
                 self.ready.push_back(offset);
+                self.ready_at.push_back(now);
                 if needs_sync {
-                    self.pending_confirms.extend(confirm);
+                    if let Some(c) = confirm {
+                        self.pending_confirms.push((c, published));
+                    } else {
+                        self.env.stats().publish_to_stored.record(now.duration_since(published));
+                    }
                     self.dirty = true;
                     self.start_sync(cell);
-                } else if let Some(c) = confirm {
-                    let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+                } else {
+                    self.env.stats().publish_to_stored.record(now.duration_since(published));
+                    if let Some(c) = confirm {
+                        let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+                    }
                 }
                 self.wake();
             }
@@ -345,6 +368,7 @@ impl Queue {
         let n = self.message_count();
         self.paged.clear();
         let mut offs: Vec<u64> = self.ready.drain(..).collect();
+        self.ready_at.clear();
         offs.extend(std::mem::take(&mut self.requeued));
         for o in &offs {
             self.redelivered.remove(o);
@@ -380,7 +404,7 @@ impl Queue {
                 let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
             }
         }
-        for c in self.pending_confirms.drain(..) {
+        for (c, _) in self.pending_confirms.drain(..) {
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
         }
         self.wake();
@@ -490,6 +514,7 @@ impl Queue {
             if q.unsynced.is_empty() {
                 return;
             }
+            crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
             (std::mem::take(&mut q.unsynced), q.index.clone())
         };
         drop(cell);
@@ -683,16 +708,17 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
     futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
-        let (shard, batch) = {
+        let (shard, batch, env) = {
             let mut q = cell.borrow_mut();
             if q.pending_confirms.is_empty() && !q.dirty {
                 q.syncing = false;
                 return;
             }
             q.dirty = false;
-            (q.shard.clone(), std::mem::take(&mut q.pending_confirms))
+            (q.shard.clone(), std::mem::take(&mut q.pending_confirms), q.env.clone())
         };
         drop(cell);
+        crate::observe::Stats::add(&env.stats().queue_syncs, 1);
         let ok = match shard.sync().await {
             Ok(_) => true,
             Err(e) => {
@@ -700,7 +726,9 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
                 crate::core::fatal::fatal(&format!("fdatasync of a queue shard failed: {e}"));
             }
         };
-        for c in batch {
+        let now = Instant::now();
+        for (c, published) in batch {
+            env.stats().publish_to_stored.record(now.duration_since(published));
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok });
         }
     }
@@ -732,6 +760,7 @@ async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
             (q.shard.clone(), index, q.qref.key.clone(), q.cursor.committed, q.cursor.target, q.env.clone())
         };
         drop(cell);
+        crate::observe::Stats::add(&env.stats().queue_syncs, 2);
         let synced = match (shard.sync().await, index.sync().await) {
             (Ok(_), Ok(s)) => s,
             (Err(e), _) | (_, Err(e)) => crate::core::fatal::fatal(&format!("fdatasync before a cursor commit failed: {e}")),

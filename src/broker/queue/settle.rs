@@ -58,8 +58,10 @@ impl Queue {
     /// basic.ack: rule 4, delete each settled offset from the shard.
     pub fn ack(&mut self, offsets: &[u64]) {
         let mut done = Vec::with_capacity(offsets.len());
+        let now = std::time::Instant::now();
         for &off in offsets {
-            if self.settle_one(off).is_some() {
+            if let Some(o) = self.settle_one(off) {
+                self.env.stats().delivered_to_acked.record(now.duration_since(o.since));
                 self.redelivered.remove(&off);
                 done.push(off);
             }
@@ -143,9 +145,10 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
             // Rule 3: the new copy is stored in every target before the original goes.
             let (tx, rx) = flume::unbounded();
             let n = route.queues.len();
+            let published = std::time::Instant::now();
             for target in &route.queues {
                 let confirm = ConfirmTo { tx: tx.clone(), channel: 0, seq: off };
-                env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm) });
+                env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
             }
             drop(tx);
             let mut stored = 0;
