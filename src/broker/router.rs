@@ -138,23 +138,37 @@ impl Router {
 
 /// A string-valued argument (long or short string) from a field table.
 pub fn string_arg<'t>(args: &'t FieldTable, key: &str) -> Option<&'t str> {
-    match args.inner().get(key)? {
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str()),
-        _ => None,
-    }
+    std::str::from_utf8(str_value(args.inner().get(key)?)?).ok()
 }
 
 /// An integer-valued argument of any integer type, as i64.
 pub fn int_arg(args: &FieldTable, key: &str) -> Option<i64> {
-    Some(match *args.inner().get(key)? {
-        AMQPValue::ShortShortInt(i) => i as i64,
-        AMQPValue::ShortShortUInt(i) => i as i64,
-        AMQPValue::ShortInt(i) => i as i64,
-        AMQPValue::ShortUInt(i) => i as i64,
-        AMQPValue::LongInt(i) => i as i64,
-        AMQPValue::LongUInt(i) => i as i64,
-        AMQPValue::LongLongInt(i) => i,
+    match args.inner().get(key)? {
+        AMQPValue::Timestamp(_) => None,
+        v => int_value(v).and_then(|i| i64::try_from(i).ok()),
+    }
+}
+
+/// The value of any AMQP integer type (timestamps included), widened.
+pub fn int_value(v: &AMQPValue) -> Option<i128> {
+    Some(match *v {
+        AMQPValue::ShortShortInt(i) => i as i128,
+        AMQPValue::ShortShortUInt(i) => i as i128,
+        AMQPValue::ShortInt(i) => i as i128,
+        AMQPValue::ShortUInt(i) => i as i128,
+        AMQPValue::LongInt(i) => i as i128,
+        AMQPValue::LongUInt(i) => i as i128,
+        AMQPValue::LongLongInt(i) => i as i128,
+        AMQPValue::Timestamp(i) => i as i128,
         _ => return None,
     })
+}
+
+/// The bytes of a long or short string value.
+pub fn str_value(v: &AMQPValue) -> Option<&[u8]> {
+    match v {
+        AMQPValue::LongString(s) => Some(s.as_bytes()),
+        AMQPValue::ShortString(s) => Some(s.as_str().as_bytes()),
+        _ => None,
+    }
 }

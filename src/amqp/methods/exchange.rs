@@ -107,14 +107,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         exchange::AMQPMethod::Bind(b) => {
-            let binding = Binding {
-                vhost: vhost.to_string(),
-                source: b.source.to_string(),
-                dest_kind: DestKind::Exchange,
-                dest: b.destination.to_string(),
-                routing_key: b.routing_key.to_string(),
-                arguments: b.arguments.clone(),
-            };
+            let binding = binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
             bind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
@@ -122,14 +115,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         exchange::AMQPMethod::Unbind(b) => {
-            let binding = Binding {
-                vhost: vhost.to_string(),
-                source: b.source.to_string(),
-                dest_kind: DestKind::Exchange,
-                dest: b.destination.to_string(),
-                routing_key: b.routing_key.to_string(),
-                arguments: b.arguments.clone(),
-            };
+            let binding = binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
             unbind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));
@@ -137,6 +123,18 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         _ => Err(AmqpError::command_invalid("this exchange method is sent by the server")),
+    }
+}
+
+/// A binding as the metadata stores it, from the fields of a bind/unbind method.
+pub fn binding(vhost: &str, source: &str, dest_kind: DestKind, dest: &str, routing_key: &str, arguments: &amq_protocol::types::FieldTable) -> Binding {
+    Binding {
+        vhost: vhost.to_owned(),
+        source: source.to_owned(),
+        dest_kind,
+        dest: dest.to_owned(),
+        routing_key: routing_key.to_owned(),
+        arguments: arguments.clone(),
     }
 }
 

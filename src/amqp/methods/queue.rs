@@ -4,13 +4,13 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{queue, AMQPClass};
 
-use super::exchange::{bind, unbind};
+use super::exchange::{bind, binding, unbind};
 use super::{args_equivalent, meta_error, unique_suffix};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
 use crate::broker::{reply_channel, QueueOp, QueueRef};
 use crate::core::placement;
-use crate::meta::state::{Binding, Command, DestKind, Outcome, QueueDef};
+use crate::meta::state::{Command, DestKind, Outcome, QueueDef};
 
 /// Looks a queue up for an operation by connection `conn`.
 ///
@@ -128,14 +128,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Bind(b) => {
-            let binding = Binding {
-                vhost: vhost.to_string(),
-                source: b.exchange.to_string(),
-                dest_kind: DestKind::Queue,
-                dest: b.queue.to_string(),
-                routing_key: b.routing_key.to_string(),
-                arguments: b.arguments.clone(),
-            };
+            let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
             lookup(s, &binding.dest)?;
             bind(s, binding).await?;
             if !b.nowait {
@@ -144,14 +137,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Unbind(b) => {
-            let binding = Binding {
-                vhost: vhost.to_string(),
-                source: b.exchange.to_string(),
-                dest_kind: DestKind::Queue,
-                dest: b.queue.to_string(),
-                routing_key: b.routing_key.to_string(),
-                arguments: b.arguments.clone(),
-            };
+            let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
             lookup(s, &binding.dest)?;
             unbind(s, binding).await?;
             s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));

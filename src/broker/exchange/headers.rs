@@ -5,17 +5,14 @@
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 
+use crate::broker::router::{int_value, str_value};
+
 /// Does a headers binding with `args` match a message with `headers`?
 pub fn matches(args: &FieldTable, headers: Option<&FieldTable>) -> bool {
-    let mode = match args.inner().get("x-match") {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
-        _ => "all".to_owned(),
-    };
-    let (any, with_x) = match mode.as_str() {
-        "any" => (true, false),
-        "all-with-x" => (false, true),
-        "any-with-x" => (true, true),
+    let (any, with_x) = match args.inner().get("x-match").and_then(str_value) {
+        Some(b"any") => (true, false),
+        Some(b"all-with-x") => (false, true),
+        Some(b"any-with-x") => (true, true),
         _ => (false, false),
     };
     let empty = FieldTable::default();
@@ -49,30 +46,10 @@ pub fn matches(args: &FieldTable, headers: Option<&FieldTable>) -> bool {
 /// Equality that treats the string types and the integer types as the same kind of value,
 /// as RabbitMQ does when comparing header values.
 fn values_equal(a: &AMQPValue, b: &AMQPValue) -> bool {
-    fn as_str(v: &AMQPValue) -> Option<Vec<u8>> {
-        match v {
-            AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
-            AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),
-            _ => None,
-        }
-    }
-    fn as_int(v: &AMQPValue) -> Option<i128> {
-        Some(match *v {
-            AMQPValue::ShortShortInt(i) => i as i128,
-            AMQPValue::ShortShortUInt(i) => i as i128,
-            AMQPValue::ShortInt(i) => i as i128,
-            AMQPValue::ShortUInt(i) => i as i128,
-            AMQPValue::LongInt(i) => i as i128,
-            AMQPValue::LongUInt(i) => i as i128,
-            AMQPValue::LongLongInt(i) => i as i128,
-            AMQPValue::Timestamp(i) => i as i128,
-            _ => return None,
-        })
-    }
-    if let (Some(x), Some(y)) = (as_str(a), as_str(b)) {
+    if let (Some(x), Some(y)) = (str_value(a), str_value(b)) {
         return x == y;
     }
-    if let (Some(x), Some(y)) = (as_int(a), as_int(b)) {
+    if let (Some(x), Some(y)) = (int_value(a), int_value(b)) {
         return x == y;
     }
     a == b
