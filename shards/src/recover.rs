@@ -95,6 +95,26 @@ impl SeqReader<'_> {
     }
 }
 
+/// Position of the first non-zero byte in `[from, to)` of the file, if any.
+async fn first_nonzero(r: &mut SeqReader<'_>, from: u64, to: u64) -> std::io::Result<Option<u64>> {
+    let mut at = from;
+    for _ in 0..(to - from) / SCAN_WINDOW as u64 + 2 {
+        if at >= to {
+            break;
+        }
+        let want = (to - at).min(SCAN_WINDOW as u64) as usize;
+        let got = r.ensure(at, want).await?;
+        if got == 0 {
+            break;
+        }
+        if let Some(i) = r.slice(at, got).iter().position(|&b| b != 0) {
+            return Ok(Some(at + i as u64));
+        }
+        at += got as u64;
+    }
+    Ok(None)
+}
+
 struct Recovered {
     seg: Segment,
     tail: Vec<u8>,
@@ -245,8 +265,16 @@ async fn recover_segment(
         }
         count = n;
         data_end = pos;
-        if stop.is_none() && size > align_up(data_end) {
-            stop = Some(format!("{} bytes after the end of the records", size - align_up(data_end)));
+        // Segment files are preallocated: zeros after the records are the end
+        // of the log, anything else there is the rest of a torn write.
+        let mut tail_clean = true;
+        if stop.is_none() && size > data_end {
+            if let Some(at) = first_nonzero(&mut r, data_end, size).await.map_err(|e| StoreError::io("reading segment", &sp, e))? {
+                tail_clean = false;
+                stop = Some(format!("non-zero bytes at byte {at}, after the end of the records"));
+            }
+        } else if stop.is_some() {
+            tail_clean = false;
         }
         if let Some(why) = stop {
             if last {
@@ -263,7 +291,7 @@ async fn recover_segment(
         for k in count..idx_cap.min(count + 1) {
             side::idx_set(&mut idx, k, data_end);
         }
-        if !header_ok || (last && (size != align_up(data_end))) {
+        if !header_ok || (last && (!tail_clean || size < align_up(data_end))) {
             // Repair: header block and a clean, zero-padded tail; then make it durable.
             if !header_ok {
                 let mut b = file.alloc_dma_buffer(SEG_HEADER_BYTES);
@@ -284,6 +312,14 @@ async fn recover_segment(
             }
         }
         if last {
+            // Preallocate what the segment may still take (see the writer); a
+            // failure only makes later writes slower.
+            let now = file.file_size().await.map_err(|e| StoreError::io("stat segment", &sp, gio(e)))?;
+            if now < cfg.segment_bytes {
+                if let Err(e) = file.pre_allocate(cfg.segment_bytes, false).await {
+                    tracing::debug!(path = %sp.display(), error = %e, "segment preallocation failed");
+                }
+            }
             file.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &sp, gio(e)))?;
         }
     }

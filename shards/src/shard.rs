@@ -485,8 +485,14 @@ async fn writer_loop(inner: Rc<Inner>) {
                 let opened = OpenOptions::new().read(true).write(true).create(true).truncate(true).dma_open(&path).await;
                 match opened {
                     Ok(f) => {
-                        if std::env::var_os("SHARD_PREALLOC").is_some() {
-                            let _ = f.pre_allocate(inner.cfg.segment_bytes, false).await;
+                        // Preallocate the whole segment (unwritten extents, size set):
+                        // every later write is then an overwrite that ext4 does
+                        // inline from io_uring instead of punting it to a worker
+                        // thread, where writes to one file serialize. Recovery reads
+                        // the zero tail as the end of the log. Without it writes
+                        // still work (extending the file), only slower.
+                        if let Err(e) = f.pre_allocate(inner.cfg.segment_bytes, false).await {
+                            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
                         }
                         let f = Rc::new(f);
                         let mut st = inner.st.borrow_mut();
@@ -807,17 +813,17 @@ impl Shard {
 
     async fn seal_full(&self, below: Offset) -> Result<(), StoreError> {
         let inner = &*self.inner;
-        let bases: Vec<Offset> = {
+        let sealed: Vec<(Offset, u64, Option<Rc<DmaFile>>)> = {
             let mut st = inner.st.borrow_mut();
             let mut v = Vec::new();
             for s in st.segs.iter_mut().filter(|s| s.full && !s.sealed && s.end() <= below && s.live > 0) {
                 side::idx_write_seal(&mut s.idx, s.count, s.data_end);
                 s.sealed = true;
-                v.push(s.base);
+                v.push((s.base, s.data_end, s.file.clone()));
             }
             v
         };
-        for base in bases {
+        for (base, data_end, file) in sealed {
             if inner.crashed() {
                 return Err(self.fail_with(inner.crash_error()));
             }
@@ -827,6 +833,17 @@ impl Shard {
             let r = f.fdatasync().await.map_err(|e| StoreError::io("fdatasync index", &path, gio(e)));
             let _ = f.close().await;
             r.map_err(|e| self.fail_with(e))?;
+            // Give back the preallocated space after the last record (the
+            // segment takes no more writes). Not made durable: if a crash loses
+            // it, recovery reads the zero tail as the end of the records.
+            if let Some(f) = file {
+                let keep = align_up(data_end);
+                if f.file_size().await.is_ok_and(|size| size > keep) {
+                    if let Err(e) = f.truncate(keep).await {
+                        tracing::debug!(base, error = %e, "trimming a sealed segment failed");
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -12,11 +12,23 @@ pub struct Consumer {
     pub in_flight: u32,
 }
 
+/// Most events waiting in a connection's event channel before its consumers get nothing
+/// more: a client that reads slowly holds back deliveries in its queue (where they are
+/// counted and paged) instead of in the broker's memory. Auto-ack and prefetch-0
+/// consumers have no other bound.
+pub const MAX_PENDING_EVENTS: usize = 4096;
+
 impl Consumer {
     /// Whether one more delivery fits in the consumer's prefetch window.
     pub fn has_credit(&self) -> bool {
-        self.spec.no_ack
-            || ((self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch) && self.spec.channel_credit.has_room())
+        !self.backlogged()
+            && (self.spec.no_ack
+                || ((self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch) && self.spec.channel_credit.has_room()))
+    }
+
+    /// Whether the consumer's connection has not yet written what it was given.
+    pub fn backlogged(&self) -> bool {
+        self.spec.tx.len() >= MAX_PENDING_EVENTS
     }
 }
 
@@ -73,6 +85,11 @@ impl Consumers {
     pub fn get_mut(&mut self, id: ConsumerId) -> Option<&mut Consumer> {
         self.list.iter_mut().find(|c| c.spec.id == id)
     }
+    /// Whether some consumer waits only for its connection to write what it has.
+    pub fn any_backlogged(&self) -> bool {
+        self.list.iter().any(Consumer::backlogged)
+    }
+
     /// The next consumer in round-robin order with prefetch credit, advancing the cursor.
     pub fn next_with_credit(&mut self) -> Option<&mut Consumer> {
         let n = self.list.len();

@@ -141,6 +141,9 @@ pub type QueueCell = Rc<RefCell<Queue>>;
 /// What the dispatcher does next.
 enum Step {
     Idle,
+    /// Messages wait, and a consumer's connection is behind on writing (see
+    /// [`consumer::MAX_PENDING_EVENTS`]): try again shortly.
+    Backlogged,
     Sent,
     Read { offset: u64, consumer: ConsumerId },
 }
@@ -436,7 +439,9 @@ impl Queue {
         if self.deleted || self.consumers.is_empty() || self.message_count() == 0 {
             return Step::Idle;
         }
-        let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else { return Step::Idle };
+        let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else {
+            return if self.consumers.any_backlogged() { Step::Backlogged } else { Step::Idle };
+        };
         let offset = self.take_next().expect("message_count > 0");
         match self.paged.remove(&offset).or_else(|| self.shard.read_cached(offset)) {
             Some(rec) => {
@@ -628,6 +633,11 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
             let step = cell.borrow_mut().step();
             match step {
                 Step::Idle => break,
+                Step::Backlogged => {
+                    drop(cell);
+                    Queue::flush_unsynced(&weak).await;
+                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
+                }
                 Step::Sent => {
                     sent += 1;
                     if sent % 256 == 0 {
