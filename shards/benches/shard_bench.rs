@@ -3,17 +3,20 @@
 //! Prints one markdown table row per case, measured beside
 //! `dd if=/dev/zero of=FILE bs=1M count=1024 oflag=direct` and the fdatasync
 //! latency of the same disk. Set `BENCH_DIR` to choose the disk (default: the
-//! target dir's tmp) and `BENCH_QUICK=1` for a short run.
+//! target dir's tmp) and `BENCH_QUICK=1` for a short run, `BENCH_ONLY=append1024-0,append1024-p1024,delete,...`
+//! to pick cases (`appendSIZE-K`: a sync every K records, 0 = none; `-pK`: pipelined).
 
 use std::{
+    collections::VecDeque,
     io::Write,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
+    rc::Rc,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use ringmq_shards::{Shard, ShardConfig};
+use ringmq_shards::{Shard, ShardConfig, Synced};
 
 fn bench_dir() -> PathBuf {
     let base = std::env::var_os("BENCH_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
@@ -69,9 +72,18 @@ fn row(case: &str, figure: String, note: String) {
     let _ = std::io::stdout().flush();
 }
 
-async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, dd: f64) {
-    let path = dir.join(format!("append-{size}-{sync_every:?}"));
+/// Most syncs outstanding in the pipelined cases.
+const PIPELINE: usize = 4;
+
+/// Appends `size`-byte bodies. With `sync_every = Some(k)`, a sync per `k`
+/// records: awaited before appending more, or with `pipelined` started in its
+/// own task (as the broker does for publisher confirms) while appending goes
+/// on, at most `PIPELINE` outstanding.
+async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, pipelined: bool, dd: f64) {
+    let path = dir.join(format!("append-{size}-{sync_every:?}-{pipelined}"));
     let (s, _) = Shard::open(&path, ShardConfig::default()).await.unwrap();
+    let s = Rc::new(s);
+    let mut pending: VecDeque<glommio::task::JoinHandle<Synced>> = VecDeque::new();
     let body = Bytes::from(vec![0xabu8; size]);
     let max_bytes: u64 = if quick() { 256 << 20 } else { 1 << 30 };
     let max_time = Duration::from_secs(if quick() { 1 } else { 3 });
@@ -88,7 +100,15 @@ async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, dd: f64) 
         }
         if let Some(k) = sync_every {
             if n.is_multiple_of(k) {
-                s.sync().await.unwrap();
+                if pipelined {
+                    let s2 = s.clone();
+                    pending.push_back(glommio::spawn_local(async move { s2.sync().await.unwrap() }).detach());
+                    if pending.len() > PIPELINE {
+                        pending.pop_front().unwrap().await.unwrap();
+                    }
+                } else {
+                    s.sync().await.unwrap();
+                }
                 syncs += 1;
             }
         }
@@ -96,11 +116,15 @@ async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, dd: f64) 
             break;
         }
     }
+    for h in pending {
+        h.await.unwrap();
+    }
     s.sync().await.unwrap();
     let secs = t.elapsed().as_secs_f64();
     let mbps = (n * size as u64) as f64 / secs / 1e6;
     let policy = match sync_every {
         None => "no sync (one at the end)".to_string(),
+        Some(k) if pipelined => format!("sync every {k}, pipelined (≤ {PIPELINE} outstanding; {syncs} syncs)"),
         Some(k) => format!("sync every {k} ({syncs} syncs, {:.0} µs/sync)", secs * 1e6 / syncs.max(1) as f64),
     };
     row(
@@ -108,6 +132,7 @@ async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, dd: f64) 
         format!("{mbps:.0} MB/s, {:.0} krec/s", n as f64 / secs / 1e3),
         format!("{:.0}% of dd; {n} records", mbps / dd * 100.0),
     );
+    let Ok(s) = Rc::try_unwrap(s) else { panic!("sync tasks still hold the shard") };
     s.destroy().await.unwrap();
     settle().await;
 }
@@ -255,8 +280,11 @@ fn main() {
             for size in [16usize, 1024, 65536] {
                 for sync in [None, Some(1), Some(64), Some(1024)] {
                     if want(&format!("append{size}-{}", sync.unwrap_or(0))) {
-                        append_case(&d2, size, sync, dd).await;
+                        append_case(&d2, size, sync, false, dd).await;
                     }
+                }
+                if want(&format!("append{size}-p1024")) {
+                    append_case(&d2, size, Some(1024), true, dd).await;
                 }
             }
             if want("delete") {

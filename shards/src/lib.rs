@@ -40,6 +40,13 @@
 //!
 //!     A segment takes records until the next one would pass `segment_bytes`
 //!     (default 64 MiB); a single record larger than that gets a segment of its own.
+//!     The file is preallocated (fallocate) ahead of the writes, 1 to 4 MiB at a
+//!     time up to `segment_bytes` (so an idle shard takes little disk), so its
+//!     tail after the records reads as zeros; direct-I/O writes into it are
+//!     overwrites that ext4 does inline from io_uring (extending writes are
+//!     punted to worker threads, where writes to one file serialize). Once a
+//!     full segment is sealed, its file is cut to the 4096 boundary after its
+//!     last record.
 //!   - `<base>.idx`: 4096-byte header (`magic "RMQIDX\0\x01" | version | flags
 //!     (bit 0 sealed) | base | capacity | count | data_end | entries_crc |
 //!     header_crc`), then one u32 file position per record. Memory-mapped.
@@ -78,8 +85,11 @@
 //! [`ShardConfig::verify_on_open`], every live record's CRC is checked as well,
 //! and a corrupt one is reported and dropped without touching its neighbours).
 //! Other segments are scanned record by record (CRC, expected offset); the
-//! index is rebuilt. A torn or corrupt tail of the last segment is truncated,
-//! zero-padded and fdatasync'ed. Every dropped range is in the
+//! index is rebuilt. The scan stops at a zero length field; the rest of the
+//! file must then be zeros (the preallocated tail: the end of the log, not
+//! damage). A torn or corrupt tail of the last segment (a bad record, or any
+//! non-zero byte after the last good one) is truncated, zero-padded, reported
+//! and fdatasync'ed; the last segment is preallocated again. Every dropped range is in the
 //! [`RecoveryReport`] and the log; recovery never panics on bad data. Bitmap
 //! bits above the recovered end are cleared, so an offset reused after a crash
 //! is never born deleted.

@@ -163,11 +163,23 @@ async fn recover_segment(
     };
     let mut del = match side::open(&dp, false, base) {
         Ok((m, cap)) if cap >= idx_cap => m,
-        Ok(_) | Err(_) => {
-            let why = match side::open(&dp, false, base) {
-                Ok((_, cap)) => format!("capacity {cap} < {idx_cap}"),
-                Err(w) => w,
-            };
+        Ok((m, cap)) => {
+            // Sized for fewer records than the file could hold (a segment that
+            // grew past `segment_bytes` for one large record, or an older
+            // config): carry its bits over to a bitmap of the needed size.
+            // Written beside it, flushed, then renamed over it: a crash on
+            // the way leaves the old bitmap (the next open does this again).
+            let tmp = dp.with_extension("del.tmp");
+            let mut new = side::create(&tmp, false, base, idx_cap).map_err(|e| StoreError::io("creating deletion bitmap", &tmp, e))?;
+            for k in (0..cap).filter(|&k| side::bit_get(&m, k)) {
+                side::bit_set(&mut new, k);
+            }
+            drop(m);
+            new.flush().map_err(|e| StoreError::io("flushing deletion bitmap", &tmp, e))?;
+            std::fs::rename(&tmp, &dp).map_err(|e| StoreError::io("renaming deletion bitmap", &dp, e))?;
+            new
+        }
+        Err(why) => {
             warn(report, format!("deletion bitmap {} unusable ({why}): records of segment {base} are treated as live", dp.display()));
             side::create(&dp, false, base, idx_cap).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e))?
         }
@@ -312,14 +324,7 @@ async fn recover_segment(
             }
         }
         if last {
-            // Preallocate what the segment may still take (see the writer); a
-            // failure only makes later writes slower.
-            let now = file.file_size().await.map_err(|e| StoreError::io("stat segment", &sp, gio(e)))?;
-            if now < cfg.segment_bytes {
-                if let Err(e) = file.pre_allocate(cfg.segment_bytes, false).await {
-                    tracing::debug!(path = %sp.display(), error = %e, "segment preallocation failed");
-                }
-            }
+            // The writer preallocates ahead of its next writes (see `preallocate_ahead`).
             file.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &sp, gio(e)))?;
         }
     }

@@ -151,6 +151,8 @@ pub(crate) struct State {
 
 pub(crate) struct Inner {
     pub st: RefCell<State>,
+    /// (segment base, bytes preallocated) of the segment the writer last extended.
+    prealloc: std::cell::Cell<(Offset, u64)>,
     work: Event,
     io_done: Event,
     sync_lock: Semaphore,
@@ -485,15 +487,6 @@ async fn writer_loop(inner: Rc<Inner>) {
                 let opened = OpenOptions::new().read(true).write(true).create(true).truncate(true).dma_open(&path).await;
                 match opened {
                     Ok(f) => {
-                        // Preallocate the whole segment (unwritten extents, size set):
-                        // every later write is then an overwrite that ext4 does
-                        // inline from io_uring instead of punting it to a worker
-                        // thread, where writes to one file serialize. Recovery reads
-                        // the zero tail as the end of the log. Without it writes
-                        // still work (extending the file), only slower.
-                        if let Err(e) = f.pre_allocate(inner.cfg.segment_bytes, false).await {
-                            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
-                        }
                         let f = Rc::new(f);
                         let mut st = inner.st.borrow_mut();
                         if let Some(si) = st.segs.iter().position(|s| s.base == job.seg_base) {
@@ -514,8 +507,56 @@ async fn writer_loop(inner: Rc<Inner>) {
             let st = inner.st.borrow();
             st.segs.iter().find(|s| s.base == job.seg_base).and_then(|s| s.file.clone())
         };
+        if let Some(f) = &file {
+            preallocate_ahead(&inner, f, job.seg_base, job.pos + job.buf.len() as u64, &path).await;
+        }
         inner.st.borrow_mut().inflight += 1;
         glommio::spawn_local(write_job(inner.clone(), job, file, path)).detach();
+    }
+}
+
+/// Bytes a segment file is preallocated ahead of its writes: between 1 and 4 MiB, so a
+/// shard with little in it takes little disk, and a busy one extends its file once per
+/// few MiB of writes.
+pub(crate) fn prealloc_target(need: u64, segment_bytes: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let step = need.clamp(MIB, 4 * MIB);
+    (need + step).div_ceil(MIB).saturating_mul(MIB).min(segment_bytes).max(need)
+}
+
+#[cfg(test)]
+mod prealloc_tests {
+    use super::prealloc_target;
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn grows_in_small_steps_and_stays_in_the_segment() {
+        assert_eq!(prealloc_target(4096, 64 * MIB), 2 * MIB);
+        assert_eq!(prealloc_target(3 * MIB, 64 * MIB), 6 * MIB);
+        assert_eq!(prealloc_target(40 * MIB, 64 * MIB), 44 * MIB);
+        assert_eq!(prealloc_target(63 * MIB, 64 * MIB), 64 * MIB);
+        // a record larger than the segment: at least what is written
+        assert_eq!(prealloc_target(100 * MIB, 64 * MIB), 100 * MIB);
+    }
+}
+
+/// Preallocates (fallocate, unwritten extents, size set) ahead of a write ending at `need`
+/// bytes: every later write is then an overwrite that ext4 does inline from io_uring
+/// instead of punting it to a worker thread, where writes to one file serialize. Recovery
+/// reads the zero tail as the end of the log. Without it writes still work (extending the
+/// file), only slower.
+async fn preallocate_ahead(inner: &Inner, f: &DmaFile, seg_base: Offset, need: u64, path: &std::path::Path) {
+    let (base, done) = inner.prealloc.get();
+    if base == seg_base && need <= done {
+        return;
+    }
+    let target = prealloc_target(need, inner.cfg.segment_bytes);
+    match f.pre_allocate(target, false).await {
+        Ok(()) => inner.prealloc.set((seg_base, target)),
+        Err(e) => {
+            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
+            inner.prealloc.set((seg_base, need));
+        }
     }
 }
 
@@ -1186,6 +1227,7 @@ impl std::fmt::Debug for Shard {
 pub(crate) fn new_inner(st: State, dir: PathBuf, cfg: ShardConfig, faults: Option<Faults>) -> Rc<Inner> {
     Rc::new(Inner {
         st: RefCell::new(st),
+        prealloc: std::cell::Cell::new((Offset::MAX, 0)),
         work: Event::default(),
         io_done: Event::default(),
         sync_lock: Semaphore::new(1),
