@@ -21,7 +21,10 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&config.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log).unwrap_or_else(|e| {
+        eprintln!("ringmq: invalid --log filter {:?} ({e}); using \"info\"", config.log);
+        tracing_subscriber::EnvFilter::new("info")
+    });
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -35,8 +38,11 @@ fn main() {
     }
 }
 
-fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&config.data_dir)?;
+    // Absolute from here on: glommio opens directories relative to no directory at all.
+    config.data_dir = std::fs::canonicalize(&config.data_dir)?;
+    let _lock = lock_data_dir(&config.data_dir)?;
     // Non-durable queues do not survive a restart: their shards go with the old run.
     let transient = config.transient_dir();
     if transient.exists() {
@@ -60,6 +66,28 @@ fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     })?;
     ringmq::core::start(Arc::new(config), meta, stop_rx)?;
     Ok(())
+}
+
+/// Takes an exclusive lock on `<data>/LOCK` for the life of the process: two brokers on one
+/// data directory would interleave their writes to the metadata log and damage it.
+///
+/// # Errors
+/// When another process holds the lock, or the file cannot be opened.
+fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, Box<dyn std::error::Error>> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("LOCK");
+    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
+    // SAFETY: flock on a file descriptor we own; no memory is involved.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        return Err(format!(
+            "data directory {} is in use by another ringmq (lock {} is held)",
+            dir.display(),
+            path.display()
+        )
+        .into());
+    }
+    Ok(f)
 }
 
 /// Removes shard directories of durable queues the metadata no longer has (a delete that

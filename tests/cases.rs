@@ -4,7 +4,8 @@
 //! Covers issue 4 items 4, 7, 8 and 9 from the outside (double ack, nack-requeue redelivered,
 //! close requeues, multiple and tag 0, dead-lettering, confirms with unroutable messages,
 //! competing consumers, requeue to the original position).
-//! The cases directory is env RINGMQ_CASES_DIR, or `<repo>/../shared/cases`.
+//! The cases directory is env RINGMQ_CASES_DIR, or `<repo>/../shared/cases`; outside CI a
+//! missing directory skips the test with a note, in CI (env CI set) it fails it.
 //! Needs python3 with pika.
 
 mod common;
@@ -20,6 +21,12 @@ fn shared_ack_cases_all_pass() {
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("shared").join("cases"));
     let run_sh = dir.join("run.sh");
+    if !run_sh.exists() && std::env::var_os("CI").is_none() {
+        // A clone outside the team's workspace has no shared cases; CI always has them
+        // (there, a missing directory fails the test below).
+        eprintln!("NOTE: skipping the shared ack cases: no {} (set RINGMQ_CASES_DIR)", run_sh.display());
+        return;
+    }
     assert!(run_sh.exists(), "no {} (set RINGMQ_CASES_DIR)", run_sh.display());
     let _ = python(); // fails early with advice when pika is missing
     let b = Broker::start();

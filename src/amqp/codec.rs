@@ -7,6 +7,7 @@
 
 use amq_protocol::frame::parsing::parse_content_header;
 use amq_protocol::protocol::{basic::AMQPProperties, parse_class, AMQPClass};
+use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::error::AmqpError;
@@ -62,6 +63,44 @@ pub enum Frame {
         /// Channel number as received.
         channel: u16,
     },
+}
+
+/// Deepest nesting of field tables and arrays accepted in a frame (a table holding a table
+/// is depth 2). Deeper input is refused with 502 SYNTAX_ERROR: the metadata thread and
+/// every later reader of the value would otherwise recurse that deep.
+pub const MAX_TABLE_DEPTH: usize = 64;
+
+/// Whether `t` nests no deeper than [`MAX_TABLE_DEPTH`] (iterative: no recursion here).
+pub fn table_depth_ok(t: &FieldTable) -> bool {
+    let mut stack: Vec<(&AMQPValue, usize)> = t.inner().values().map(|v| (v, 1)).collect();
+    while let Some((v, d)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &AMQPValue>> = match v {
+            AMQPValue::FieldTable(t) => Box::new(t.inner().values()),
+            AMQPValue::FieldArray(a) => Box::new(a.as_slice().iter()),
+            _ => continue,
+        };
+        if d + 1 > MAX_TABLE_DEPTH {
+            return false;
+        }
+        stack.extend(children.map(|c| (c, d + 1)));
+    }
+    true
+}
+
+/// The field tables a client may send in a method's arguments.
+fn method_tables(m: &AMQPClass) -> Option<&FieldTable> {
+    use amq_protocol::protocol::{basic, connection, exchange, queue};
+    Some(match m {
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(x)) => &x.client_properties,
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(x)) => &x.arguments,
+        AMQPClass::Exchange(exchange::AMQPMethod::Bind(x)) => &x.arguments,
+        AMQPClass::Exchange(exchange::AMQPMethod::Unbind(x)) => &x.arguments,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(x)) => &x.arguments,
+        AMQPClass::Queue(queue::AMQPMethod::Bind(x)) => &x.arguments,
+        AMQPClass::Queue(queue::AMQPMethod::Unbind(x)) => &x.arguments,
+        AMQPClass::Basic(basic::AMQPMethod::Consume(x)) => &x.arguments,
+        _ => return None,
+    })
 }
 
 /// Known (class id, method id) pairs that a client may send; anything else gets
@@ -142,6 +181,12 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
             }
             match parse_class(&payload[..]) {
                 Ok((rest, method)) if rest.is_empty() => {
+                    if method_tables(&method).is_some_and(|t| !table_depth_ok(t)) {
+                        return Err(AmqpError::syntax_error(format!(
+                            "field table nested deeper than {MAX_TABLE_DEPTH} levels"
+                        ))
+                        .on_method(class_id, method_id));
+                    }
                     Frame::Method { channel, method: Box::new(method) }
                 }
                 // Spec "frame-error": a frame the recipient could not decode (RabbitMQ
@@ -155,6 +200,9 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
             }
         }
         FRAME_HEADER => match parse_content_header(&payload[..]) {
+            Ok((_, header)) if header.properties.headers().as_ref().is_some_and(|h| !table_depth_ok(h)) => {
+                return Err(AmqpError::syntax_error(format!("message headers nested deeper than {MAX_TABLE_DEPTH} levels")))
+            }
             Ok((rest, header)) if rest.is_empty() => Frame::Header {
                 channel,
                 class_id: header.class_id,
@@ -314,6 +362,33 @@ mod tests {
             })),
         );
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn deep_tables_are_refused() {
+        let mut v = AMQPValue::LongString("x".into());
+        for _ in 0..MAX_TABLE_DEPTH {
+            let mut t = FieldTable::default();
+            t.insert("k".into(), v);
+            v = AMQPValue::FieldTable(t);
+        }
+        let AMQPValue::FieldTable(ok) = v.clone() else { unreachable!() };
+        assert!(table_depth_ok(&ok));
+        let mut t = FieldTable::default();
+        t.insert("k".into(), v);
+        assert!(!table_depth_ok(&t));
+        let m = AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "q".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments: t,
+        }));
+        let mut out = Vec::new();
+        encode_method(&mut out, 1, &m);
+        assert_eq!(one(&out, 0).unwrap_err().code, 502);
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub struct Session {
     pub id: ConnId,
     /// Its event channel (queues send deliveries here).
     pub tx: ClientTx,
+    /// Body bytes queues handed to this connection and the writer has not yet written
+    /// (backpressure for its consumers, see `broker::queue::consumer::MAX_PENDING_BYTES`).
+    pub pending_bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// Mutable state (never borrowed across an `.await`).
     pub st: RefCell<ConnState>,
 }
@@ -93,7 +96,13 @@ pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok();
     Stats::add(&core.stats().connections_opened, 1);
-    let tuned = match handshake(&core, &mut stream, peer).await {
+    // One deadline for the whole handshake (a client dribbling bytes must not hold a
+    // connection open forever).
+    let bounded = futures_lite::future::or(handshake(&core, &mut stream, peer), async {
+        glommio::timer::sleep(HANDSHAKE_TIMEOUT).await;
+        Err(AmqpError::connection_forced("handshake not completed in time"))
+    });
+    let tuned = match bounded.await {
         Ok(t) => t,
         Err(e) => {
             tracing::debug!(?peer, error = %e, "handshake ended");
@@ -110,6 +119,7 @@ pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
         core: core.clone(),
         id,
         tx,
+        pending_bytes: Default::default(),
         st: RefCell::new(ConnState {
             vhost: Rc::from(tuned.vhost.as_str()),
             user: tuned.user,
@@ -403,20 +413,24 @@ async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::
                 .await
             }
         };
+        let mut delivered_bytes = 0usize;
         if let Some(ev) = ev {
+            delivered_bytes += delivery_bytes(&ev);
             s.on_event(ev, &mut out);
             for _ in 0..crate::core::BATCH {
                 match rx.try_recv() {
-                    Ok(ev) => s.on_event(ev, &mut out),
+                    Ok(ev) => {
+                        delivered_bytes += delivery_bytes(&ev);
+                        s.on_event(ev, &mut out)
+                    }
                     Err(_) => break,
                 }
             }
         }
         s.flush_confirms(&mut out);
-        if let Some(deadline) = s.st.borrow().closing {
-            if Instant::now() >= deadline {
-                s.finish();
-            }
+        let closing = s.st.borrow().closing;
+        if closing.is_some_and(|deadline| Instant::now() >= deadline) {
+            s.finish();
         }
         if out.is_empty() && hb > 0 && last_write.elapsed() >= Duration::from_millis(hb as u64 * 500) {
             encode_heartbeat(&mut out);
@@ -431,11 +445,23 @@ async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::
                 out.shrink_to(64 * 1024);
             }
         }
+        if delivered_bytes > 0 {
+            // Written, or dropped for a closed channel: no longer pending either way.
+            s.pending_bytes.fetch_sub(delivered_bytes, std::sync::atomic::Ordering::Relaxed);
+        }
         if s.st.borrow().finish {
             let _ = w.flush().await;
             let _ = w.close().await;
             return;
         }
+    }
+}
+
+/// Body bytes a delivery event carries (counted in `Session::pending_bytes` by its queue).
+fn delivery_bytes(ev: &ClientEvent) -> usize {
+    match ev {
+        ClientEvent::Deliver(d) => d.message.body.len(),
+        _ => 0,
     }
 }
 

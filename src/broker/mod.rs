@@ -204,6 +204,8 @@ pub struct ConsumerSpec {
     pub send_consume_ok: bool,
     /// Where its deliveries go.
     pub tx: ClientTx,
+    /// Body bytes delivered to its connection and not yet written to the socket.
+    pub pending_bytes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Who asked and where to answer: a holder of deliveries on a channel.

@@ -51,6 +51,12 @@ use crate::observe::Stats;
 /// Most inbox messages handled per tick before yielding.
 pub const BATCH: usize = 1024;
 
+/// Stack of a core thread, bytes (virtual; pages are committed only when touched). The
+/// AMQP field-table parser recurses once per nesting level, and a frame of 128 KiB can nest
+/// about 26,000 levels: far beyond a default 2 MiB thread stack. Frames that nest deeper
+/// than [`crate::amqp::codec::MAX_TABLE_DEPTH`] are refused after parsing.
+pub const CORE_STACK_BYTES: usize = 256 << 20;
+
 /// State shared by all cores (Send + Sync).
 pub struct Shared {
     /// Effective configuration.
@@ -469,9 +475,13 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
         let shared = shared.clone();
         let accepted = listen(i, config.listen)?;
         let placement = if (cores as usize) <= cpus { Placement::Fixed(i) } else { Placement::Unbound };
-        let h = LocalExecutorBuilder::new(placement)
-            .name(&format!("ringmq-core-{i}"))
-            .spawn(move || async move {
+        let name = format!("ringmq-core-{i}");
+        let h = std::thread::Builder::new().name(name.clone()).stack_size(CORE_STACK_BYTES).spawn(move || {
+            let ex = match LocalExecutorBuilder::new(placement).name(&name).make() {
+                Ok(ex) => ex,
+                Err(e) => crate::core::fatal::fatal(&format!("cannot start executor {name}: {e}")),
+            };
+            ex.run(async move {
                 let core = Core::new(i as u32, shared.clone());
                 let inbox = {
                     let core = core.clone();
@@ -514,11 +524,18 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
                     core.shutdown().await;
                     let _ = done.send(());
                 }
-            })?;
+            })
+        })?;
         handles.push(h);
     }
-    tracing::info!(listen = %config.listen, cores, "ringmq ready");
-    eprintln!("ringmq: serving AMQP 0-9-1 on {} with {} cores, data in {}", config.listen, cores, config.data_dir.display());
+    tracing::info!(
+        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, metrics on http://{}/metrics",
+        config.listen,
+        cores,
+        if cores == 1 { "" } else { "s" },
+        config.data_dir.display(),
+        config.metrics_listen
+    );
     let _ = shutdown.recv();
     tracing::info!("shutting down");
     shared.shutting_down.store(true, Ordering::Relaxed);
@@ -530,6 +547,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
         let _ = done_rx.recv_timeout(Duration::from_secs(10));
     }
     shared.meta.shutdown();
+    tracing::info!("ringmq stopped");
     // Executors may still hold sockets of clients that ignored connection.close; the
     // process exits right after this returns, which closes them.
     drop(handles);

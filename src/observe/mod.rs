@@ -135,6 +135,39 @@ pub fn render(shared: &Shared) -> String {
     out
 }
 
+/// Most scrapes served at once.
+const MAX_SCRAPES: u64 = 16;
+
+/// Answers one HTTP request on `stream` (2 s read timeout).
+fn answer(mut stream: std::net::TcpStream, shared: &Shared) {
+    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    let mut line = String::new();
+    let Ok(clone) = stream.try_clone() else { return };
+    let mut reader = BufReader::new(clone);
+    if reader.read_line(&mut line).is_err() {
+        return;
+    }
+    // Drain headers (bounded).
+    for _ in 0..100 {
+        let mut h = String::new();
+        match reader.read_line(&mut h) {
+            Ok(0) | Err(_) => break,
+            Ok(_) if h == "\r\n" || h == "\n" => break,
+            Ok(_) => {}
+        }
+    }
+    let (status, body) = if line.starts_with("GET /metrics") {
+        ("200 OK", render(shared))
+    } else {
+        ("404 Not Found", "not found; try /metrics\n".to_string())
+    };
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
 /// Serves `GET /metrics` on `addr` from a background thread. A bind failure is logged
 /// and metrics stay off (the broker still runs).
 pub fn serve_metrics(addr: SocketAddr, shared: Arc<Shared>) {
@@ -145,37 +178,24 @@ pub fn serve_metrics(addr: SocketAddr, shared: Arc<Shared>) {
             return;
         }
     };
+    let busy = Arc::new(AtomicU64::new(0));
     let spawned = std::thread::Builder::new().name("ringmq-metrics".into()).spawn(move || {
         for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-            let mut line = String::new();
-            let mut reader = BufReader::new(match stream.try_clone() {
-                Ok(s) => s,
-                Err(_) => continue,
-            });
-            if reader.read_line(&mut line).is_err() {
+            let Ok(stream) = stream else { continue };
+            // One short-lived thread per scrape, at most MAX_SCRAPES at once: a client that
+            // connects and sends nothing must not hold up the others.
+            if busy.load(Ordering::Relaxed) >= MAX_SCRAPES {
                 continue;
             }
-            // Drain headers (bounded).
-            for _ in 0..100 {
-                let mut h = String::new();
-                match reader.read_line(&mut h) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) if h == "\r\n" || h == "\n" => break,
-                    Ok(_) => {}
-                }
+            busy.fetch_add(1, Ordering::Relaxed);
+            let (shared, busy) = (shared.clone(), busy.clone());
+            let started = std::thread::Builder::new().name("ringmq-scrape".into()).spawn(move || {
+                answer(stream, &shared);
+                busy.fetch_sub(1, Ordering::Relaxed);
+            });
+            if started.is_err() {
+                tracing::warn!("metrics: could not start a scrape thread");
             }
-            let (status, body) = if line.starts_with("GET /metrics") {
-                ("200 OK", render(&shared))
-            } else {
-                ("404 Not Found", "not found; try /metrics\n".to_string())
-            };
-            let _ = write!(
-                stream,
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
         }
     });
     if let Err(e) = spawned {

@@ -197,6 +197,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
             cancel_notify,
             send_consume_ok: !c.nowait,
             tx: s.tx.clone(),
+            pending_bytes: s.pending_bytes.clone(),
         }
     };
     let (reply, rx) = reply_channel();

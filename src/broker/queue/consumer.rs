@@ -17,6 +17,9 @@ pub struct Consumer {
 /// counted and paged) instead of in the broker's memory. Auto-ack and prefetch-0
 /// consumers have no other bound.
 pub const MAX_PENDING_EVENTS: usize = 4096;
+/// Most body bytes delivered to a connection and not yet written to its socket before its
+/// consumers get nothing more (the same bound, in bytes: 16 MiB).
+pub const MAX_PENDING_BYTES: usize = 16 << 20;
 
 impl Consumer {
     /// Whether one more delivery fits in the consumer's prefetch window.
@@ -28,7 +31,8 @@ impl Consumer {
 
     /// Whether the consumer's connection has not yet written what it was given.
     pub fn backlogged(&self) -> bool {
-        self.spec.tx.len() >= MAX_PENDING_EVENTS
+        self.spec.pending_bytes.load(std::sync::atomic::Ordering::Relaxed) >= MAX_PENDING_BYTES
+            || self.spec.tx.len() >= MAX_PENDING_EVENTS
     }
 }
 
@@ -123,6 +127,7 @@ mod tests {
             cancel_notify: true,
             send_consume_ok: true,
             tx: flume::unbounded().0,
+            pending_bytes: Default::default(),
         }
     }
 

@@ -117,7 +117,7 @@ pub struct Queue {
     pending_confirms: Vec<(ConfirmTo, Instant)>,
     syncing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
-    unsynced: Vec<(ConsumerId, Delivery)>,
+    unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
     /// Records read ahead from disk, by offset (see [`read_ahead`]); bounded by
     /// [`READ_AHEAD_BYTES`] per read, dropped when taken or purged.
     paged: std::collections::BTreeMap<u64, Record>,
@@ -482,6 +482,9 @@ impl Queue {
             track,
         };
         let tx = c.spec.tx.clone();
+        let pending = c.spec.pending_bytes.clone();
+        let body_len = d.message.body.len();
+        pending.fetch_add(body_len, std::sync::atomic::Ordering::Relaxed);
         let mut index_offset = None;
         if track {
             c.in_flight += 1;
@@ -494,10 +497,11 @@ impl Queue {
         }
         self.passed(offset);
         if index_offset.is_some() {
-            self.unsynced.push((consumer, d));
+            self.unsynced.push((consumer, d, pending));
             return;
         }
         if tx.send(ClientEvent::Deliver(d)).is_err() {
+            pending.fetch_sub(body_len, std::sync::atomic::Ordering::Relaxed);
             // The connection is gone; its close will settle the rest.
             self.consumers.remove(consumer);
             if self.settle_one(offset).is_some() || !track {
@@ -531,15 +535,16 @@ impl Queue {
         let Some(cell) = weak.upgrade() else { return };
         let mut q = cell.borrow_mut();
         let mut back = Vec::new();
-        for (consumer, d) in batch {
+        for (consumer, d, pending) in batch {
             let offset = d.offset;
+            let body_len = d.message.body.len();
             let still_held = q.outstanding.get(&offset).is_some_and(|o| o.consumer == Some(consumer));
-            if !still_held {
-                continue; // settled or requeued meanwhile (channel closed)
-            }
-            let sent = q.consumers.get_mut(consumer).map(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());
-            if sent != Some(true) {
-                back.push(offset);
+            let sent = still_held && q.consumers.get_mut(consumer).is_some_and(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());
+            if !sent {
+                pending.fetch_sub(body_len, std::sync::atomic::Ordering::Relaxed);
+                if still_held {
+                    back.push(offset);
+                }
             }
         }
         if !back.is_empty() {
