@@ -36,7 +36,7 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The ringmq binary. In the repo, cargo sets `CARGO_BIN_EXE_ringmq` for integration tests; a
 /// scratch crate that includes these files can point `RINGMQ_BIN` at a built binary instead.
-fn broker_binary() -> PathBuf {
+pub fn broker_binary() -> PathBuf {
     if let Some(p) = option_env!("CARGO_BIN_EXE_ringmq") {
         return PathBuf::from(p);
     }
