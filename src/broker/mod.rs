@@ -245,8 +245,9 @@ pub enum QueueOp {
         message: Message,
         /// Confirm ticket for confirm-mode publishers.
         confirm: Option<ConfirmTo>,
-        /// When its basic.publish content was complete (for the publish→stored histogram).
-        published: std::time::Instant,
+        /// When its basic.publish content was complete, for sampled messages (the
+        /// publish→stored histogram; see `observe::sample`).
+        published: Option<std::time::Instant>,
     },
     /// basic.get: claim the next ready message.
     Get {

@@ -40,6 +40,22 @@ impl Histogram {
     }
 }
 
+/// Whether this message's stage timings are recorded: one in [`SAMPLE_EVERY`] per thread,
+/// so the hot path reads the clock for few messages.
+pub fn sample() -> bool {
+    thread_local! {
+        static N: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    }
+    N.with(|n| {
+        let v = n.get().wrapping_add(1);
+        n.set(v);
+        v % SAMPLE_EVERY == 0
+    })
+}
+
+/// One message in this many gets its publish→stored and stored→delivered times recorded.
+pub const SAMPLE_EVERY: u32 = 16;
+
 /// Renders the per-core histograms of one stage, summed, as a Prometheus histogram in
 /// seconds with label `stage`.
 fn render_histogram(out: &mut String, name: &str, stage: &str, parts: &[&Histogram]) {

@@ -321,7 +321,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
         }
         return Ok(());
     }
-    let published = std::time::Instant::now();
+    let published = crate::observe::sample().then(std::time::Instant::now);
     let last = route.queues.len() - 1;
     let mut message = Some(message);
     for (i, q) in route.queues.iter().enumerate() {

@@ -105,8 +105,9 @@ pub struct Queue {
     pub cursor: Cursor,
     me: Weak<RefCell<Queue>>,
     ready: VecDeque<u64>,
-    /// When each `ready` offset was stored (same order), for the stored→delivered histogram.
-    ready_at: VecDeque<Instant>,
+    /// When each `ready` offset was stored (same order), for sampled messages: the
+    /// stored→delivered histogram.
+    ready_at: VecDeque<Option<Instant>>,
     requeued: BTreeSet<u64>,
     redelivered: FxHashSet<u64>,
     outstanding: FxHashMap<u64, Outstanding>,
@@ -114,7 +115,7 @@ pub struct Queue {
     /// Attached consumers.
     pub consumers: Consumers,
     had_consumer: bool,
-    pending_confirms: Vec<(ConfirmTo, Instant)>,
+    pending_confirms: Vec<(ConfirmTo, Option<Instant>)>,
     syncing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
@@ -167,7 +168,7 @@ impl Queue {
     ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let ready: VecDeque<u64> = shard.live_offsets().into_iter().collect();
-        let ready_at: VecDeque<Instant> = std::iter::repeat_n(Instant::now(), ready.len()).collect();
+        let ready_at: VecDeque<Option<Instant>> = std::iter::repeat_n(None, ready.len()).collect();
         let mut redelivered: FxHashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
         if let Some(index) = &index {
@@ -236,7 +237,7 @@ impl Queue {
             return Some(o);
         }
         let o = self.ready.pop_front()?;
-        if let Some(at) = self.ready_at.pop_front() {
+        if let Some(Some(at)) = self.ready_at.pop_front() {
             self.env.stats().stored_to_delivered.record(at.elapsed());
         }
         Some(o)
@@ -248,7 +249,7 @@ impl Queue {
             self.requeued.insert(offset);
         } else {
             self.ready.push_front(offset);
-            self.ready_at.push_front(Instant::now());
+            self.ready_at.push_front(None);
         }
     }
 
@@ -318,23 +319,25 @@ impl Queue {
         }
     }
 
-    fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Instant) {
+    fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
         let needs_sync = self.qref.durable && message.persistent();
         match self.shard.append(message.flags, &message.header, &message.body) {
             Ok(offset) => {
-                let now = Instant::now();
+                let now = published.map(|_| Instant::now());
                 self.ready.push_back(offset);
                 self.ready_at.push_back(now);
                 if needs_sync {
                     if let Some(c) = confirm {
                         self.pending_confirms.push((c, published));
-                    } else {
-                        self.env.stats().publish_to_stored.record(now.duration_since(published));
+                    } else if let (Some(p), Some(n)) = (published, now) {
+                        self.env.stats().publish_to_stored.record(n.duration_since(p));
                     }
                     self.dirty = true;
                     self.start_sync(cell);
                 } else {
-                    self.env.stats().publish_to_stored.record(now.duration_since(published));
+                    if let (Some(p), Some(n)) = (published, now) {
+                        self.env.stats().publish_to_stored.record(n.duration_since(p));
+                    }
                     if let Some(c) = confirm {
                         let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
                     }
@@ -743,7 +746,9 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
         };
         let now = Instant::now();
         for (c, published) in batch {
-            env.stats().publish_to_stored.record(now.duration_since(published));
+            if let Some(p) = published {
+                env.stats().publish_to_stored.record(now.duration_since(p));
+            }
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok });
         }
     }

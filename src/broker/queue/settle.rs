@@ -145,7 +145,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
             // Rule 3: the new copy is stored in every target before the original goes.
             let (tx, rx) = flume::unbounded();
             let n = route.queues.len();
-            let published = std::time::Instant::now();
+            let published = crate::observe::sample().then(std::time::Instant::now);
             for target in &route.queues {
                 let confirm = ConfirmTo { tx: tx.clone(), channel: 0, seq: off };
                 env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
