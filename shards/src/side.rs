@@ -18,6 +18,13 @@ use crate::format::{Offset, DEL_MAGIC, FORMAT_VERSION, IDX_MAGIC, SIDE_HEADER_BY
 
 const H: usize = SIDE_HEADER_BYTES;
 
+/// Side files are sparse and touched a page at a time: without this, each page fault reads
+/// ahead (for a hole: zero-fills) a large folio, which with a thousand queues cost the
+/// broker most of its CPU (perf: kernel memset under filemap_fault).
+fn no_readahead(m: &MmapMut) {
+    let _ = m.advise(memmap2::Advice::Random);
+}
+
 /// Creates (or truncates) a side file of `capacity` records and maps it.
 pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64) -> std::io::Result<MmapMut> {
     let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
@@ -25,6 +32,7 @@ pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64) -> std
     f.set_len(H as u64 + body)?;
     // SAFETY: the file is private to this shard (one owner core); nobody truncates it while mapped.
     let mut m = unsafe { MmapMut::map_mut(&f)? };
+    no_readahead(&m);
     m[0..8].copy_from_slice(if idx { IDX_MAGIC } else { DEL_MAGIC });
     m[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     m[16..24].copy_from_slice(&base.to_le_bytes());
@@ -48,6 +56,7 @@ pub(crate) fn open(path: &Path, idx: bool, base: Offset) -> Result<(MmapMut, u64
     }
     // SAFETY: as in `create`.
     let m = unsafe { MmapMut::map_mut(&f).map_err(|e| e.to_string())? };
+    no_readahead(&m);
     if &m[0..8] != (if idx { IDX_MAGIC } else { DEL_MAGIC }) {
         return Err("bad magic".into());
     }
