@@ -148,3 +148,22 @@ fn deeply_nested_tables_are_refused_not_fatal() {
     let mut d = RawConn::open(b.addr());
     d.open_channel(1);
 }
+
+/// basic.publish with immediate=true: RabbitMQ 3.x answers 540 NOT_IMPLEMENTED (the flag
+/// was removed); ringmq used to accept it silently.
+#[test]
+fn publish_immediate_is_not_implemented() {
+    let b = Broker::start();
+    let mut c = RawConn::open(b.addr());
+    c.open_channel(1);
+    let mut args = Vec::new();
+    args.extend_from_slice(&0u16.to_be_bytes());
+    shortstr(&mut args, "");
+    shortstr(&mut args, "nowhere");
+    args.push(0b10); // immediate
+    c.send_method(1, 60, 40, &args);
+    match c.expect_close() {
+        Closed::Connection { code, .. } => assert_eq!(code, 540, "immediate=true"),
+        other => panic!("expected connection.close 540, got {other:?}"),
+    }
+}

@@ -22,6 +22,10 @@ use crate::observe::Stats;
 pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Result<(), AmqpError> {
     match m {
         basic::AMQPMethod::Publish(p) => {
+            if p.immediate {
+                // As RabbitMQ 3.x: the immediate flag is not supported (hard 540).
+                return Err(AmqpError::not_implemented("immediate=true"));
+            }
             let mut st = s.st.borrow_mut();
             if let Some(c) = st.channels.get_mut(&channel) {
                 c.publish = Some(PendingPublish {
