@@ -754,6 +754,9 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
     }
 }
 
+/// Shortest time between two cursor commits of one queue.
+pub const CURSOR_COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Builds the cursor commit. Taking the index's [`Synced`] token is the type-level form of
 /// rule 2: no cursor moves past a delivery whose index record is not yet durable.
 fn cursor_cas(key: &QueueKey, expected: u64, new: u64, _index_synced: &Synced) -> Command {
@@ -764,8 +767,11 @@ fn cursor_cas(key: &QueueKey, expected: u64, new: u64, _index_synced: &Synced) -
 /// flight per queue (the metadata group batches proposals of all queues into one entry).
 /// A rejected CAS re-reads the stored value and retries; nothing is locked or leased.
 async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
-    futures_lite::future::yield_now().await;
     loop {
+        // Let deliveries accumulate: the cursor is a recovery aid (the unacked index already
+        // covers every outstanding delivery), so one commit per interval per queue is enough
+        // and keeps Raft entries off the per-message path.
+        glommio::timer::sleep(CURSOR_COMMIT_INTERVAL).await;
         let Some(cell) = weak.upgrade() else { return };
         let (shard, index, key, expected, target, env) = {
             let mut q = cell.borrow_mut();
