@@ -40,7 +40,7 @@
 //!
 //!     A segment takes records until the next one would pass `segment_bytes`
 //!     (default 64 MiB); a single record larger than that gets a segment of its own.
-//!     The file is preallocated (fallocate) ahead of the writes, 1 to 4 MiB at a
+//!     The file is preallocated (fallocate) ahead of the writes, 1 to 16 MiB at a
 //!     time up to `segment_bytes` (so an idle shard takes little disk), so its
 //!     tail after the records reads as zeros; direct-I/O writes into it are
 //!     overwrites that ext4 does inline from io_uring (extending writes are

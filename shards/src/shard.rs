@@ -515,12 +515,12 @@ async fn writer_loop(inner: Rc<Inner>) {
     }
 }
 
-/// Bytes a segment file is preallocated ahead of its writes: between 1 and 4 MiB, so a
-/// shard with little in it takes little disk, and a busy one extends its file once per
-/// few MiB of writes.
+/// Bytes a segment file is preallocated ahead of its writes: as much again as is written,
+/// between 1 and 16 MiB, so a shard with little in it takes little disk (2 MiB), and a
+/// busy one extends its file once per 16 MiB of writes.
 pub(crate) fn prealloc_target(need: u64, segment_bytes: u64) -> u64 {
     const MIB: u64 = 1 << 20;
-    let step = need.clamp(MIB, 4 * MIB);
+    let step = need.clamp(MIB, 16 * MIB);
     (need + step).div_ceil(MIB).saturating_mul(MIB).min(segment_bytes).max(need)
 }
 
@@ -533,7 +533,7 @@ mod prealloc_tests {
     fn grows_in_small_steps_and_stays_in_the_segment() {
         assert_eq!(prealloc_target(4096, 64 * MIB), 2 * MIB);
         assert_eq!(prealloc_target(3 * MIB, 64 * MIB), 6 * MIB);
-        assert_eq!(prealloc_target(40 * MIB, 64 * MIB), 44 * MIB);
+        assert_eq!(prealloc_target(40 * MIB, 64 * MIB), 56 * MIB);
         assert_eq!(prealloc_target(63 * MIB, 64 * MIB), 64 * MIB);
         // a record larger than the segment: at least what is written
         assert_eq!(prealloc_target(100 * MIB, 64 * MIB), 100 * MIB);
