@@ -278,13 +278,7 @@ impl Core {
         while !self.conns.borrow().is_empty() && Instant::now() < deadline {
             glommio::timer::sleep(Duration::from_millis(20)).await;
         }
-        let cells: Vec<QueueCell> = self
-            .queues
-            .borrow()
-            .values()
-            .filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
-            .collect();
-        for c in cells {
+        for c in self.open_queues() {
             let (shard, index) = (c.borrow().shard.clone(), c.borrow().index.clone());
             for s in [Some(shard), index].into_iter().flatten() {
                 if let Err(e) = s.close().await {
@@ -294,19 +288,18 @@ impl Core {
         }
     }
 
+    /// The queues of this core that are open (not opening or being deleted).
+    fn open_queues(&self) -> Vec<QueueCell> {
+        self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
+    }
+
     /// Once a second: syncs queues with unsynced deletes, and sends every channel that holds
     /// a delivery past its queue's acknowledgement timeout an [`ClientEvent::AckTimeout`].
     async fn ack_timeouts(self: Rc<Self>) {
         loop {
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();
-            let cells: Vec<QueueCell> = self
-                .queues
-                .borrow()
-                .values()
-                .filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
-                .collect();
-            for c in cells {
+            for c in self.open_queues() {
                 Queue::sync_if_dirty(&c);
                 let q = c.borrow();
                 let ms = q.consumer_timeout_ms;
