@@ -152,7 +152,7 @@ pub(crate) struct State {
 pub(crate) struct Inner {
     pub st: RefCell<State>,
     /// (segment base, bytes preallocated) of the segment the writer last extended.
-    prealloc: std::cell::Cell<(Offset, u64)>,
+    prealloc: std::cell::Cell<Prealloc>,
     work: Event,
     io_done: Event,
     sync_lock: Semaphore,
@@ -540,22 +540,56 @@ mod prealloc_tests {
     }
 }
 
+/// Preallocation state of the segment being written.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Prealloc {
+    seg_base: Offset,
+    /// Bytes known preallocated.
+    done: u64,
+    /// Bytes asked for (≥ `done` while a background fallocate runs).
+    asked: u64,
+}
+
 /// Preallocates (fallocate, unwritten extents, size set) ahead of a write ending at `need`
 /// bytes: every later write is then an overwrite that ext4 does inline from io_uring
 /// instead of punting it to a worker thread, where writes to one file serialize. Recovery
 /// reads the zero tail as the end of the log. Without it writes still work (extending the
 /// file), only slower.
-async fn preallocate_ahead(inner: &Inner, f: &DmaFile, seg_base: Offset, need: u64, path: &std::path::Path) {
-    let (base, done) = inner.prealloc.get();
-    if base == seg_base && need <= done {
+///
+/// The writer waits only when a write would go past what is preallocated (the first
+/// write of a segment); once past half of the preallocated room, the next step is asked
+/// for in a background task, so steady appends never wait for fallocate.
+async fn preallocate_ahead(inner: &Rc<Inner>, f: &Rc<DmaFile>, seg_base: Offset, need: u64, path: &std::path::Path) {
+    let p = inner.prealloc.get();
+    let same = p.seg_base == seg_base;
+    if same && need <= p.done {
+        if need >= p.done / 2 && p.asked == p.done && p.done < inner.cfg.segment_bytes {
+            let target = prealloc_target(p.done, inner.cfg.segment_bytes);
+            inner.prealloc.set(Prealloc { asked: target, ..p });
+            let (inner, f, path) = (inner.clone(), f.clone(), path.to_owned());
+            glommio::spawn_local(async move {
+                let ok = f.pre_allocate(target, false).await;
+                let now = inner.prealloc.get();
+                if now.seg_base == seg_base {
+                    match ok {
+                        Ok(()) => inner.prealloc.set(Prealloc { done: target, asked: target, ..now }),
+                        Err(e) => {
+                            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
+                            inner.prealloc.set(Prealloc { asked: now.done, ..now });
+                        }
+                    }
+                }
+            })
+            .detach();
+        }
         return;
     }
     let target = prealloc_target(need, inner.cfg.segment_bytes);
     match f.pre_allocate(target, false).await {
-        Ok(()) => inner.prealloc.set((seg_base, target)),
+        Ok(()) => inner.prealloc.set(Prealloc { seg_base, done: target, asked: target }),
         Err(e) => {
             tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
-            inner.prealloc.set((seg_base, need));
+            inner.prealloc.set(Prealloc { seg_base, done: need, asked: need });
         }
     }
 }
@@ -1227,7 +1261,7 @@ impl std::fmt::Debug for Shard {
 pub(crate) fn new_inner(st: State, dir: PathBuf, cfg: ShardConfig, faults: Option<Faults>) -> Rc<Inner> {
     Rc::new(Inner {
         st: RefCell::new(st),
-        prealloc: std::cell::Cell::new((Offset::MAX, 0)),
+        prealloc: std::cell::Cell::new(Prealloc { seg_base: Offset::MAX, done: 0, asked: 0 }),
         work: Event::default(),
         io_done: Event::default(),
         sync_lock: Semaphore::new(1),
