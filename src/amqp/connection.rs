@@ -457,10 +457,10 @@ async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::
     }
 }
 
-/// Body bytes a delivery event carries (counted in `Session::pending_bytes` by its queue).
+/// What a delivery event weighs in `Session::pending_bytes` (added by its queue).
 fn delivery_bytes(ev: &ClientEvent) -> usize {
     match ev {
-        ClientEvent::Deliver(d) => d.message.body.len(),
+        ClientEvent::Deliver(d) => crate::broker::queue::consumer::pending_weight(d.message.body.len()),
         _ => 0,
     }
 }

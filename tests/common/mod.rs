@@ -46,10 +46,21 @@ pub fn broker_binary() -> PathBuf {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bind port 0, read it, release it).
+/// A free TCP port on 127.0.0.1 (bind port 0, read it, release it), never one this test
+/// process handed out before: the kernel may give a released port to the next bind(0), and
+/// two brokers of parallel tests on one port made one test talk to the other's broker.
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().unwrap().port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    for _ in 0..1000 {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let port = l.local_addr().unwrap().port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+    panic!("no unused loopback port after 1000 tries");
 }
 
 /// A broker under test: either a ringmq child process we own, or an external broker.

@@ -12,14 +12,23 @@ pub struct Consumer {
     pub in_flight: u32,
 }
 
-/// Most events waiting in a connection's event channel before its consumers get nothing
+/// Most deliveries waiting to be written on a connection before its consumers get nothing
 /// more: a client that reads slowly holds back deliveries in its queue (where they are
 /// counted and paged) instead of in the broker's memory. Auto-ack and prefetch-0
 /// consumers have no other bound.
 pub const MAX_PENDING_EVENTS: usize = 4096;
-/// Most body bytes delivered to a connection and not yet written to its socket before its
-/// consumers get nothing more (the same bound, in bytes: 16 MiB).
+/// Most bytes delivered to a connection and not yet written to its socket before its
+/// consumers get nothing more: 16 MiB, where each delivery weighs its body plus
+/// [`EVENT_WEIGHT`] (so at most [`MAX_PENDING_EVENTS`] deliveries of empty bodies). One
+/// atomic counter shared by the connection and its queues: no lock on the hot path.
 pub const MAX_PENDING_BYTES: usize = 16 << 20;
+/// What one delivery weighs in [`MAX_PENDING_BYTES`] besides its body.
+pub const EVENT_WEIGHT: usize = MAX_PENDING_BYTES / MAX_PENDING_EVENTS;
+
+/// The weight of a delivery of `body_len` bytes in a connection's pending counter.
+pub fn pending_weight(body_len: usize) -> usize {
+    body_len + EVENT_WEIGHT
+}
 
 impl Consumer {
     /// Whether one more delivery fits in the consumer's prefetch window.
@@ -32,7 +41,6 @@ impl Consumer {
     /// Whether the consumer's connection has not yet written what it was given.
     pub fn backlogged(&self) -> bool {
         self.spec.pending_bytes.load(std::sync::atomic::Ordering::Relaxed) >= MAX_PENDING_BYTES
-            || self.spec.tx.len() >= MAX_PENDING_EVENTS
     }
 }
 

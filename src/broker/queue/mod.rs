@@ -486,8 +486,8 @@ impl Queue {
         };
         let tx = c.spec.tx.clone();
         let pending = c.spec.pending_bytes.clone();
-        let body_len = d.message.body.len();
-        pending.fetch_add(body_len, std::sync::atomic::Ordering::Relaxed);
+        let weight = consumer::pending_weight(d.message.body.len());
+        pending.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
         let mut index_offset = None;
         if track {
             c.in_flight += 1;
@@ -504,7 +504,7 @@ impl Queue {
             return;
         }
         if tx.send(ClientEvent::Deliver(d)).is_err() {
-            pending.fetch_sub(body_len, std::sync::atomic::Ordering::Relaxed);
+            pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
             // The connection is gone; its close will settle the rest.
             self.consumers.remove(consumer);
             if self.settle_one(offset).is_some() || !track {
@@ -540,11 +540,11 @@ impl Queue {
         let mut back = Vec::new();
         for (consumer, d, pending) in batch {
             let offset = d.offset;
-            let body_len = d.message.body.len();
+            let weight = consumer::pending_weight(d.message.body.len());
             let still_held = q.outstanding.get(&offset).is_some_and(|o| o.consumer == Some(consumer));
             let sent = still_held && q.consumers.get_mut(consumer).is_some_and(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());
             if !sent {
-                pending.fetch_sub(body_len, std::sync::atomic::Ordering::Relaxed);
+                pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
                 if still_held {
                     back.push(offset);
                 }
