@@ -64,8 +64,6 @@ pub struct Outstanding {
     pub holder: Holder,
     /// When it was delivered.
     pub since: Instant,
-    /// Its record in the unacked index (persistent messages of durable queues only).
-    pub index_offset: Option<u64>,
     /// The holder channel's shared prefetch window (consumer deliveries only).
     pub credit: Option<std::sync::Arc<super::ChannelCredit>>,
 }
@@ -117,6 +115,14 @@ pub struct Queue {
     had_consumer: bool,
     pending_confirms: Vec<(ConfirmTo, Option<Instant>)>,
     syncing: bool,
+    /// Message offset → its live unacked-index record. A record outlives a requeue (the
+    /// message was delivered: after a crash it must come back redelivered=true).
+    index_of: FxHashMap<u64, u64>,
+    /// Index records of messages whose deletion (ack, drop, dead-letter, purge) is not yet
+    /// synced in the message shard. They are deleted only after the next message-shard
+    /// sync, so an index record never disappears before its message does (else a crash in
+    /// between would redeliver a delivered message unflagged).
+    index_trash: Vec<u64>,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
     /// Records read ahead from disk, by offset (see [`read_ahead`]); bounded by
@@ -171,13 +177,26 @@ impl Queue {
         let ready_at: VecDeque<Option<Instant>> = std::iter::repeat_n(None, ready.len()).collect();
         let mut redelivered: FxHashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
-        if let Some(index) = &index {
-            if env.meta().is_leader() && !recovered.held.is_empty() {
-                let stale: Vec<u64> = recovered.held.iter().map(|(i, _)| *i).collect();
-                tracing::info!(queue = %qref.key.name, records = stale.len(), "requeued deliveries of a dead boot epoch");
-                if let Err(e) = index.delete_by_offsets(&stale) {
-                    tracing::error!(error = %e, "unacked index delete failed");
+        // The scanner (Raft leader only): records of a dead boot epoch are requeued at once —
+        // their messages are ready again, flagged; the records stay as theirs until the
+        // messages are settled (a record of a message no longer live goes now).
+        let mut index_of = FxHashMap::default();
+        let mut stale = Vec::new();
+        if index.is_some() && env.meta().is_leader() {
+            for (i, r) in &recovered.held {
+                if shard.is_live(r.offset) && !index_of.contains_key(&r.offset) {
+                    index_of.insert(r.offset, *i);
+                } else {
+                    stale.push(*i);
                 }
+            }
+            if !recovered.held.is_empty() {
+                tracing::info!(queue = %qref.key.name, records = recovered.held.len(), "requeued deliveries of a dead boot epoch");
+            }
+        }
+        if let (Some(index), false) = (&index, stale.is_empty()) {
+            if let Err(e) = index.delete_by_offsets(&stale) {
+                tracing::error!(error = %e, "unacked index delete failed");
             }
         }
         let consumer_timeout_ms = int_arg(&def.arguments, "x-consumer-timeout")
@@ -204,6 +223,8 @@ impl Queue {
             pending_confirms: Vec::new(),
             syncing: false,
             unsynced: Vec::new(),
+            index_of,
+            index_trash: Vec::new(),
             paged: Default::default(),
             dirty: false,
             wake,
@@ -353,6 +374,14 @@ impl Queue {
         }
     }
 
+    /// The message at `offset` is being deleted: its index record goes after the next
+    /// message-shard sync (see `index_trash`).
+    pub(super) fn trash_index(&mut self, offset: u64) {
+        if let Some(i) = self.index_of.remove(&offset) {
+            self.index_trash.push(i);
+        }
+    }
+
     /// Starts the group-commit task unless one is running.
     fn start_sync(&mut self, cell: &QueueCell) {
         if !self.syncing {
@@ -376,9 +405,11 @@ impl Queue {
         let mut offs: Vec<u64> = self.ready.drain(..).collect();
         self.ready_at.clear();
         offs.extend(std::mem::take(&mut self.requeued));
-        for o in &offs {
-            self.redelivered.remove(o);
+        for &o in &offs {
+            self.redelivered.remove(&o);
+            self.trash_index(o);
         }
+        self.dirty = true;
         if let Err(e) = self.shard.delete_by_offsets(&offs) {
             tracing::error!(queue = %self.qref.key.name, error = %e, "purge delete failed");
         }
@@ -495,8 +526,7 @@ impl Queue {
             let credit = Some(c.spec.channel_credit.clone());
             let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
             index_offset = self.index_delivery(offset, flags, &holder);
-            self.outstanding
-                .insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), index_offset, credit });
+            self.outstanding.insert(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit });
         }
         self.passed(offset);
         if index_offset.is_some() {
@@ -557,8 +587,8 @@ impl Queue {
 
     /// Rule 2, first half: a tracked delivery of a persistent message in a durable queue
     /// gets an unacked-index record (appended now, synced before the cursor passes it).
-    fn index_delivery(&self, offset: u64, flags: u8, holder: &Holder) -> Option<u64> {
-        let index = self.index.as_ref()?;
+    fn index_delivery(&mut self, offset: u64, flags: u8, holder: &Holder) -> Option<u64> {
+        let index = self.index.clone()?;
         if flags & super::message::FLAG_PERSISTENT == 0 {
             return None;
         }
@@ -574,7 +604,14 @@ impl Queue {
             queue: self.qref.key.name.to_string(),
         };
         match index.append(0, &rec.encode(), &Bytes::new()) {
-            Ok(i) => Some(i),
+            Ok(i) => {
+                // A record from an earlier delivery (requeued since) is replaced; the new
+                // one is synced before this delivery leaves, the old one may go any time.
+                if let Some(old) = self.index_of.insert(offset, i) {
+                    let _ = index.delete_by_offsets(&[old]);
+                }
+                Some(i)
+            }
             Err(e) => {
                 tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index append failed");
                 None
@@ -597,6 +634,7 @@ impl Queue {
     /// Deletes a settled or auto-acked offset from the store (DESIGN.md ack-path rule 4).
     fn forget(&mut self, offset: u64) {
         self.redelivered.remove(&offset);
+        self.trash_index(offset);
         self.dirty = true;
         if let Err(e) = self.shard.delete_by_offsets(&[offset]) {
             tracing::error!(queue = %self.qref.key.name, error = %e, "delete failed");
@@ -733,9 +771,11 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
                 return;
             }
             q.dirty = false;
-            (q.shard.clone(), std::mem::take(&mut q.pending_confirms), q.env.clone())
+            let trash = std::mem::take(&mut q.index_trash);
+            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), trash, q.index.clone()), q.env.clone())
         };
         drop(cell);
+        let (batch, trash, index) = batch;
         crate::observe::Stats::add(&env.stats().queue_syncs, 1);
         let ok = match shard.sync().await {
             Ok(_) => true,
@@ -744,6 +784,12 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
                 crate::core::fatal::fatal(&format!("fdatasync of a queue shard failed: {e}"));
             }
         };
+        // The messages' deletions are durable now: their index records may go.
+        if let (Some(index), false) = (&index, trash.is_empty()) {
+            if let Err(e) = index.delete_by_offsets(&trash) {
+                tracing::error!(error = %e, "unacked index delete failed");
+            }
+        }
         let now = Instant::now();
         for (c, published) in batch {
             if let Some(p) = published {
@@ -903,7 +949,7 @@ impl Queue {
             if index_offset.is_some() {
                 sync = self.index.clone();
             }
-            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now(), index_offset, credit: None });
+            self.outstanding.insert(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None });
         }
         self.passed(offset);
         let r = GetReply {

@@ -12,7 +12,9 @@
 //!    with a confirm ticket, and deletes the original only after every target queue has
 //!    stored (and, for durable targets, synced) it.
 //! 4. **Ack is two deletes**: the message's offset in its shard ([`Queue::ack`]) and its
-//!    unacked-index record (`settle_one`, which every transition goes through).
+//!    unacked-index record — the latter only after the message shard's next sync
+//!    (`Queue::trash_index`), so a record never goes before its message: a requeued
+//!    message keeps its record, and after any crash a delivered message comes back flagged.
 //! 5. **One requeue primitive**, [`Queue::requeue`], behind basic.nack(requeue),
 //!    basic.reject(requeue), basic.recover(requeue), channel/connection close and the
 //!    acknowledgement timeout. A requeued offset is delivered again with redelivered=true,
@@ -34,9 +36,10 @@ use crate::broker::message::Message;
 use crate::broker::{ClientEvent, ConfirmTo, QueueOp};
 
 impl Queue {
-    /// Takes an offset out of the outstanding set: returns its holder's prefetch credit and
-    /// deletes its unacked-index record (rule 4, second delete). Every transition of a
-    /// delivered message starts here.
+    /// Takes an offset out of the outstanding set and returns its holder's prefetch credit.
+    /// Every transition of a delivered message starts here; its unacked-index record stays
+    /// until the message itself is deleted durably (`Queue::trash_index`, rule 4's second
+    /// delete).
     pub(super) fn settle_one(&mut self, offset: u64) -> Option<super::Outstanding> {
         let o = self.outstanding.remove(&offset)?;
         if let Some(credit) = &o.credit {
@@ -45,11 +48,6 @@ impl Queue {
         if let Some(cid) = o.consumer {
             if let Some(c) = self.consumers.get_mut(cid) {
                 c.in_flight = c.in_flight.saturating_sub(1);
-            }
-        }
-        if let (Some(i), Some(index)) = (o.index_offset, &self.index) {
-            if let Err(e) = index.delete_by_offsets(&[i]) {
-                tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index delete failed");
             }
         }
         Some(o)
@@ -63,6 +61,7 @@ impl Queue {
             if let Some(o) = self.settle_one(off) {
                 self.env.stats().delivered_to_acked.record(now.duration_since(o.since));
                 self.redelivered.remove(&off);
+                self.trash_index(off);
                 done.push(off);
             }
         }
@@ -110,9 +109,11 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
     }
     q.wake();
     let Some(dlx) = q.dead_letter_exchange.clone() else {
-        for off in &mine {
-            q.redelivered.remove(off);
+        for &off in &mine {
+            q.redelivered.remove(&off);
+            q.trash_index(off);
         }
+        q.dirty = true;
         if let Err(e) = q.shard.delete_by_offsets(&mine) {
             tracing::error!(queue = %q.qref.key.name, error = %e, "reject delete failed");
         }
@@ -166,6 +167,8 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
             if let Some(cell) = weak.upgrade() {
                 let mut q = cell.borrow_mut();
                 q.redelivered.remove(&off);
+                q.trash_index(off);
+                q.dirty = true;
                 if let Err(e) = q.shard.delete_by_offsets(&[off]) {
                     tracing::error!(error = %e, "dead-letter delete failed");
                 }
