@@ -161,8 +161,8 @@ impl Queue {
     /// Ready messages are the shard's live records, in offset order. Recovery (DESIGN.md
     /// rule 7): a live message below the committed cursor, or named by an unacked-index
     /// record of an earlier run, was delivered before and comes back redelivered=true. On
-    /// the Raft leader, the scanner then drops those records (their boot epoch is dead:
-    /// the messages are ready again).
+    /// the Raft leader, the scanner requeues those deliveries (their boot epoch is dead):
+    /// the messages are ready again and keep their records until settled.
     pub fn start(
         def: QueueDef,
         qref: QueueRef,
