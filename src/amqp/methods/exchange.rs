@@ -80,9 +80,10 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
                     Some(old) => check_equivalent(old, &def)?,
                     None => {
                         check_name(name)?;
-                        match meta.propose(Command::DeclareExchange(def.clone())).await.map_err(meta_error)? {
-                            Outcome::ExchangeExists(old) => check_equivalent(&old, &def)?,
-                            _ => {}
+                        if let Outcome::ExchangeExists(old) =
+                            meta.propose(Command::DeclareExchange(def.clone())).await.map_err(meta_error)?
+                        {
+                            check_equivalent(&old, &def)?;
                         }
                     }
                 }

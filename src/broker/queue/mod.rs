@@ -686,7 +686,7 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                 }
                 Step::Sent => {
                     sent += 1;
-                    if sent % 256 == 0 {
+                    if sent.is_multiple_of(256) {
                         drop(cell);
                         Queue::flush_unsynced(&weak).await;
                         glommio::yield_if_needed().await;
