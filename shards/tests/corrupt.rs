@@ -14,16 +14,6 @@ use std::{
 use common::*;
 use ringmq_shards::{Shard, ShardConfig, StoreError};
 
-fn seg_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
-        .collect();
-    v.sort();
-    v
-}
-
 /// Writes 300 records of 1000 bytes (many 64 KiB segments) and closes.
 fn fill(path: PathBuf) {
     run(move || async move {

@@ -20,16 +20,6 @@ fn cfg() -> ShardConfig {
     ShardConfig { segment_bytes: SEG, cache_bytes: 0, verify_on_open: false }
 }
 
-fn seg_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
-        .collect();
-    v.sort();
-    v
-}
-
 fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).unwrap().len()
 }

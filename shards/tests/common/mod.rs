@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::future::Future;
+use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use ringmq_shards::{Record, Shard, ShardConfig};
@@ -57,4 +58,15 @@ pub fn put(s: &Shard, n: usize) -> u64 {
     let got = s.append((o % 256) as u8, &header(o), &body(o, n)).expect("append");
     assert_eq!(got, o);
     o
+}
+
+/// The segment files (`*.seg`) of a shard directory, sorted by name (= base offset).
+pub fn seg_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    v.sort();
+    v
 }
