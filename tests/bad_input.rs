@@ -281,13 +281,7 @@ fn malformed_field_table() {
         tbl.extend_from_slice(b"\x03key");
         tbl.push(b'Q');
         tbl.extend_from_slice(&[0, 0, 0, 1]);
-        let mut a = Vec::new();
-        a.extend_from_slice(&0u16.to_be_bytes());
-        shortstr(&mut a, &uniq("badtype"));
-        a.push(0);
-        a.extend_from_slice(&(tbl.len() as u32).to_be_bytes());
-        a.extend_from_slice(&tbl);
-        c.send_method(1, 50, 10, &a);
+        c.send_method(1, 50, 10, &queue_declare_args(&uniq("badtype"), &tbl));
         expect_spec_close(&mut c, 501, Rabbit::Eof, "field table with an unknown type tag");
         // (c) well-formed table, wrong value type for a known argument → channel 406
         let mut c = RawConn::open(addr);
@@ -296,13 +290,7 @@ fn malformed_field_table() {
         tbl.extend_from_slice(b"\x0ex-max-priority");
         tbl.push(b'S');
         longstr(&mut tbl, b"a");
-        let mut a = Vec::new();
-        a.extend_from_slice(&0u16.to_be_bytes());
-        shortstr(&mut a, &uniq("badarg"));
-        a.push(0);
-        a.extend_from_slice(&(tbl.len() as u32).to_be_bytes());
-        a.extend_from_slice(&tbl);
-        c.send_method(1, 50, 10, &a);
+        c.send_method(1, 50, 10, &queue_declare_args(&uniq("badarg"), &tbl));
         match c.expect_close() {
             Closed::Channel { channel: 1, code: 406, .. } => {}
             other => panic!("x-max-priority as a string: expected channel.close 406, got {other:?}"),

@@ -6,7 +6,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::raw::{longstr, shortstr, Closed, RawConn};
+use common::raw::{longstr, queue_declare_args, shortstr, Closed, RawConn};
 use common::*;
 
 /// Runs the broker binary with `args` in `cwd`; returns the child.
@@ -133,13 +133,7 @@ fn deeply_nested_tables_are_refused_not_fatal() {
     let mut table = Vec::new();
     shortstr(&mut table, "deep");
     table.extend_from_slice(&value);
-    let mut args = Vec::new();
-    args.extend_from_slice(&0u16.to_be_bytes());
-    shortstr(&mut args, &uniq("deep"));
-    args.push(0);
-    args.extend_from_slice(&(table.len() as u32).to_be_bytes());
-    args.extend_from_slice(&table);
-    c.send_method(1, 50, 10, &args);
+    c.send_method(1, 50, 10, &queue_declare_args(&uniq("deep"), &table));
     match c.expect_close() {
         Closed::Connection { code, .. } => assert_eq!(code, 502, "deep field table"),
         other => panic!("expected connection.close 502, got {other:?}"),

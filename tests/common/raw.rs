@@ -57,6 +57,18 @@ impl Closed {
     }
 }
 
+/// queue.declare arguments (spec 1.7.2.1): reserved, queue name, no flags, and `table` (the
+/// encoded fields of the arguments table) behind its length.
+pub fn queue_declare_args(queue: &str, table: &[u8]) -> Vec<u8> {
+    let mut a = Vec::new();
+    a.extend_from_slice(&0u16.to_be_bytes());
+    shortstr(&mut a, queue);
+    a.push(0);
+    a.extend_from_slice(&(table.len() as u32).to_be_bytes());
+    a.extend_from_slice(table);
+    a
+}
+
 /// Field encoders (spec §4.2.5).
 pub fn shortstr(out: &mut Vec<u8>, s: &str) {
     out.push(s.len() as u8);
@@ -204,12 +216,7 @@ impl RawConn {
 
     /// queue.declare (non-durable, not exclusive, not auto-delete), waiting for declare-ok.
     pub fn queue_declare(&mut self, channel: u16, queue: &str) {
-        let mut a = Vec::new();
-        a.extend_from_slice(&0u16.to_be_bytes());
-        shortstr(&mut a, queue);
-        a.push(0);
-        a.extend_from_slice(&0u32.to_be_bytes());
-        self.send_method(channel, 50, 10, &a);
+        self.send_method(channel, 50, 10, &queue_declare_args(queue, &[]));
         let ok = self.read_method();
         assert_eq!(ok.method_id(), Some((50, 11)), "expected queue.declare-ok, got {ok:?}");
     }
