@@ -494,23 +494,18 @@ impl Session {
         self.core.send_from_connection(queue, op);
     }
 
-    /// Reports an error: channel.close for a soft error (the channel then drops everything
-    /// but close/close-ok), connection.close for a hard one.
+    /// Reports a connection error: connection.close, then only close-ok (or close) is read
+    /// for [`CLOSE_WAIT`]. Channel errors go through [`Session::fail_channel`]; one that
+    /// reached here anyway closes the connection rather than the process.
     pub fn fail(&self, e: AmqpError) {
-        let channel = e.scope;
-        match channel {
-            Scope::Connection => {
-                let mut st = self.st.borrow_mut();
-                if st.closing.is_some() || st.finish {
-                    return;
-                }
-                tracing::debug!(conn = self.id, error = %e, "connection error");
-                st.closing = Some(Instant::now() + CLOSE_WAIT);
-                drop(st);
-                self.send_method(0, &close_method(&e));
-            }
-            Scope::Channel => unreachable!("channel errors go through fail_channel"),
+        let mut st = self.st.borrow_mut();
+        if st.closing.is_some() || st.finish {
+            return;
         }
+        tracing::debug!(conn = self.id, error = %e, "connection error");
+        st.closing = Some(Instant::now() + CLOSE_WAIT);
+        drop(st);
+        self.send_method(0, &close_method(&e));
     }
 
     /// Closes channel `ch` with a soft error: channel.close, then its deliveries are
