@@ -4,7 +4,7 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{channel as chan, AMQPClass};
 
-use crate::amqp::channel::{Channel, ChannelState};
+use crate::amqp::channel::Channel;
 use crate::amqp::connection::{close_effects, Session};
 use crate::amqp::error::AmqpError;
 
@@ -62,9 +62,4 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: chan::AMQPMethod) -> Resul
         chan::AMQPMethod::FlowOk(_) => Ok(()),
         chan::AMQPMethod::OpenOk(_) => Err(AmqpError::command_invalid("channel.open-ok is sent by the server").on_method(20, 11)),
     }
-}
-
-/// Whether `channel` is open (not closing) on this connection.
-pub fn is_open(s: &Session, channel: u16) -> bool {
-    s.st.borrow().channels.get(&channel).is_some_and(|c| c.state == ChannelState::Open)
 }
