@@ -414,7 +414,7 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     let mut st = State::new(next_offset, segs, cfg.cache_bytes, Rc::new(alloc));
     if let Some((full, base, data_end)) = st.segs.back().map(|s| (s.full, s.base, s.data_end)) {
         if !full {
-            let mut buf = st.alloc_chunk();
+            let mut buf = st.alloc_first_chunk();
             buf.as_bytes_mut()[..tail.len()].copy_from_slice(&tail);
             st.chunk = Some(Chunk {
                 seg_base: base,
@@ -423,7 +423,6 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
                 fill: tail.len(),
                 clean: tail.len(),
                 create: false,
-                overlaps: false,
             });
         }
     }

@@ -218,6 +218,7 @@ impl Core {
         let dir = self.shared.config.queue_dir(def);
         let cfg = || ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
         let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg()).await?;
+        shard.prepare().await?;
         for (from, to, why) in &report.dropped {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
         }
