@@ -471,7 +471,11 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
         let placement = if (cores as usize) <= cpus { Placement::Fixed(i) } else { Placement::Unbound };
         let name = format!("ringmq-core-{i}");
         let h = std::thread::Builder::new().name(name.clone()).stack_size(CORE_STACK_BYTES).spawn(move || {
-            let ex = match LocalExecutorBuilder::new(placement).name(&name).make() {
+            let mut builder = LocalExecutorBuilder::new(placement).name(&name);
+            if shared.config.spin_before_park_us > 0 {
+                builder = builder.spin_before_park(Duration::from_micros(shared.config.spin_before_park_us));
+            }
+            let ex = match builder.make() {
                 Ok(ex) => ex,
                 Err(e) => crate::core::fatal::fatal(&format!("cannot start executor {name}: {e}")),
             };
