@@ -47,7 +47,7 @@ pub struct Cli {
     /// Queue segment file size, in bytes [default: 67108864]
     #[arg(long, value_name = "BYTES")]
     pub segment_bytes: Option<u64>,
-    /// Idle µs a core polls before it sleeps in io_uring (0 = sleep at once) [default: 30].
+    /// Idle µs a core polls before it sleeps in io_uring (0 = sleep at once) [default: 0].
     /// Spinning trades CPU for wake-up latency: for machines whose cores are the broker's alone.
     #[arg(long, value_name = "US")]
     pub spin_before_park_us: Option<u64>,
@@ -68,12 +68,13 @@ pub struct User {
     pub loopback_only: bool,
 }
 
-/// Idle time a core polls its rings before it sleeps, µs. Measured on 2 cores shared with
-/// the load generator (`ringmq-bench latency`, 1,000 msgs/s): 0 → e2e p99 359 µs, confirm
-/// p99 401 µs, broker 172 µs CPU/msg; 30 → 298 µs, 269 µs, 125 µs CPU/msg (each sleep
-/// costs a membarrier IPI and a context switch, a short spin skips most of them); 100 and
-/// more take the CPU from the clients sharing the cores and are slower.
-pub const DEFAULT_SPIN_BEFORE_PARK_US: u64 = 30;
+/// Idle time a core polls its rings before it sleeps, µs: 0, off by default. Measured on
+/// 2 cores shared with the load generator: at 1,000 msgs/s (`ringmq-bench latency`) 30 µs
+/// lowered e2e p99 from 359 to 298 µs, confirm p99 from 401 to 269 µs and CPU per message
+/// (each sleep costs a membarrier IPI and a context switch); flat out (`run --size 1024
+/// --confirm 100 --prefetch 100`) it took the CPU from the clients and cut throughput from
+/// 140k to 84k msgs/s. Turn it on where the broker has its cores to itself.
+pub const DEFAULT_SPIN_BEFORE_PARK_US: u64 = 0;
 
 /// The TOML file's shape: every field optional.
 #[derive(Debug, Default, Deserialize)]
