@@ -69,16 +69,20 @@
 //!   4.1 bytes per record, plus ~250 bytes of heap per segment.
 //!
 //! # Durability and group commit
-//! `append` copies the framed record into a 1 MiB direct-I/O buffer (and the
-//! index entry into the mapped index); full buffers are written in the
-//! background (up to 4 writes in flight). `sync` writes the partial buffer
-//! (padded to 4096; the partial last block is rewritten by the next write, which
-//! is ordered after it), waits for all writes, then fdatasyncs the touched
-//! segment files and the changed deletion bitmaps concurrently, and returns a
-//! [`Synced`] token. Concurrent `sync` calls coalesce into as few rounds as
-//! possible. Records covered by a `Synced` survive kill -9 and power loss;
-//! later records may or may not. Deletes are durable after the next sync; a
-//! delete lost in a crash brings the record back (a duplicate, never a loss).
+//! `append` copies the framed record into a direct-I/O buffer (64 KiB at the
+//! start of a segment, then 1 MiB; and the index entry into the mapped index);
+//! full buffers are written in the background (up to 4 writes in flight, a
+//! buffer never partly written goes as it is). `sync` copies the blocks it has
+//! not yet written (padded to 4096; the partial last block is rewritten by the
+//! next write, which is ordered after it) into a write of their size, waits for
+//! all writes, then fdatasyncs the touched segment files and the changed
+//! deletion bitmaps concurrently, and returns a [`Synced`] token;
+//! `sync_appends` leaves the bitmaps out. Concurrent `sync` calls coalesce into
+//! as few rounds as possible (a caller waiting for a round in progress has its
+//! records written meanwhile). Records covered by a `Synced` survive kill -9 and
+//! power loss; later records may or may not. Deletes are durable after the next
+//! full `sync`; a delete lost in a crash brings the record back (a duplicate,
+//! never a loss). `prepare` creates a new shard's first segment ahead of use.
 //!
 //! # Recovery
 //! Segments with a sealed index are trusted (with

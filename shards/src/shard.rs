@@ -816,7 +816,7 @@ impl Shard {
             }
             inner.roll(&mut st)?;
         }
-        self.sync_with(true).await.map(|_| ())
+        self.sync_with(true, true).await.map(|_| ())
     }
 
     /// Group commit: makes every record appended so far and every delete so
@@ -828,18 +828,38 @@ impl Shard {
     /// Errors: the write or fdatasync error (the shard then turns read-only, see
     /// [`StoreError::Failed`]), [`StoreError::Closed`].
     pub async fn sync(&self) -> Result<Synced, StoreError> {
-        self.sync_with(false).await
+        self.sync_with(false, true).await
+    }
+
+    /// [`Shard::sync`] for appends only: makes every record appended so far durable,
+    /// and leaves deletes made since the last full sync to a later [`Shard::sync`] (a
+    /// delete lost in a crash brings a record back; it never loses one). One fdatasync
+    /// of segment data, without the deletion bitmaps: a publisher confirm waits for the
+    /// message, not for the acks made meanwhile.
+    ///
+    /// Returns `Synced(n)`: all records `< n` survive a crash. Errors: as [`Shard::sync`].
+    pub async fn sync_appends(&self) -> Result<Synced, StoreError> {
+        self.sync_with(false, false).await
     }
 
     /// [`Shard::sync`]; with `force`, cuts and syncs even when no record is new
-    /// (the header of a segment that [`Shard::prepare`] just created).
-    async fn sync_with(&self, force: bool) -> Result<Synced, StoreError> {
+    /// (the header of a segment that [`Shard::prepare`] just created); without
+    /// `deletes`, deletion bitmaps are left out ([`Shard::sync_appends`]).
+    async fn sync_with(&self, force: bool, deletes: bool) -> Result<Synced, StoreError> {
         let inner = &*self.inner;
         let (target, del_target) = {
             let st = inner.st.borrow();
             st.check_writable(&inner.dir)?;
             (st.next_offset, st.del_epoch)
         };
+        if inner.sync_lock.available() == 0 {
+            // A sync is in its fdatasync: start writing this one's records now, so that
+            // only the fdatasync is left when the lock comes (group commit, pipelined).
+            let queued = inner.st.borrow_mut().cut(JobKind::SyncCut);
+            if queued {
+                inner.work.notify();
+            }
+        }
         let _permit = inner
             .sync_lock
             .acquire_permit(1)
@@ -848,12 +868,12 @@ impl Shard {
         let (wait_seq, cut_below, del_epoch, del_segs) = {
             let mut st = inner.st.borrow_mut();
             st.check_writable(&inner.dir)?;
-            if !force && st.durable_offset >= target && st.del_durable_epoch >= del_target {
+            if !force && st.durable_offset >= target && (!deletes || st.del_durable_epoch >= del_target) {
                 return Ok(Synced(st.durable_offset));
             }
             st.cut(JobKind::SyncCut);
             let mut del_segs = Vec::new();
-            for s in st.segs.iter_mut().filter(|s| s.del_dirty) {
+            for s in st.segs.iter_mut().filter(|s| deletes && s.del_dirty) {
                 s.del_dirty = false;
                 del_segs.push((s.base, s.del_file.clone()));
             }
@@ -932,7 +952,9 @@ impl Shard {
         self.remove_dead(cut_below).await;
         let mut st = inner.st.borrow_mut();
         st.durable_offset = st.durable_offset.max(cut_below);
-        st.del_durable_epoch = st.del_durable_epoch.max(del_epoch);
+        if deletes {
+            st.del_durable_epoch = st.del_durable_epoch.max(del_epoch);
+        }
         Ok(Synced(st.durable_offset))
     }
 

@@ -123,6 +123,10 @@ pub struct Queue {
     /// sync, so an index record never disappears before its message does (else a crash in
     /// between would redeliver a delivered message unflagged).
     index_trash: Vec<u64>,
+    /// When the last full sync (appends and deletes) of the message shard started.
+    last_full_sync: Instant,
+    /// The index flusher task runs (see [`Queue::flush_unsynced_soon`]).
+    index_flushing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
     /// Records read ahead from disk, by offset (see [`read_ahead`]); bounded by
@@ -222,9 +226,11 @@ impl Queue {
             had_consumer: false,
             pending_confirms: Vec::new(),
             syncing: false,
+            index_flushing: false,
             unsynced: Vec::new(),
             index_of,
             index_trash: Vec::new(),
+            last_full_sync: Instant::now(),
             paged: Default::default(),
             dirty: false,
             wake,
@@ -547,6 +553,33 @@ impl Queue {
         }
     }
 
+    /// Starts the index flusher unless it runs: it syncs the unacked index and sends the
+    /// deliveries that waited for it, round after round while more wait, so the dispatcher
+    /// goes on delivering (into the next round) during an fdatasync instead of waiting.
+    fn flush_unsynced_soon(weak: &Weak<RefCell<Queue>>) {
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        if q.unsynced.is_empty() || q.index_flushing {
+            return;
+        }
+        q.index_flushing = true;
+        let weak = weak.clone();
+        glommio::spawn_local(async move {
+            // glommio may run a spawned task at once: let the spawner release its borrow.
+            futures_lite::future::yield_now().await;
+            for _ in 0..u32::MAX {
+                Queue::flush_unsynced(&weak).await;
+                let Some(cell) = weak.upgrade() else { return };
+                let mut q = cell.borrow_mut();
+                if q.unsynced.is_empty() || q.deleted {
+                    q.index_flushing = false;
+                    return;
+                }
+            }
+        })
+        .detach();
+    }
+
     /// Sends the deliveries that waited for their unacked-index records, once the index is
     /// synced. A delivery whose consumer went away meanwhile is requeued.
     async fn flush_unsynced(weak: &Weak<RefCell<Queue>>) {
@@ -561,7 +594,7 @@ impl Queue {
         };
         drop(cell);
         if let Some(index) = index {
-            if let Err(e) = index.sync().await {
+            if let Err(e) = index.sync_appends().await {
                 crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
             }
         }
@@ -681,14 +714,14 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                 Step::Idle => break,
                 Step::Backlogged => {
                     drop(cell);
-                    Queue::flush_unsynced(&weak).await;
+                    Queue::flush_unsynced_soon(&weak);
                     glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
                 }
                 Step::Sent => {
                     sent += 1;
                     if sent.is_multiple_of(256) {
                         drop(cell);
-                        Queue::flush_unsynced(&weak).await;
+                        Queue::flush_unsynced_soon(&weak);
                         glommio::yield_if_needed().await;
                     }
                 }
@@ -728,7 +761,7 @@ async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
                 }
             }
         }
-        Queue::flush_unsynced(&weak).await;
+        Queue::flush_unsynced_soon(&weak);
     }
 }
 
@@ -756,28 +789,43 @@ async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringmq_sh
     Ok(out)
 }
 
+/// Longest time deletes (acks) wait for a full sync while publisher confirms keep the
+/// group commit busy with append-only syncs.
+pub const FULL_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Group commit for publisher confirms of persistent messages in a durable queue: one
 /// `sync` covers every append made before it; confirms go out only after it returns
-/// (DESIGN.md ack-path rule 9).
+/// (DESIGN.md ack-path rule 9). While confirms wait, a round syncs appends only (one
+/// fdatasync, not one more for the deletion bitmaps the acks dirtied); deletes get a full
+/// sync at least every [`FULL_SYNC_INTERVAL`] and when no confirm waits, and only then do
+/// the index records of deleted messages go (`index_trash`).
 async fn group_commit(weak: Weak<RefCell<Queue>>) {
     // glommio may run a spawned task at once: let the spawner release its borrow first.
     futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
-        let (shard, batch, env) = {
+        let (shard, batch, full, env) = {
             let mut q = cell.borrow_mut();
             if q.pending_confirms.is_empty() && !q.dirty {
                 q.syncing = false;
                 return;
             }
-            q.dirty = false;
-            let trash = std::mem::take(&mut q.index_trash);
-            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), trash, q.index.clone()), q.env.clone())
+            let now = Instant::now();
+            let full = q.pending_confirms.is_empty() || now.duration_since(q.last_full_sync) >= FULL_SYNC_INTERVAL;
+            let trash = if full {
+                q.dirty = false;
+                q.last_full_sync = now;
+                std::mem::take(&mut q.index_trash)
+            } else {
+                Vec::new()
+            };
+            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), trash, q.index.clone()), full, q.env.clone())
         };
         drop(cell);
         let (batch, trash, index) = batch;
         crate::observe::Stats::add(&env.stats().queue_syncs, 1);
-        let ok = match shard.sync().await {
+        let synced = if full { shard.sync().await } else { shard.sync_appends().await };
+        let ok = match synced {
             Ok(_) => true,
             Err(e) => {
                 tracing::error!(error = %e, "sync failed");
@@ -925,7 +973,7 @@ fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: super::Reply<Result<Op
         None => drop(reply.send(Ok(Some(r)))),
         Some(index) => {
             glommio::spawn_local(async move {
-                if let Err(e) = index.sync().await {
+                if let Err(e) = index.sync_appends().await {
                     crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
                 }
                 let _ = reply.send(Ok(Some(r)));
