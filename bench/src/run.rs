@@ -165,10 +165,14 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     let finished = Rc::new(Cell::new(0usize));
     let all_finished = Rc::new(Signal::default());
     let return_channels: Rc<RefCell<Vec<Channel>>> = Rc::default();
+    // Fixed rate: every producer's schedule starts at one instant, a little after all of
+    // them are spawned (20 ms + 20 µs per producer), so that setting up 1,000 producers
+    // is not reported as the first messages' latency.
+    let schedule_start = now_ns() + 20_000_000 + 20_000 * n_producers as u64;
     for (i, (ch, ex, rk, props)) in producers.into_iter().enumerate() {
         let (env, finished, all_finished, return_channels) = (env.clone(), finished.clone(), all_finished.clone(), return_channels.clone());
         tokio::task::spawn_local(async move {
-            if let Some(ch) = producer(env, ch, i as u16, ex, rk, props).await {
+            if let Some(ch) = producer(env, ch, i as u16, schedule_start, ex, rk, props).await {
                 return_channels.borrow_mut().push(ch);
             }
             finished.set(finished.get() + 1);
@@ -417,7 +421,16 @@ fn publish<'a>(ch: &'a Channel, ex: ShortString, rk: ShortString, opts: BasicPub
 /// - with --rate R, message k is due at start + k/R and carries that *intended* time,
 ///   so a stall delays the timestamps it should (no coordinated omission); when late it
 ///   catches up at full speed.
-async fn producer(env: Rc<Env>, ch: Channel, index: u16, ex: ShortString, rk: ShortString, props: BasicProperties) -> Option<Channel> {
+/// `schedule_start`: CLOCK_MONOTONIC ns at which a fixed-rate schedule starts (all producers).
+async fn producer(
+    env: Rc<Env>,
+    ch: Channel,
+    index: u16,
+    schedule_start: u64,
+    ex: ShortString,
+    rk: ShortString,
+    props: BasicProperties,
+) -> Option<Channel> {
     let cfg = &env.cfg;
     let stats = &env.stats;
     let stop_id = env.stop_producing.register();
@@ -436,7 +449,7 @@ async fn producer(env: Rc<Env>, ch: Channel, index: u16, ex: ShortString, rk: Sh
     // Fixed rate: producers are spread evenly over one interval, so 1,000 producers at
     // 10 msgs/s make a steady 10,000 msgs/s rather than a burst of 1,000 every 100 ms.
     let phase = if rate > 0.0 { (f64::from(index) / f64::from(cfg.producers.max(1)) * 1e9 / rate) as u64 } else { 0 };
-    let start = now_ns() + phase;
+    let start = schedule_start + phase;
     let intended_at = |k: u64| start + (k as f64 * 1e9 / rate) as u64;
     let limit = cfg.messages.unwrap_or(u64::MAX).min(u64::from(u32::MAX) + 1);
     let opts = BasicPublishOptions { mandatory: cfg.mandatory, immediate: false };

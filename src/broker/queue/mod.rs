@@ -103,9 +103,10 @@ pub struct Queue {
     pub cursor: Cursor,
     me: Weak<RefCell<Queue>>,
     ready: VecDeque<u64>,
-    /// When each `ready` offset was stored (same order), for sampled messages: the
-    /// stored→delivered histogram.
-    ready_at: VecDeque<Option<Instant>>,
+    /// (offset, when stored) of the sampled messages (1 in 16) among `ready`, in offset
+    /// order, for the stored→delivered histogram; entries behind the ready list's head
+    /// (a purge, an unclaim) are dropped when passed.
+    ready_at: VecDeque<(u64, Instant)>,
     requeued: BTreeSet<u64>,
     redelivered: FxHashSet<u64>,
     outstanding: FxHashMap<u64, Outstanding>,
@@ -178,7 +179,7 @@ impl Queue {
     ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let ready: VecDeque<u64> = shard.live_offsets().into_iter().collect();
-        let ready_at: VecDeque<Option<Instant>> = std::iter::repeat_n(None, ready.len()).collect();
+        let ready_at = VecDeque::new();
         let mut redelivered: FxHashSet<u64> = ready.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         redelivered.extend(recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o)));
         // The scanner (Raft leader only): records of a dead boot epoch are requeued at once —
@@ -264,8 +265,14 @@ impl Queue {
             return Some(o);
         }
         let o = self.ready.pop_front()?;
-        if let Some(Some(at)) = self.ready_at.pop_front() {
-            self.env.stats().stored_to_delivered.record(at.elapsed());
+        while let Some(&(sampled, at)) = self.ready_at.front() {
+            if sampled > o {
+                break;
+            }
+            self.ready_at.pop_front();
+            if sampled == o {
+                self.env.stats().stored_to_delivered.record(at.elapsed());
+            }
         }
         Some(o)
     }
@@ -276,7 +283,6 @@ impl Queue {
             self.requeued.insert(offset);
         } else {
             self.ready.push_front(offset);
-            self.ready_at.push_front(None);
         }
     }
 
@@ -348,11 +354,13 @@ impl Queue {
 
     fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
         let needs_sync = self.qref.durable && message.persistent();
-        match self.shard.append(message.flags, &message.header, &message.body) {
+        match self.shard.append_shared(message.flags, &message.header, &message.body) {
             Ok(offset) => {
                 let now = published.map(|_| Instant::now());
                 self.ready.push_back(offset);
-                self.ready_at.push_back(now);
+                if let Some(n) = now {
+                    self.ready_at.push_back((offset, n));
+                }
                 if needs_sync {
                     if let Some(c) = confirm {
                         self.pending_confirms.push((c, published));
