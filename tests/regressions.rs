@@ -23,7 +23,7 @@ fn spawn_in(cwd: &std::path::Path, args: &[&str]) -> std::process::Child {
 
 fn wait_accepting(port: u16, child: &mut std::process::Child) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    while !accepts(std::net::SocketAddr::from(([127, 0, 0, 1], port))) {
         assert!(child.try_wait().unwrap().is_none(), "ringmq exited during start-up");
         assert!(Instant::now() < deadline, "ringmq did not start");
         std::thread::sleep(Duration::from_millis(50));

@@ -63,6 +63,17 @@ pub fn free_port() -> u16 {
     panic!("no unused loopback port after 1000 tries");
 }
 
+/// True when something listens on `addr`: a TCP connection is established and is not the
+/// kernel's self-connection (connecting to a loopback port in the ephemeral range while
+/// nothing listens there can pick that same port as the source and "connect" to itself,
+/// which made a start-up wait return before the broker listened).
+pub fn accepts(addr: SocketAddr) -> bool {
+    match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+        Ok(s) => s.local_addr().ok() != s.peer_addr().ok(),
+        Err(_) => false,
+    }
+}
+
 /// A broker under test: either a ringmq child process we own, or an external broker.
 pub struct Broker {
     addr: SocketAddr,
@@ -185,7 +196,7 @@ impl Broker {
     fn wait_accepting(&mut self) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
+            if accepts(self.addr) {
                 return;
             }
             if let Some(child) = self.child.as_mut() {
