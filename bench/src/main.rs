@@ -43,7 +43,12 @@ use std::time::Duration;
 const SETUP_AND_TEARDOWN_S: f64 = 90.0;
 
 fn main() {
-    let cli = Cli::parse();
+    // Usage errors exit 1 as documented (clap's own default would be 2, the code for "ran but
+    // received nothing"); --help and --version exit 0.
+    let cli = Cli::try_parse().unwrap_or_else(|e| {
+        let _ = e.print();
+        std::process::exit(if e.use_stderr() { 1 } else { 0 })
+    });
     let (scenario, flags): (Scenario, Flags) = match cli.command {
         Command::Report(r) => match report::compare(&r.a, &r.b, &r.label_a, &r.label_b) {
             Ok(true) => std::process::exit(0),

@@ -211,7 +211,10 @@ impl Outcome {
         let arrived = env.arrived();
         // Unknown depth (broker stalled or channel closed): loss cannot be told from
         // messages still queued, so it is not reported as loss.
-        let lost = depths_known.then(|| expected.saturating_sub(arrived + left));
+        // With auto-ack, deliveries the client library still held when a timed-out drain
+        // stopped the consumers are in neither `arrived` nor the queues: loss cannot be told.
+        let drain_cut = cfg.auto_ack && !env.drained.is_fired() && arrived + left < expected;
+        let lost = (depths_known && !drain_cut).then(|| expected.saturating_sub(arrived + left));
         let unconfirmed = (cfg.confirm > 0).then(|| sent.saturating_sub(s.confirmed.get() + s.nacked.get()));
         let tracked = env.tracking;
         let dup = env.tracker.borrow().duplicates;
@@ -291,6 +294,13 @@ impl Outcome {
             ));
         } else {
             h.push_str(&format!("  integrity  not tracked (size < 16 B); left in queues {left}, errors {}\n", s.errors.get()));
+        }
+        if drain_cut {
+            h.push_str(&format!(
+                "  DRAIN      timed out after {:.0} s with {} messages not received: auto-ack deliveries the client held unread are gone from the broker, so loss is unknown (raise --drain-timeout)\n",
+                cfg.drain_timeout_s,
+                expected.saturating_sub(arrived + left)
+            ));
         }
         if let Some(e) = &*s.first_error.borrow() {
             h.push_str(&format!("  first error {e}\n"));

@@ -421,6 +421,9 @@ fn publish<'a>(ch: &'a Channel, ex: ShortString, rk: ShortString, opts: BasicPub
 /// - with --rate R, message k is due at start + k/R and carries that *intended* time,
 ///   so a stall delays the timestamps it should (no coordinated omission); when late it
 ///   catches up at full speed.
+/// Most body bytes one producer keeps in flight inside lapin (caps `--pipeline`).
+pub const PIPELINE_BYTES: usize = 64 << 20;
+
 /// `schedule_start`: CLOCK_MONOTONIC ns at which a fixed-rate schedule starts (all producers).
 async fn producer(
     env: Rc<Env>,
@@ -455,7 +458,9 @@ async fn producer(
     let opts = BasicPublishOptions { mandatory: cfg.mandatory, immediate: false };
     let template = vec![0u8; cfg.size];
     let window = cfg.confirm as usize;
-    let pipeline = cfg.pipeline as usize;
+    // At most PIPELINE_BYTES of bodies in flight inside the client library, whatever
+    // --pipeline says (256 × 10 MB bodies would be 2.5 GB).
+    let pipeline = (cfg.pipeline as usize).min((PIPELINE_BYTES / cfg.size.max(1)).max(1));
     let return_check = cfg.mandatory && window == 0;
     let drain = Duration::from_secs_f64(cfg.drain_timeout_s);
     let mut writes: VecDeque<(u64, PublishFuture<'_>)> = VecDeque::with_capacity(pipeline);
@@ -515,7 +520,12 @@ async fn producer(
                 // Fixed rate: messages that were due but never sent (a stall blocked the
                 // window) are reported, not silently dropped from the latency picture.
                 counted_behind = true;
-                let due = ((now_ns().saturating_sub(start)) as f64 * rate / 1e9) as u64 + 1;
+                // Due 1 ms before the stop or earlier: a message due at the very instant
+                // publishing stopped is not "behind".
+                let due = match now_ns().checked_sub(start + 1_000_000) {
+                    Some(d) => (d as f64 * rate / 1e9) as u64 + 1,
+                    None => 0,
+                };
                 Stats::bump(&stats.behind_schedule, due.min(limit).saturating_sub(sent));
             }
             if return_check {
