@@ -67,13 +67,18 @@ impl PendingPublish {
         }
     }
 
-    /// Appends one body frame's payload.
+    /// Appends one body frame's payload. A body of several frames is assembled in one
+    /// buffer of the declared `body_size` (bounded by the header check against the largest
+    /// message), reserved at the second frame: growing it by doubling cost a 10 MB message
+    /// ~24 reallocations into fresh pages (82 % of the broker's CPU went to page zeroing).
     pub fn push_body(&mut self, payload: Bytes) {
         self.received += payload.len() as u64;
         if self.first.is_none() && self.body.is_empty() {
             self.first = Some(payload);
         } else {
             if let Some(f) = self.first.take() {
+                let declared = self.body_size.unwrap_or(0) as usize;
+                self.body.reserve(declared.max(f.len() + payload.len()));
                 self.body.extend_from_slice(&f);
             }
             self.body.extend_from_slice(&payload);
