@@ -77,7 +77,26 @@ port_open() {
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
+# The RabbitMQ process tree (server script, beam.smp, its helpers), deepest last.
+rmq_tree() {
+    local todo="$1" pid kids
+    while [ -n "$todo" ]; do
+        set -- $todo; pid=$1; shift; todo="$*"
+        echo "$pid"
+        kids="$(cat /proc/"$pid"/task/*/children 2>/dev/null || true)"
+        [ -n "$kids" ] && todo="$todo $kids"
+    done
+}
+
+# While side A runs, RabbitMQ is frozen (SIGSTOP) so that its idle schedulers (Erlang busy-
+# waits before sleeping) take no CPU from A on a small machine; it resumes for its rounds.
+rmq_signal() {
+    [ -n "$rmq_pid" ] || return 0
+    for p in $(rmq_tree "$rmq_pid"); do kill -"$1" "$p" 2>/dev/null || true; done
+}
+
 stop_rabbitmq() {
+    rmq_signal CONT
     if [ -n "$rmq_pid" ] && kill -0 "$rmq_pid" 2>/dev/null; then
         # The wrapper script traps TERM and runs `rabbitmqctl stop`.
         kill -TERM "$rmq_pid" 2>/dev/null || true
@@ -175,7 +194,11 @@ one() { # side uri label file
 
 for r in $(seq 1 "$rounds"); do
     echo "compare.sh: --- round $r/$rounds" >&2
-    if [ "$uri_a" != none ]; then one A "$uri_a" "$label_a" "$out/a.jsonl" "$@"; fi
+    if [ "$uri_a" != none ]; then
+        rmq_signal STOP
+        one A "$uri_a" "$label_a" "$out/a.jsonl" "$@"
+        rmq_signal CONT
+    fi
     one B "$uri_b" "$label_b" "$out/b.jsonl" "$@"
 done
 
