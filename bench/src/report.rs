@@ -213,8 +213,9 @@ impl Outcome {
         // messages still queued, so it is not reported as loss.
         // With auto-ack, deliveries the client library still held when a timed-out drain
         // stopped the consumers are in neither `arrived` nor the queues: loss cannot be told.
-        let drain_cut = cfg.auto_ack && !env.drained.is_fired() && arrived + left < expected;
-        let lost = (depths_known && !drain_cut).then(|| expected.saturating_sub(arrived + left));
+        let missing = expected.saturating_sub(arrived + left);
+        let drain_cut = cfg.auto_ack && !env.drained.is_fired() && missing > 0;
+        let lost = (depths_known && !drain_cut).then_some(missing);
         let unconfirmed = (cfg.confirm > 0).then(|| sent.saturating_sub(s.confirmed.get() + s.nacked.get()));
         let tracked = env.tracking;
         let dup = env.tracker.borrow().duplicates;
@@ -298,8 +299,7 @@ impl Outcome {
         if drain_cut {
             h.push_str(&format!(
                 "  DRAIN      timed out after {:.0} s with {} messages not received: auto-ack deliveries the client held unread are gone from the broker, so loss is unknown (raise --drain-timeout)\n",
-                cfg.drain_timeout_s,
-                expected.saturating_sub(arrived + left)
+                cfg.drain_timeout_s, missing
             ));
         }
         if let Some(e) = &*s.first_error.borrow() {

@@ -415,15 +415,16 @@ fn publish<'a>(ch: &'a Channel, ex: ShortString, rk: ShortString, opts: BasicPub
     Box::pin(async move { ch.basic_publish(ex, rk, opts, &body, props).await })
 }
 
+/// Most body bytes one producer keeps in flight inside lapin (caps `--pipeline`).
+pub const PIPELINE_BYTES: usize = 64 << 20;
+
 /// One producer, as one hand-written state machine:
 /// - up to --pipeline publishes are in flight inside lapin (written in order),
 /// - with --confirm N, at most N messages are unconfirmed (confirms resolve in order),
 /// - with --rate R, message k is due at start + k/R and carries that *intended* time,
 ///   so a stall delays the timestamps it should (no coordinated omission); when late it
 ///   catches up at full speed.
-/// Most body bytes one producer keeps in flight inside lapin (caps `--pipeline`).
-pub const PIPELINE_BYTES: usize = 64 << 20;
-
+///
 /// `schedule_start`: CLOCK_MONOTONIC ns at which a fixed-rate schedule starts (all producers).
 async fn producer(
     env: Rc<Env>,

@@ -290,31 +290,23 @@ impl State {
         let from = c.clean / ALIGN * ALIGN;
         let (create, overlaps) = (c.create, c.clean % ALIGN != 0);
         let cap = c.buf.len();
-        let (buf, pos, next) = if from == 0 && c.fill == cap {
-            let next = Chunk {
-                seg_base: c.seg_base,
-                pos: c.pos + cap as u64,
-                buf: self.alloc_chunk(),
-                fill: 0,
-                clean: 0,
-                create: false,
-            };
-            (c.buf, c.pos, next)
+        let full = c.fill == cap;
+        let (buf, pos) = if from == 0 && full {
+            (std::mem::replace(&mut c.buf, self.alloc_chunk()), c.pos)
         } else {
             let mut jb = self.alloc.alloc_dma_buffer(end - from);
             let b = jb.as_bytes_mut();
             b[..c.fill - from].copy_from_slice(&c.buf.as_bytes()[from..c.fill]);
             b[c.fill - from..].fill(0);
-            let pos = c.pos + from as u64;
-            let next = if c.fill == cap {
-                let buf = if cap == CHUNK_BYTES { c.buf } else { self.alloc_chunk() };
-                Chunk { seg_base: c.seg_base, pos: c.pos + cap as u64, buf, fill: 0, clean: 0, create: false }
-            } else {
-                c.clean = c.fill;
-                c.create = false;
-                c
-            };
-            (jb, pos, next)
+            if full && cap != CHUNK_BYTES {
+                c.buf = self.alloc_chunk();
+            }
+            (jb, c.pos + from as u64)
+        };
+        let next = if full {
+            Chunk { seg_base: c.seg_base, pos: c.pos + cap as u64, buf: c.buf, fill: 0, clean: 0, create: false }
+        } else {
+            Chunk { clean: c.fill, create: false, ..c }
         };
         let seq = self.next_seq;
         self.next_seq += 1;
