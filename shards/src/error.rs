@@ -23,7 +23,7 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    /// The filesystem returned ENOSPC.
+    /// The filesystem returned ENOSPC (or EDQUOT: the user's quota is used up).
     #[error("disk full while {op} {}: {free_bytes} bytes free on that filesystem", path.display())]
     DiskFull {
         /// What was being done.
@@ -99,7 +99,7 @@ impl StoreError {
     /// Wraps an I/O error, turning ENOSPC into [`StoreError::DiskFull`].
     pub fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> StoreError {
         let path = path.into();
-        if source.raw_os_error() == Some(libc::ENOSPC) || source.kind() == io::ErrorKind::StorageFull {
+        if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) || source.kind() == io::ErrorKind::StorageFull {
             let free_bytes = path
                 .parent()
                 .and_then(|p| crate::free_disk_bytes(p).ok())
@@ -112,6 +112,18 @@ impl StoreError {
     /// True for [`StoreError::DiskFull`].
     pub fn is_disk_full(&self) -> bool {
         matches!(self, StoreError::DiskFull { .. })
+    }
+
+    /// True when the process or the system is out of file descriptors (EMFILE, ENFILE).
+    pub fn is_out_of_files(&self) -> bool {
+        matches!(self, StoreError::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)))
+    }
+
+    /// True when a resource ran out (disk space, quota, file descriptors) rather than
+    /// something being broken: the operation may succeed once the resource is back, and the
+    /// shard is still usable (an `append` or an open that failed this way changed nothing).
+    pub fn is_resource(&self) -> bool {
+        self.is_disk_full() || self.is_out_of_files()
     }
 }
 

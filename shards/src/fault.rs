@@ -26,6 +26,14 @@ pub enum FaultPoint {
     /// Removal of a fully deleted segment: after its `.seg` is unlinked, before
     /// its `.idx`/`.del` are.
     SegmentRemove,
+    /// Opening or creating a file: a segment's `.seg`, `.idx` or `.del` at a roll
+    /// or at open, the `.seg` the writer opens for direct I/O, a `.del` or `.idx`
+    /// opened for fdatasync. `FailWith { errno: libc::EMFILE }` is the
+    /// open-files limit.
+    Open,
+    /// Taking disk blocks (fallocate) for a `.seg` file or for side-file pages,
+    /// ahead of their use. `FailWith { errno: libc::ENOSPC }` is a full disk.
+    Allocate,
 }
 
 /// What happens when an armed point fires.
@@ -42,6 +50,29 @@ pub enum FaultAction {
     },
     /// The shard crashes before the operation: it and all later I/O are lost.
     Crash,
+    /// The operation fails with this OS error (`libc::ENOSPC`, `libc::EMFILE`,
+    /// `libc::EDQUOT`…); nothing is written. Where the shard can refuse the
+    /// operation without losing track of its state (an open, an allocation), it
+    /// stays writable; a failed write or fdatasync turns it read-only, as `Fail`.
+    FailWith {
+        /// The OS error number.
+        errno: i32,
+    },
+}
+
+impl FaultAction {
+    /// The `io::Error` a failing action stands for (`Fail`: EIO).
+    pub fn error(self) -> std::io::Error {
+        match self {
+            FaultAction::FailWith { errno } => std::io::Error::from_raw_os_error(errno),
+            _ => std::io::Error::from_raw_os_error(libc::EIO),
+        }
+    }
+
+    /// True for the actions that fail an operation without crashing (`Fail`, `FailWith`).
+    pub fn is_failure(self) -> bool {
+        matches!(self, FaultAction::Fail | FaultAction::FailWith { .. })
+    }
 }
 
 #[derive(Default, Debug)]
@@ -96,7 +127,7 @@ impl Faults {
         let pos = s.armed.iter().position(|&(p, after, _)| p == point && after == this)?;
         let (_, _, action) = s.armed.remove(pos);
         s.fired.push((point, action));
-        if action != FaultAction::Fail {
+        if !action.is_failure() {
             s.crashed = true;
         }
         Some(action)

@@ -12,7 +12,8 @@
 //! - `shard.rs`: [`Shard`]: append, group-commit sync, reads, deletes, the background writer.
 //! - `recover.rs`: open and crash recovery.
 //! - `cache.rs`: the memory cache of recent records.
-//! - `fault.rs`: fault injection at named points (crash tests).
+//! - `fault.rs`: fault injection at named points (crash tests; ENOSPC/EMFILE).
+//! - `space.rs`: disk blocks and descriptors taken before use.
 //!
 //! # On-disk format (version 1)
 //! A shard directory holds:
@@ -40,9 +41,11 @@
 //!
 //!     A segment takes records until the next one would pass `segment_bytes`
 //!     (default 64 MiB); a single record larger than that gets a segment of its own.
-//!     The file is preallocated (fallocate) ahead of the writes, 1 to 16 MiB at a
-//!     time up to `segment_bytes` (so an idle shard takes little disk), so its
-//!     tail after the records reads as zeros; direct-I/O writes into it are
+//!     The file is created and preallocated (fallocate) by the roll that starts
+//!     the segment, then ahead of the writes, 1 to 16 MiB at a time up to
+//!     `segment_bytes` (so an idle shard takes little disk); `append` accepts a
+//!     record only if it ends within the allocated room, so a write never needs
+//!     a new block. Its tail after the records reads as zeros; direct-I/O writes into it are
 //!     overwrites that ext4 does inline from io_uring (extending writes are
 //!     punted to worker threads, where writes to one file serialize). Once a
 //!     full segment is sealed, its file is cut to the 4096 boundary after its
@@ -58,7 +61,20 @@
 //!     fdatasync'ed by the next `sync` after a change.
 //!
 //! The side files are sized for `capacity = (segment_bytes - 4096) / 24 + 2`
-//! records and are sparse: only touched pages use disk.
+//! records and are sparse, but no page is touched before its blocks are
+//! allocated (fallocate, in steps of 1,024 doubling to 65,536 record slots): a
+//! store into a mapped hole on a full disk would be a SIGBUS.
+//!
+//! # Resources (see `space.rs`)
+//! A full disk or the open-files limit is an error value: an `append` that
+//! cannot get its blocks returns [`StoreError::DiskFull`], one that cannot
+//! create the next segment's files an EMFILE [`StoreError::Io`]
+//! ([`StoreError::is_resource`] for both); nothing is appended and the shard
+//! stays writable. A failed write or fdatasync turns the shard read-only
+//! ([`Shard::failure`]). A shard holds one descriptor per segment file; side
+//! files are mapped and their descriptors closed, a `.del`/`.idx` is opened
+//! only for the fdatasync that needs it, and one `format` file per thread is
+//! the direct-I/O buffer allocator. Recovery needs no new blocks.
 //!
 //! # Memory per record
 //! - A record in the cache: its header and body (the body `Bytes` is shared
@@ -127,6 +143,7 @@ pub mod format;
 mod recover;
 mod shard;
 mod side;
+mod space;
 
 use std::path::Path;
 

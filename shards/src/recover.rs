@@ -46,7 +46,46 @@ fn prepare_dir(dir: &Path) -> Result<Vec<String>, StoreError> {
         let ent = ent.map_err(|e| StoreError::io("listing", dir, e))?;
         names.push(ent.file_name().to_string_lossy().into_owned());
     }
+    drop_unwritten_segments(dir, &mut names);
     Ok(names)
+}
+
+/// A segment's `.seg` file is created (and preallocated) by the roll that starts it, before
+/// the writer writes its header. A crash in between leaves a file whose header block is
+/// still zeros; its records, and those of any later segment, were never synced (a sync
+/// waits for every write cut before it, and a later segment's writes are cut after this
+/// one's). The files of that segment and of every later one are removed, and the segment
+/// before it is recovered as the last (its torn tail, if any, truncated). Only when it is
+/// the first segment is it kept, as the empty last segment (its header rewritten): its
+/// base is where the shard's offsets go on.
+fn drop_unwritten_segments(dir: &Path, names: &mut Vec<String>) {
+    use std::io::Read;
+    let mut bases: Vec<Offset> = names
+        .iter()
+        .filter_map(|n| format::parse_seg_name(n))
+        .filter(|(_, k)| *k == FileKind::Seg)
+        .map(|(b, _)| b)
+        .collect();
+    bases.sort_unstable();
+    let unwritten = |base: Offset| {
+        let mut head = [0u8; 8];
+        match std::fs::File::open(format::seg_path(dir, base, FileKind::Seg)).and_then(|mut f| f.read(&mut head)) {
+            Ok(n) => head[..n].iter().all(|&b| b == 0),
+            Err(_) => false,
+        }
+    };
+    let Some(k) = bases.iter().position(|&b| unwritten(b)) else { return };
+    let from = if k == 0 { 1 } else { k };
+    for &base in &bases[from..] {
+        for kind in [FileKind::Seg, FileKind::Idx, FileKind::Del] {
+            let p = format::seg_path(dir, base, kind);
+            if std::fs::remove_file(&p).is_ok() {
+                tracing::debug!(path = %p.display(), "removed a segment file after a never-written segment");
+            }
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            names.retain(|n| Some(n) != name.as_ref());
+        }
+    }
 }
 
 /// Sequential window over a segment file (direct-I/O reads of `SCAN_WINDOW`).
@@ -159,7 +198,7 @@ async fn recover_segment(
     let trusted = !last && seal.is_some();
     let (mut idx, idx_cap) = match idx_opened {
         Ok((m, cap)) if trusted || cap >= size_cap => (m, cap),
-        _ => (side::create(&ip, true, base, size_cap).map_err(|e| StoreError::io("creating index", &ip, e))?, size_cap),
+        _ => (side::create(&ip, true, base, size_cap, size_cap).map_err(|e| StoreError::io("creating index", &ip, e))?, size_cap),
     };
     let mut del = match side::open(&dp, false, base) {
         Ok((m, cap)) if cap >= idx_cap => m,
@@ -170,7 +209,7 @@ async fn recover_segment(
             // Written beside it, flushed, then renamed over it: a crash on
             // the way leaves the old bitmap (the next open does this again).
             let tmp = dp.with_extension("del.tmp");
-            let mut new = side::create(&tmp, false, base, idx_cap).map_err(|e| StoreError::io("creating deletion bitmap", &tmp, e))?;
+            let mut new = side::create(&tmp, false, base, idx_cap, cap).map_err(|e| StoreError::io("creating deletion bitmap", &tmp, e))?;
             for k in (0..cap).filter(|&k| side::bit_get(&m, k)) {
                 side::bit_set(&mut new, k);
             }
@@ -181,11 +220,12 @@ async fn recover_segment(
         }
         Err(why) => {
             warn(report, format!("deletion bitmap {} unusable ({why}): records of segment {base} are treated as live", dp.display()));
-            side::create(&dp, false, base, idx_cap).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e))?
+            side::create(&dp, false, base, idx_cap, idx_cap).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e))?
         }
     };
 
     let mut r = SeqReader { file: &file, size, buf: Vec::new(), buf_pos: 0 };
+    let mut seg_size = size;
     let (count, data_end);
     if let (true, Some((c, end))) = (trusted, seal) {
         count = c;
@@ -256,7 +296,7 @@ async fn recover_segment(
             }
             match format::parse_record(bytes) {
                 Parse::Record(rec) if rec.offset == base + n => {
-                    side::idx_set(&mut idx, n, pos);
+                    side::idx_put(&mut idx, n, pos);
                     n += 1;
                     pos += rec.len as u64;
                 }
@@ -300,9 +340,6 @@ async fn recover_segment(
                 drop_range(report, base + count, base + max_count, format!("segment {} unreadable after byte {data_end}: {why}", sp.display()));
             }
         }
-        for k in count..idx_cap.min(count + 1) {
-            side::idx_set(&mut idx, k, data_end);
-        }
         if !header_ok || (last && (!tail_clean || size < align_up(data_end))) {
             // Repair: header block and a clean, zero-padded tail; then make it durable.
             if !header_ok {
@@ -321,6 +358,7 @@ async fn recover_segment(
                     file.write_at(b, tail_at).await.map_err(|e| StoreError::io("rewriting segment tail", &sp, gio(e)))?;
                 }
                 file.truncate(align_up(data_end)).await.map_err(|e| StoreError::io("truncating segment", &sp, gio(e)))?;
+                seg_size = align_up(data_end);
             }
         }
         if last {
@@ -328,8 +366,20 @@ async fn recover_segment(
             file.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &sp, gio(e)))?;
         }
     }
+    // Side-file pages of the records there are (and, for the last segment, of the next
+    // one): already allocated when this version wrote them, so on a full disk this costs
+    // nothing; an older version's sparse pages are allocated now. If that fails, appends
+    // and deletes allocate what they touch themselves (crate::space).
+    let want = if last { (count + 2).min(idx_cap) } else { count };
+    let reserved = match (side::reserve(&ip, true, 0, want), side::reserve(&dp, false, 0, want)) {
+        (Ok(()), Ok(())) => want,
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(segment = %sp.display(), error = %e, "side-file pages not allocated at open");
+            0
+        }
+    };
     if last {
-        side::bits_clear_from(&mut del, count, idx_cap);
+        side::bits_clear_from(&mut del, &dp, count, idx_cap);
     }
     let deleted = side::bits_count(&del, count);
     let tail = if last {
@@ -357,7 +407,9 @@ async fn recover_segment(
             idx,
             del,
             file: Some(Rc::new(file)),
-            del_file: None,
+            placeholder: None,
+            reserved,
+            seg_room: seg_size,
             full: !last || trusted,
             sealed: trusted,
             del_dirty: false,
@@ -374,7 +426,16 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     // The IOPOLL trap: the first DMA open on a device probes polled I/O with a
     // read at byte 0. Open the non-empty marker first so the probe really reads.
     let marker = dir.join(FORMAT_FILE);
-    let alloc = DmaFile::open(&marker).await.map_err(|e| StoreError::io("opening", &marker, gio(e)))?;
+    let injected = |op: &'static str, path: &Path| match faults.as_ref().and_then(|f| f.hit(crate::FaultPoint::Open)) {
+        Some(a) => Err(StoreError::io(op, path, a.error())),
+        None => Ok(()),
+    };
+    injected("opening", &marker)?;
+    let probe = DmaFile::open(&marker).await.map_err(|e| StoreError::io("opening", &marker, gio(e)))?;
+    let (alloc, spare) = crate::space::thread_allocator(probe);
+    if let Some(f) = spare {
+        let _ = f.close().await;
+    }
     let mut files: BTreeMap<Offset, [bool; 3]> = BTreeMap::new();
     let mut report = RecoveryReport::default();
     for name in &names {
@@ -404,6 +465,7 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     for (k, &base) in bases.iter().enumerate() {
         let last = k + 1 == bases.len();
         let max_count = bases.get(k + 1).map(|&nb| nb - base).unwrap_or(u64::MAX);
+        injected("opening segment", &format::seg_path(&dir, base, FileKind::Seg))?;
         let rec = recover_segment(&dir, base, last, max_count, &cfg, &mut report).await?;
         if last {
             tail = rec.tail;
@@ -411,7 +473,7 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
         segs.push_back(rec.seg);
     }
     let next_offset = segs.back().map(|s| s.base + s.count).unwrap_or(0);
-    let mut st = State::new(next_offset, segs, cfg.cache_bytes, Rc::new(alloc));
+    let mut st = State::new(next_offset, segs, cfg.cache_bytes, alloc);
     if let Some((full, base, data_end)) = st.segs.back().map(|s| (s.full, s.base, s.data_end)) {
         if !full {
             let mut buf = st.alloc_first_chunk();

@@ -73,10 +73,19 @@ pub(crate) struct Segment {
     pub idx: MmapMut,
     /// `.del` mapping: deletion bitmap.
     pub del: MmapMut,
-    /// The `.seg` file (None until the writer creates it).
+    /// The `.seg` file opened for direct I/O (None until the writer opens it).
     pub file: Option<Rc<DmaFile>>,
-    /// `.del` opened for fdatasync (opened lazily by `sync`).
-    pub del_file: Option<Rc<BufferedFile>>,
+    /// The `.seg` file as `roll` created and preallocated it, held until the writer
+    /// opens it for direct I/O: it keeps a descriptor for that open (one is closed
+    /// right before the other is opened).
+    pub placeholder: Option<std::fs::File>,
+    /// Record slots whose `.idx` and `.del` pages are allocated on disk: entries below
+    /// it may be written through the mappings (see `crate::space`).
+    pub reserved: u64,
+    /// Bytes of the `.seg` file that are allocated (preallocated or written):
+    /// `append` accepts a record only if it ends within them. `u64::MAX` where the
+    /// filesystem cannot preallocate.
+    pub seg_room: u64,
     /// No more appends (a newer segment exists).
     pub full: bool,
     /// Index sealed on disk.
@@ -153,8 +162,8 @@ pub(crate) struct State {
 
 pub(crate) struct Inner {
     pub st: RefCell<State>,
-    /// (segment base, bytes preallocated) of the segment the writer last extended.
-    prealloc: std::cell::Cell<Prealloc>,
+    /// A background preallocation step runs (see `preallocate_ahead`).
+    prealloc_busy: std::cell::Cell<bool>,
     work: Event,
     io_done: Event,
     sync_lock: Semaphore,
@@ -173,10 +182,6 @@ pub struct Shard {
 /// Records a segment can hold for `segment_bytes` (each record is ≥ 24 bytes).
 pub(crate) fn capacity_for(segment_bytes: u64) -> u64 {
     (segment_bytes.saturating_sub(SEG_HEADER_BYTES as u64) / format::RECORD_HEAD_BYTES as u64).max(1) + 1
-}
-
-fn eio() -> std::io::Error {
-    std::io::Error::from_raw_os_error(libc::EIO)
 }
 
 impl State {
@@ -365,8 +370,11 @@ impl State {
         None
     }
 
-    /// Marks `o` deleted; true if it was live.
-    fn delete_one(&mut self, o: Offset, hint: &mut usize) -> bool {
+    /// Marks `o` deleted; true if it was live. A slot whose bitmap page is not known to
+    /// be allocated (a segment written by an older version, opened on a full disk) gets
+    /// it allocated first; if that fails the record stays live on disk (a duplicate
+    /// after a restart, never a SIGBUS) and this returns false.
+    fn delete_one(&mut self, dir: &Path, o: Offset, hint: &mut usize) -> bool {
         let si = match self.segs.get(*hint) {
             Some(s) if s.base <= o && o < s.end() => *hint,
             _ => match self.seg_index(o) {
@@ -378,7 +386,16 @@ impl State {
             },
         };
         let s = &mut self.segs[si];
-        if !side::bit_set(&mut s.del, o - s.base) {
+        let i = o - s.base;
+        if i >= s.reserved {
+            let p = format::seg_path(dir, s.base, FileKind::Del);
+            if let Err(e) = side::reserve(&p, false, s.reserved, s.count) {
+                tracing::warn!(path = %p.display(), offset = o, error = %e, "deletion bitmap page not allocated; delete kept in memory only");
+                return false;
+            }
+            s.reserved = s.reserved.max(s.count);
+        }
+        if !side::bit_set(&mut s.del, i) {
             return false;
         }
         s.live -= 1;
@@ -406,40 +423,76 @@ impl Inner {
         StoreError::Failed { dir: self.dir.clone(), reason: "injected crash".into() }
     }
 
-    /// Starts a new segment at `next_offset` (the previous one is cut and marked full).
-    fn roll(&self, st: &mut State) -> Result<(), StoreError> {
+    /// Starts a new segment at `next_offset` (the previous one is cut and marked full),
+    /// with room for a first record of `first_len` bytes: its side files and its `.seg`
+    /// file are created and their first pages allocated here, so a full disk or the
+    /// open-files limit is an error of this `append` (nothing appended, the shard stays
+    /// writable), not of a later write.
+    fn roll(&self, st: &mut State, first_len: u64) -> Result<(), StoreError> {
         let base = st.next_offset;
-        st.cut(JobKind::RollCut);
         let capacity = capacity_for(self.cfg.segment_bytes);
         let ip = self.seg_file_path(base, FileKind::Idx);
         let dp = self.seg_file_path(base, FileKind::Del);
-        let idx = side::create(&ip, true, base, capacity).map_err(|e| StoreError::io("creating index", &ip, e))?;
-        let del = match side::create(&dp, false, base, capacity) {
-            Ok(m) => m,
+        let sp = self.seg_file_path(base, FileKind::Seg);
+        let reserved = crate::space::slot_step(0, 1, capacity);
+        let seg_room = prealloc_target(align_up(SEG_HEADER_BYTES as u64 + first_len), self.cfg.segment_bytes);
+        let cleanup = || {
+            for p in [&ip, &dp, &sp] {
+                let _ = std::fs::remove_file(p);
+            }
+        };
+        self.injected(FaultPoint::Open, "creating index", &ip)?;
+        let idx = side::create(&ip, true, base, capacity, reserved).map_err(|e| {
+            cleanup();
+            StoreError::io("creating index", &ip, e)
+        })?;
+        let made = self
+            .injected(FaultPoint::Open, "creating deletion bitmap", &dp)
+            .and_then(|_| side::create(&dp, false, base, capacity, reserved).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e)))
+            .and_then(|del| {
+                self.injected(FaultPoint::Open, "creating segment", &sp)?;
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&sp)
+                    .map_err(|e| StoreError::io("creating segment", &sp, e))?;
+                self.injected(FaultPoint::Allocate, "preallocating segment", &sp)?;
+                crate::space::allocate(&f, 0, seg_room).map_err(|e| StoreError::io("preallocating segment", &sp, e))?;
+                Ok((del, f))
+            });
+        let (del, placeholder) = match made {
+            Ok(v) => v,
             Err(e) => {
-                let _ = std::fs::remove_file(&ip);
-                return Err(StoreError::io("creating deletion bitmap", &dp, e));
+                drop(idx);
+                cleanup();
+                return Err(e);
             }
         };
         match self.hit(FaultPoint::SegmentRoll) {
             None => {}
-            Some(FaultAction::Fail) => {
-                let _ = std::fs::remove_file(&ip);
-                let _ = std::fs::remove_file(&dp);
-                return Err(StoreError::io("creating segment", self.seg_file_path(base, FileKind::Seg), eio()));
+            Some(a) if a.is_failure() => {
+                drop((idx, del, placeholder));
+                cleanup();
+                return Err(StoreError::io("creating segment", sp, a.error()));
             }
-            Some(FaultAction::Crash) => {
+            Some(FaultAction::Tear { keep_bytes }) => {
+                st.cut(JobKind::RollCut);
+                match st.jobs.iter_mut().rev().find(|j| j.kind == JobKind::RollCut) {
+                    Some(j) => j.tear = Some(keep_bytes),
+                    None => {
+                        st.fail("injected crash at segment roll".into());
+                        return Err(self.crash_error());
+                    }
+                }
+            }
+            Some(_) => {
                 st.fail("injected crash at segment roll".into());
                 return Err(self.crash_error());
             }
-            Some(FaultAction::Tear { keep_bytes }) => match st.jobs.iter_mut().rev().find(|j| j.kind == JobKind::RollCut) {
-                Some(j) => j.tear = Some(keep_bytes),
-                None => {
-                    st.fail("injected crash at segment roll".into());
-                    return Err(self.crash_error());
-                }
-            },
         }
+        st.cut(JobKind::RollCut);
         if let Some(old) = st.segs.back_mut() {
             old.full = true;
         }
@@ -452,7 +505,9 @@ impl Inner {
             idx,
             del,
             file: None,
-            del_file: None,
+            placeholder: Some(placeholder),
+            reserved,
+            seg_room,
             full: false,
             sealed: false,
             del_dirty: false,
@@ -468,6 +523,46 @@ impl Inner {
             create: true,
         });
         st.dir_dirty = true;
+        Ok(())
+    }
+
+    /// The injected failure at `point`, as the error `op` on `path` would give.
+    fn injected(&self, point: FaultPoint, op: &'static str, path: &Path) -> Result<(), StoreError> {
+        match self.hit(point) {
+            Some(a) if a.is_failure() => Err(StoreError::io(op, path, a.error())),
+            Some(_) => Err(self.crash_error()),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes room in the active segment for a record ending at byte `end` (aligned) and
+    /// in slot `slot`: allocates the next step of side-file pages and of the `.seg` file
+    /// where they do not reach that far. The writer asks for the next `.seg` step in the
+    /// background before it is needed (see `preallocate_ahead`), so this allocates
+    /// synchronously only when appends outrun it.
+    ///
+    /// Errors: [`StoreError::DiskFull`] (or the I/O error) of the allocation; nothing is
+    /// changed then, and the shard stays writable.
+    fn make_room(&self, s: &mut Segment, slot: u64, end: u64) -> Result<(), StoreError> {
+        if slot >= s.reserved {
+            let to = crate::space::slot_step(s.reserved, slot + 1, s.capacity);
+            for (kind, idx, op) in [(FileKind::Idx, true, "allocating index pages"), (FileKind::Del, false, "allocating bitmap pages")] {
+                let p = self.seg_file_path(s.base, kind);
+                self.injected(FaultPoint::Allocate, op, &p)?;
+                side::reserve(&p, idx, s.reserved, to).map_err(|e| StoreError::io(op, &p, e))?;
+            }
+            s.reserved = to;
+        }
+        if end > s.seg_room {
+            let p = self.seg_file_path(s.base, FileKind::Seg);
+            self.injected(FaultPoint::Allocate, "preallocating segment", &p)?;
+            let target = prealloc_target(end, self.cfg.segment_bytes);
+            let r = crate::space::allocate_path(&p, 0, target).map(|_| target).or_else(|_| {
+                // Not that much left: exactly what this record needs.
+                crate::space::allocate_path(&p, 0, end).map(|_| end)
+            });
+            s.seg_room = r.map_err(|e| StoreError::io("preallocating segment", &p, e))?;
+        }
         Ok(())
     }
 }
@@ -506,7 +601,7 @@ async fn writer_loop(inner: Rc<Inner>) {
             if inner.crashed() {
                 None
             } else {
-                let opened = OpenOptions::new().read(true).write(true).create(true).truncate(true).dma_open(&path).await;
+                let opened = open_segment_for_dma(&inner, job.seg_base, &path).await;
                 match opened {
                     Ok(f) => {
                         let f = Rc::new(f);
@@ -518,7 +613,6 @@ async fn writer_loop(inner: Rc<Inner>) {
                         Some(f)
                     }
                     Err(e) => {
-                        let e = StoreError::io("creating segment", &path, gio(e));
                         inner.st.borrow_mut().fail(e.to_string());
                         inner.io_done.notify();
                         continue;
@@ -530,7 +624,7 @@ async fn writer_loop(inner: Rc<Inner>) {
             st.segs.iter().find(|s| s.base == job.seg_base).and_then(|s| s.file.clone())
         };
         if let Some(f) = &file {
-            preallocate_ahead(&inner, f, job.seg_base, job.pos + job.buf.len() as u64, &path).await;
+            preallocate_ahead(&inner, f, job.seg_base, job.pos + job.buf.len() as u64);
         }
         inner.st.borrow_mut().inflight += 1;
         glommio::spawn_local(write_job(inner.clone(), job, file, path)).detach();
@@ -562,58 +656,76 @@ mod prealloc_tests {
     }
 }
 
-/// Preallocation state of the segment being written.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Prealloc {
-    seg_base: Offset,
-    /// Bytes known preallocated.
-    done: u64,
-    /// Bytes asked for (≥ `done` while a background fallocate runs).
-    asked: u64,
+/// Opens the `.seg` file that `roll` created for direct I/O, in the descriptor slot its
+/// placeholder frees. An open that fails (EMFILE: another thread took the slot) is tried
+/// again for up to about a second before the shard gives up and turns read-only.
+async fn open_segment_for_dma(inner: &Rc<Inner>, seg_base: Offset, path: &Path) -> Result<DmaFile, StoreError> {
+    let mut last = None;
+    for attempt in 0..50u32 {
+        if attempt > 0 {
+            glommio::timer::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if let Some(s) = inner.st.borrow_mut().segs.iter_mut().find(|s| s.base == seg_base) {
+            s.placeholder = None;
+        }
+        if let Some(a) = inner.hit(FaultPoint::Open) {
+            last = Some(StoreError::io("opening segment", path, a.error()));
+            if !a.is_failure() {
+                break;
+            }
+            continue;
+        }
+        match OpenOptions::new().read(true).write(true).create(true).dma_open(path).await {
+            Ok(f) => return Ok(f),
+            Err(e) => {
+                let e = gio(e);
+                let retry = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM));
+                last = Some(StoreError::io("opening segment", path, e));
+                if !retry {
+                    break;
+                }
+            }
+        }
+    }
+    Err(last.expect("at least one attempt"))
 }
 
-/// Preallocates (fallocate, unwritten extents, size set) ahead of a write ending at `need`
-/// bytes: every later write is then an overwrite that ext4 does inline from io_uring
-/// instead of punting it to a worker thread, where writes to one file serialize. Recovery
-/// reads the zero tail as the end of the log. Without it writes still work (extending the
-/// file), only slower.
-///
-/// The writer waits only when a write would go past what is preallocated (the first
-/// write of a segment); once past half of the preallocated room, the next step is asked
-/// for in a background task, so steady appends never wait for fallocate.
-async fn preallocate_ahead(inner: &Rc<Inner>, f: &Rc<DmaFile>, seg_base: Offset, need: u64, path: &std::path::Path) {
-    let p = inner.prealloc.get();
-    let same = p.seg_base == seg_base;
-    if same && need <= p.done {
-        if need >= p.done / 2 && p.asked == p.done && p.done < inner.cfg.segment_bytes {
-            let target = prealloc_target(p.done, inner.cfg.segment_bytes);
-            inner.prealloc.set(Prealloc { asked: target, ..p });
-            let (inner, f, path) = (inner.clone(), f.clone(), path.to_owned());
-            glommio::spawn_local(async move {
-                let ok = f.pre_allocate(target, false).await;
-                let now = inner.prealloc.get();
-                if now.seg_base == seg_base {
-                    match ok {
-                        Ok(()) => inner.prealloc.set(Prealloc { done: target, asked: target, ..now }),
-                        Err(e) => {
-                            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
-                            inner.prealloc.set(Prealloc { asked: now.done, ..now });
-                        }
-                    }
-                }
-            })
-            .detach();
-        }
+/// Asks for the next preallocation step of the segment being written, in the background,
+/// once a write ending at `end` is past half of its allocated room: steady appends then
+/// find the room allocated ([`Inner::make_room`] allocates synchronously only when they
+/// outrun this). Preallocated space is unwritten extents (fallocate, size set): every
+/// write is an overwrite that ext4 does inline from io_uring instead of punting it to a
+/// worker thread, where writes to one file serialize; recovery reads the zero tail as the
+/// end of the log.
+fn preallocate_ahead(inner: &Rc<Inner>, f: &Rc<DmaFile>, seg_base: Offset, end: u64) {
+    let room = match inner.st.borrow().segs.iter().rev().find(|s| s.base == seg_base) {
+        Some(s) if !s.full => s.seg_room,
+        _ => return,
+    };
+    let limit = inner.cfg.segment_bytes;
+    if inner.prealloc_busy.get() || room == u64::MAX || room >= limit || end < room / 2 {
         return;
     }
-    let target = prealloc_target(need, inner.cfg.segment_bytes);
-    match f.pre_allocate(target, false).await {
-        Ok(()) => inner.prealloc.set(Prealloc { seg_base, done: target, asked: target }),
-        Err(e) => {
-            tracing::debug!(path = %path.display(), error = %e, "segment preallocation failed");
-            inner.prealloc.set(Prealloc { seg_base, done: need, asked: need });
+    let target = prealloc_target(room, limit);
+    inner.prealloc_busy.set(true);
+    let (inner, f) = (inner.clone(), f.clone());
+    glommio::spawn_local(async move {
+        let ok = match inner.hit(FaultPoint::Allocate) {
+            Some(a) => Err(a.error()),
+            None => f.pre_allocate(target, false).await.map_err(gio),
+        };
+        inner.prealloc_busy.set(false);
+        match ok {
+            Ok(()) => {
+                if let Some(s) = inner.st.borrow_mut().segs.iter_mut().rev().find(|s| s.base == seg_base) {
+                    s.seg_room = s.seg_room.max(target);
+                }
+            }
+            // Appends allocate what they need themselves; a full disk shows there.
+            Err(e) => tracing::debug!(seg_base, error = %e, "background segment preallocation failed"),
         }
-    }
+    })
+    .detach();
 }
 
 async fn write_job(inner: Rc<Inner>, job: Job, file: Option<Rc<DmaFile>>, path: PathBuf) {
@@ -637,7 +749,7 @@ async fn write_job(inner: Rc<Inner>, job: Job, file: Option<Rc<DmaFile>>, path: 
         (None, _) if inner.crashed() => Err(inner.crash_error()),
         (None, _) => Err(StoreError::io("writing segment (file missing)", &path, std::io::ErrorKind::NotFound.into())),
         (Some(_), Some(FaultAction::Crash)) => Err(inner.crash_error()),
-        (Some(_), Some(FaultAction::Fail)) => Err(StoreError::io("writing segment", &path, eio())),
+        (Some(_), Some(a)) if a.is_failure() => Err(StoreError::io("writing segment", &path, a.error())),
         (Some(f), _) if tear.is_some() => {
             let keep = (tear.unwrap() / 512 * 512).min(len);
             if keep > 0 {
@@ -724,8 +836,10 @@ impl Shard {
     ///
     /// `header` ≤ 1 MiB and `body` ≤ 128 MiB ([`StoreError::RecordTooLarge`]).
     /// Errors: [`StoreError::Failed`] after an earlier write error,
-    /// [`StoreError::Closed`], or an I/O error creating the next segment's
-    /// side files (then nothing was appended).
+    /// [`StoreError::Closed`], [`StoreError::DiskFull`] when the disk blocks the
+    /// record needs cannot be allocated, or an I/O error creating the next segment's
+    /// files (EMFILE at the open-files limit). In those last two cases nothing was
+    /// appended and the shard stays writable: a later append may succeed.
     pub fn append(&self, flags: u8, header: &[u8], body: &Bytes) -> Result<Offset, StoreError> {
         self.append_with(flags, header, body, || Bytes::copy_from_slice(header))
     }
@@ -755,12 +869,13 @@ impl Shard {
             Some(s) => s.full || (s.count > 0 && s.data_end + len > inner.cfg.segment_bytes) || s.count >= s.capacity,
         };
         if need_roll {
-            inner.roll(&mut st)?;
+            inner.roll(&mut st, len)?;
         }
         let offset = st.next_offset;
         {
             let s = st.segs.back_mut().expect("active segment");
             let i = s.count;
+            inner.make_room(s, i, align_up(s.data_end + len))?;
             side::idx_set(&mut s.idx, i, s.data_end);
             s.count += 1;
             s.live += 1;
@@ -817,7 +932,7 @@ impl Shard {
             if !st.segs.is_empty() {
                 return Ok(());
             }
-            inner.roll(&mut st)?;
+            inner.roll(&mut st, 0)?;
         }
         self.sync_with(true, true).await.map(|_| ())
     }
@@ -878,7 +993,7 @@ impl Shard {
             let mut del_segs = Vec::new();
             for s in st.segs.iter_mut().filter(|s| deletes && s.del_dirty) {
                 s.del_dirty = false;
-                del_segs.push((s.base, s.del_file.clone()));
+                del_segs.push(s.base);
             }
             (st.next_seq, st.next_offset, st.del_epoch, del_segs)
         };
@@ -901,7 +1016,7 @@ impl Shard {
         if !data_files.is_empty() {
             match inner.hit(FaultPoint::Fdatasync) {
                 None => {}
-                Some(FaultAction::Fail) => return Err(self.fail_with(StoreError::io("fdatasync", &inner.dir, eio()))),
+                Some(a) if a.is_failure() => return Err(self.fail_with(StoreError::io("fdatasync", &inner.dir, a.error()))),
                 Some(_) => return Err(self.fail_with(inner.crash_error())),
             }
         }
@@ -914,27 +1029,35 @@ impl Shard {
         if !del_segs.is_empty() {
             match inner.hit(FaultPoint::Delete) {
                 None => {}
-                Some(FaultAction::Fail) => return Err(self.fail_with(StoreError::io("fdatasync deletion bitmap", &inner.dir, eio()))),
+                Some(a) if a.is_failure() => return Err(self.fail_with(StoreError::io("fdatasync deletion bitmap", &inner.dir, a.error()))),
                 Some(_) => return Err(self.fail_with(inner.crash_error())),
             }
         }
-        for (base, handle) in del_segs {
+        let mut del_deferred = false;
+        for base in del_segs {
+            // Opened for this fdatasync only: an idle shard holds no descriptor for its
+            // bitmaps. One that cannot be opened (the open-files limit) leaves its deletes
+            // for the next sync: a delete lost in a crash only brings a record back.
             let path = inner.seg_file_path(base, FileKind::Del);
-            let f = match handle {
-                Some(f) => f,
-                None => {
-                    let f = BufferedFile::open(&path)
-                        .await
-                        .map_err(|e| self.fail_with(StoreError::io("opening deletion bitmap", &path, gio(e))))?;
-                    let f = Rc::new(f);
+            let opened = match inner.hit(FaultPoint::Open) {
+                Some(a) => Err(a.error()),
+                None => BufferedFile::open(&path).await.map_err(gio),
+            };
+            let f = match opened {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "deletion bitmap not synced now; retried by the next sync");
                     if let Some(s) = inner.st.borrow_mut().segs.iter_mut().find(|s| s.base == base) {
-                        s.del_file = Some(f.clone());
+                        s.del_dirty = true;
                     }
-                    f
+                    del_deferred = true;
+                    continue;
                 }
             };
             tasks.push(glommio::spawn_local(async move {
-                f.fdatasync().await.map_err(|e| StoreError::io("fdatasync deletion bitmap", &path, gio(e)))
+                let r = f.fdatasync().await.map_err(|e| StoreError::io("fdatasync deletion bitmap", &path, gio(e)));
+                let _ = f.close().await;
+                r
             }));
         }
         fdatasync_all(tasks).await.map_err(|e| self.fail_with(e))?;
@@ -955,7 +1078,7 @@ impl Shard {
         self.remove_dead(cut_below).await;
         let mut st = inner.st.borrow_mut();
         st.durable_offset = st.durable_offset.max(cut_below);
-        if deletes {
+        if deletes && !del_deferred {
             st.del_durable_epoch = st.del_durable_epoch.max(del_epoch);
         }
         Ok(Synced(st.durable_offset))
@@ -984,8 +1107,20 @@ impl Shard {
                 return Err(self.fail_with(inner.crash_error()));
             }
             let path = inner.seg_file_path(base, FileKind::Idx);
-            let f = BufferedFile::open(&path).await.map_err(|e| StoreError::io("opening index", &path, gio(e)));
-            let f = f.map_err(|e| self.fail_with(e))?;
+            let opened = match inner.hit(FaultPoint::Open) {
+                Some(a) => Err(a.error()),
+                None => BufferedFile::open(&path).await.map_err(gio),
+            };
+            let f = match opened {
+                Ok(f) => f,
+                Err(e) => {
+                    // The seal is in the mapping; the kernel writes it back in time. Until
+                    // then a crash finds the index unsealed (or its CRC not matching) and
+                    // scans the segment: slower, never wrong.
+                    tracing::warn!(path = %path.display(), error = %e, "sealed index not fdatasync'ed now");
+                    continue;
+                }
+            };
             let r = f.fdatasync().await.map_err(|e| StoreError::io("fdatasync index", &path, gio(e)));
             let _ = f.close().await;
             r.map_err(|e| self.fail_with(e))?;
@@ -1041,7 +1176,7 @@ impl Shard {
                 let _ = DmaFile::close_rc(f).await;
             }
             match inner.hit(FaultPoint::SegmentRemove) {
-                Some(FaultAction::Fail) => {
+                Some(a) if a.is_failure() => {
                     tracing::warn!(base, "injected failure removing segment side files; left for the next open");
                     continue;
                 }
@@ -1116,7 +1251,7 @@ impl Shard {
 
     fn drop_corrupt(&self, offset: Offset, path: PathBuf, reason: String) -> StoreError {
         tracing::error!(offset, path = %path.display(), %reason, "corrupt record dropped");
-        self.inner.st.borrow_mut().delete_one(offset, &mut 0);
+        self.inner.st.borrow_mut().delete_one(&self.inner.dir, offset, &mut 0);
         StoreError::Corrupt { offset, path, reason }
     }
 
@@ -1191,7 +1326,7 @@ impl Shard {
         let mut hint = st.segs.len().saturating_sub(1);
         let mut any = false;
         for &o in offsets {
-            any |= st.delete_one(o, &mut hint);
+            any |= st.delete_one(&self.inner.dir, o, &mut hint);
         }
         if any {
             st.del_epoch += 1;
@@ -1224,6 +1359,13 @@ impl Shard {
         let r = st.first_live_from(st.start_hint).unwrap_or(st.next_offset);
         st.start_hint = r;
         r
+    }
+
+    /// Why the shard turned read-only (a write or fdatasync failed), if it did: appends
+    /// and syncs then fail with [`StoreError::Failed`], reads and deletes still work, and
+    /// reopening the directory recovers every synced record.
+    pub fn failure(&self) -> Option<String> {
+        self.inner.st.borrow().failed.clone()
     }
 
     /// Offset the next `append` returns.
@@ -1288,7 +1430,7 @@ impl Shard {
             let mut st = self.inner.st.borrow_mut();
             st.closed = true;
             st.dirty_data.clear();
-            st.segs.iter_mut().filter_map(|s| { s.del_file = None; s.file.take() }).collect()
+            st.segs.iter_mut().filter_map(|s| s.file.take()).collect()
         };
         for f in files {
             let _ = DmaFile::close_rc(f).await;
@@ -1342,7 +1484,7 @@ impl std::fmt::Debug for Shard {
 pub(crate) fn new_inner(st: State, dir: PathBuf, cfg: ShardConfig, faults: Option<Faults>) -> Rc<Inner> {
     Rc::new(Inner {
         st: RefCell::new(st),
-        prealloc: std::cell::Cell::new(Prealloc { seg_base: Offset::MAX, done: 0, asked: 0 }),
+        prealloc_busy: std::cell::Cell::new(false),
         work: Event::default(),
         io_done: Event::default(),
         sync_lock: Semaphore::new(1),

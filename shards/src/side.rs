@@ -25,11 +25,30 @@ fn no_readahead(m: &MmapMut) {
     let _ = m.advise(memmap2::Advice::Random);
 }
 
-/// Creates (or truncates) a side file of `capacity` records and maps it.
-pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64) -> std::io::Result<MmapMut> {
+/// Bytes of a side file that hold its header and the entries of the first `slots`
+/// records (`.idx`: 4 bytes a record; `.del`: 1 bit), rounded up to whole 4 KiB pages.
+pub(crate) fn bytes_for(idx: bool, slots: u64) -> u64 {
+    let body = if idx { slots * 4 } else { slots.div_ceil(8) };
+    (H as u64 + body).div_ceil(4096) * 4096
+}
+
+/// Allocates the pages of the side file at `path` that hold slots `from..to` (see
+/// [`crate::space`]): after it, touching those slots' entries cannot SIGBUS.
+///
+/// Errors: the OS error of fallocate (ENOSPC when the disk is full).
+pub(crate) fn reserve(path: &Path, idx: bool, from: u64, to: u64) -> std::io::Result<()> {
+    let a = if from == 0 { 0 } else { bytes_for(idx, from) - 4096 };
+    crate::space::allocate_path(path, a, bytes_for(idx, to))
+}
+
+/// Creates (or truncates) a side file of `capacity` records, with the pages of its header
+/// and of its first `reserved` slots allocated on disk before anything is written
+/// (fallocate: a full disk is an error here, never a SIGBUS later), and maps it.
+pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64, reserved: u64) -> std::io::Result<MmapMut> {
     let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
     let body = if idx { capacity * 4 } else { capacity.div_ceil(8) };
     f.set_len(H as u64 + body)?;
+    crate::space::allocate(&f, 0, bytes_for(idx, reserved.min(capacity)).min(H as u64 + body))?;
     // SAFETY: the file is private to this shard (one owner core); nobody truncates it while mapped.
     let mut m = unsafe { MmapMut::map_mut(&f)? };
     no_readahead(&m);
@@ -95,6 +114,15 @@ pub(crate) fn idx_set(m: &mut [u8], i: u64, pos: u64) {
     m[at..at + 4].copy_from_slice(&(pos as u32).to_le_bytes());
 }
 
+/// Sets index entry `i` only if it holds another value: recovery rewrites what it finds,
+/// and on a full disk a store into a page that is not backed must not happen.
+#[inline]
+pub(crate) fn idx_put(m: &mut [u8], i: u64, pos: u64) {
+    if idx_get(m, i) != pos {
+        idx_set(m, i, pos);
+    }
+}
+
 /// Seal of an index: `(count, data_end)` if the header says sealed and the CRC of
 /// the entries matches.
 pub(crate) fn idx_seal(m: &[u8]) -> Option<(u64, u64)> {
@@ -139,17 +167,30 @@ pub(crate) fn bit_set(m: &mut [u8], i: u64) -> bool {
     was_clear
 }
 
-/// Clears bits `from..capacity` (records that do not exist after a crash).
-pub(crate) fn bits_clear_from(m: &mut [u8], from: u64, capacity: u64) {
+/// Clears bits `from..capacity` (records that do not exist after a crash), writing only
+/// bytes that are not already zero, and reading only the byte ranges of the file at
+/// `path` that hold data (`crate::space::data_ranges`): holes are zeros, and touching
+/// them would cost memory and, on a full disk, a SIGBUS.
+pub(crate) fn bits_clear_from(m: &mut [u8], path: &Path, from: u64, capacity: u64) {
     let mut i = from;
     while i < capacity && !i.is_multiple_of(8) {
-        m[H + (i >> 3) as usize] &= !(1u8 << (i & 7));
+        let b = &mut m[H + (i >> 3) as usize];
+        if *b & (1u8 << (i & 7)) != 0 {
+            *b &= !(1u8 << (i & 7));
+        }
         i += 1;
     }
-    if i < capacity {
-        let start = H + (i >> 3) as usize;
-        let end = H + capacity.div_ceil(8) as usize;
-        m[start..end].fill(0);
+    if i >= capacity {
+        return;
+    }
+    let start = (H + (i >> 3) as usize) as u64;
+    let end = (H + capacity.div_ceil(8) as usize) as u64;
+    for (a, b) in crate::space::data_ranges(path, start, end) {
+        for byte in &mut m[a as usize..b as usize] {
+            if *byte != 0 {
+                *byte = 0;
+            }
+        }
     }
 }
 
@@ -187,7 +228,7 @@ mod tests {
     fn bitmap_and_index() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("x.del");
-        let mut m = create(&p, false, 5, 100).unwrap();
+        let mut m = create(&p, false, 5, 100, 100).unwrap();
         assert!(bit_set(&mut m, 3));
         assert!(!bit_set(&mut m, 3));
         for i in 8..16 {
@@ -195,7 +236,7 @@ mod tests {
         }
         assert_eq!(bits_count(&m, 100), 9);
         assert_eq!(first_clear(&m, 8, 100), Some(16));
-        bits_clear_from(&mut m, 10, 100);
+        bits_clear_from(&mut m, &p, 10, 100);
         assert_eq!(bits_count(&m, 100), 3);
         drop(m);
         let (m, cap) = open(&p, false, 5).unwrap();
@@ -203,7 +244,7 @@ mod tests {
         assert!(open(&p, false, 6).is_err());
 
         let q = dir.path().join("x.idx");
-        let mut m = create(&q, true, 5, 10).unwrap();
+        let mut m = create(&q, true, 5, 10, 10).unwrap();
         idx_set(&mut m, 0, 4096);
         idx_set(&mut m, 1, 5000);
         assert_eq!(idx_seal(&m), None);
