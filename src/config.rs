@@ -51,10 +51,17 @@ pub struct Cli {
     /// Spinning trades CPU for wake-up latency: for machines whose cores are the broker's alone.
     #[arg(long, value_name = "US")]
     pub spin_before_park_us: Option<u64>,
+    /// Free bytes on the data directory's filesystem below which the disk alarm is raised:
+    /// publishing connections are blocked (connection.blocked) until space is back [default: 50000000]
+    #[arg(long, value_name = "BYTES")]
+    pub disk_free_limit: Option<u64>,
     /// Log filter (tracing env-filter syntax, e.g. "info" or "ringmq=debug") [default: info]
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
 }
+
+/// Default disk alarm threshold, bytes (RabbitMQ's `disk_free_limit` default, 50 MB).
+pub const DEFAULT_DISK_FREE_LIMIT: u64 = 50_000_000;
 
 /// A user allowed to log in.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -90,6 +97,7 @@ struct FileConfig {
     consumer_timeout_ms: Option<u64>,
     segment_bytes: Option<u64>,
     spin_before_park_us: Option<u64>,
+    disk_free_limit: Option<u64>,
     log: Option<String>,
     users: Option<Vec<User>>,
     vhosts: Option<Vec<String>>,
@@ -118,6 +126,9 @@ pub struct Config {
     pub segment_bytes: u64,
     /// Idle time a core polls before sleeping, µs (0 = no spinning).
     pub spin_before_park_us: u64,
+    /// Disk alarm threshold: free bytes on the data directory's filesystem (RabbitMQ's
+    /// `disk_free_limit`, default 50 MB; 0 = never).
+    pub disk_free_limit: u64,
     /// Log filter.
     pub log: String,
     /// Users.
@@ -180,6 +191,7 @@ impl Config {
             consumer_timeout_ms: cli.consumer_timeout_ms.or(file.consumer_timeout_ms).unwrap_or(30 * 60 * 1000),
             segment_bytes: cli.segment_bytes.or(file.segment_bytes).unwrap_or(64 << 20),
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
+            disk_free_limit: cli.disk_free_limit.or(file.disk_free_limit).unwrap_or(DEFAULT_DISK_FREE_LIMIT),
             log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
             users: file.users.unwrap_or_else(|| {
                 vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]

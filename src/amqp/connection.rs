@@ -64,6 +64,12 @@ pub struct ConnState {
     pub exclusive_queues: Vec<QueueRef>,
     /// Completed publisher confirms to send: (channel, seq, ok).
     pub confirms_ready: Vec<(u16, u64, bool)>,
+    /// The client announced the `connection.blocked` capability.
+    pub blocked_notify: bool,
+    /// This connection has sent basic.publish: the disk alarm blocks it.
+    pub published: bool,
+    /// Blocked by the disk alarm: the reader takes no more frames until it clears.
+    pub blocked: bool,
 }
 
 /// A connection: its core, id, event channel and state.
@@ -79,6 +85,9 @@ pub struct Session {
     pub pending_bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// Mutable state (never borrowed across an `.await`).
     pub st: RefCell<ConnState>,
+    /// Wakes the reader when the connection is unblocked (or closing).
+    unblocked: flume::Sender<()>,
+    unblocked_rx: flume::Receiver<()>,
 }
 
 struct Tuned {
@@ -88,6 +97,7 @@ struct Tuned {
     channel_max: u16,
     heartbeat: u16,
     cancel_notify: bool,
+    blocked_notify: bool,
     leftover: BytesMut,
 }
 
@@ -115,6 +125,7 @@ pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
     core.conns.borrow_mut().insert(id, tx.clone());
     let hb = tuned.heartbeat;
     let _ = stream.set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
+    let (unblocked_tx, unblocked_rx) = flume::bounded(1);
     let session = Rc::new(Session {
         core: core.clone(),
         id,
@@ -132,7 +143,12 @@ pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
             finish: false,
             exclusive_queues: Vec::new(),
             confirms_ready: Vec::new(),
+            blocked_notify: tuned.blocked_notify,
+            published: false,
+            blocked: false,
         }),
+        unblocked: unblocked_tx,
+        unblocked_rx,
     });
     tracing::debug!(?peer, id, "connection open");
     let (r, w) = futures_lite::io::split(stream);
@@ -197,6 +213,7 @@ fn server_properties() -> FieldTable {
         "consumer_cancel_notify",
         "authentication_failure_close",
         "per_consumer_qos",
+        "connection.blocked",
     ] {
         caps.insert(c.into(), AMQPValue::Boolean(true));
     }
@@ -267,10 +284,11 @@ async fn handshake(core: &Rc<Core>, stream: &mut TcpStream, peer: Option<SocketA
             return Err(e);
         }
     };
-    let cancel_notify = match start_ok.client_properties.inner().get("capabilities") {
-        Some(AMQPValue::FieldTable(c)) => matches!(c.inner().get("consumer_cancel_notify"), Some(AMQPValue::Boolean(true))),
+    let capability = |name: &str| match start_ok.client_properties.inner().get("capabilities") {
+        Some(AMQPValue::FieldTable(c)) => matches!(c.inner().get(name), Some(AMQPValue::Boolean(true))),
         _ => false,
     };
+    let (cancel_notify, blocked_notify) = (capability("consumer_cancel_notify"), capability("connection.blocked"));
     let mechanism = start_ok.mechanism.as_str().to_owned();
     let creds = credentials(&mechanism, start_ok.response.as_bytes());
     let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
@@ -346,13 +364,16 @@ async fn handshake(core: &Rc<Core>, stream: &mut TcpStream, peer: Option<SocketA
     out.clear();
     encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
     stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, leftover: buf })
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, leftover: buf })
 }
 
 async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, mut r: R, mut buf: BytesMut) {
     let mut tmp = vec![0u8; 64 * 1024];
     loop {
         loop {
+            // Blocked by the disk alarm: take no frame, not even from the buffer, until
+            // unblocked (the socket is not read either, so the client's TCP window closes).
+            s.wait_unblocked().await;
             let frame_max = s.st.borrow().frame_max;
             match decode_frame(&mut buf, frame_max) {
                 Ok(Some(frame)) => {
@@ -376,6 +397,7 @@ async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, mut r: R, mu
             // The writer flushes and ends the connection.
             std::future::pending::<()>().await;
         }
+        s.wait_unblocked().await;
         match r.read(&mut tmp).await {
             Ok(0) => return,
             Ok(n) => buf.extend_from_slice(&tmp[..n]),
@@ -681,10 +703,57 @@ impl Session {
             st.channels.get_mut(&channel).and_then(|c| c.publish.take())
         };
         let Some(p) = p else { return Ok(()) };
+        let first = !std::mem::replace(&mut self.st.borrow_mut().published, true);
+        if first && self.core.shared.alarms.disk_alarm() {
+            self.set_blocked(true, None);
+        }
         if let Err(e) = methods::basic::publish(self, channel, p) {
             return self.on_error(channel, e.on_method(60, 40));
         }
         Ok(())
+    }
+
+    /// Blocks (the disk alarm was raised, and this connection publishes) or unblocks it:
+    /// connection.blocked / connection.unblocked to a client that announced the capability
+    /// (RabbitMQ's reason text), and the reader stops or goes on. Into `out` when the
+    /// writer calls it, else through the event channel.
+    fn set_blocked(&self, blocked: bool, out: Option<&mut Vec<u8>>) {
+        let mut st = self.st.borrow_mut();
+        if st.blocked == blocked || (blocked && !st.published) {
+            return;
+        }
+        st.blocked = blocked;
+        let notify = st.blocked_notify;
+        drop(st);
+        if blocked {
+            tracing::info!(conn = self.id, "connection blocked: disk alarm");
+        } else {
+            let _ = self.unblocked.try_send(());
+        }
+        if notify {
+            let m = if blocked {
+                AMQPClass::Connection(conn::AMQPMethod::Blocked(conn::Blocked { reason: "low on disk space".into() }))
+            } else {
+                AMQPClass::Connection(conn::AMQPMethod::Unblocked(conn::Unblocked {}))
+            };
+            match out {
+                Some(out) => encode_method(out, 0, &m),
+                None => self.send_method(0, &m),
+            }
+        }
+    }
+
+    /// Returns once the connection is not blocked by the disk alarm (or is closing).
+    async fn wait_unblocked(&self) {
+        for _ in 0..u64::MAX {
+            {
+                let st = self.st.borrow();
+                if !st.blocked || st.finish || st.closing.is_some() {
+                    return;
+                }
+            }
+            let _ = self.unblocked_rx.recv_async().await;
+        }
     }
 
     fn on_error(&self, channel: u16, e: AmqpError) -> Result<(), AmqpError> {
@@ -844,8 +913,11 @@ impl Session {
                     st.closing = Some(Instant::now() + CLOSE_WAIT);
                     drop(st);
                     encode_method(out, 0, &close_method(&e));
+                    // A blocked reader must see the close-ok.
+                    let _ = self.unblocked.try_send(());
                 }
             }
+            ClientEvent::DiskAlarm(raised) => self.set_blocked(raised, Some(out)),
         }
     }
 

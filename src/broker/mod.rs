@@ -16,6 +16,7 @@
 //!   event channel, so a consumer's consume-ok always precedes its first delivery and its
 //!   cancel-ok follows its last.
 
+pub mod alarms;
 pub mod exchange;
 pub mod message;
 pub mod queue;
@@ -112,6 +113,9 @@ pub enum ClientEvent {
     },
     /// Close the whole connection with this error (e.g. 320 on shutdown).
     Close(AmqpError),
+    /// The disk alarm was raised (true) or cleared: a connection that publishes is blocked
+    /// (connection.blocked, not read) or unblocked.
+    DiskAlarm(bool),
 }
 
 /// A message handed to a consumer.

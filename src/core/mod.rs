@@ -42,6 +42,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 use crate::amqp::error::AmqpError;
 use crate::broker::queue::{read_index, Queue, QueueCell, QueueEnv, Recovered};
 use crate::broker::router::{Route, Router};
+use crate::broker::alarms::Alarms;
 use crate::broker::{ClientEvent, ClientTx, ConnId, Mesh, QueueKey, QueueOp, QueueRef};
 use crate::config::Config;
 use crate::meta::state::Command;
@@ -72,6 +73,8 @@ pub struct Shared {
     pub shutting_down: AtomicBool,
     /// Counters for metrics, one block per core.
     pub stats: Vec<Stats>,
+    /// Disk and file-descriptor alarms (`broker::alarms`).
+    pub alarms: Arc<Alarms>,
 }
 
 impl Shared {
@@ -90,6 +93,8 @@ pub enum CoreMsg {
         /// What to do.
         op: QueueOp,
     },
+    /// The disk alarm was raised (true) or cleared: tell every connection of this core.
+    DiskAlarm(bool),
     /// Stop: close connections with 320, sync and close shards, then reply.
     Shutdown {
         /// Answered when this core is done.
@@ -154,6 +159,12 @@ impl Core {
                 self.queue_op(queue, op);
                 None
             }
+            CoreMsg::DiskAlarm(raised) => {
+                for tx in self.conns.borrow().values() {
+                    let _ = tx.send(ClientEvent::DiskAlarm(raised));
+                }
+                None
+            }
             CoreMsg::Shutdown { done } => Some(done),
         }
     }
@@ -196,9 +207,17 @@ impl Core {
                             }
                         }
                         Err(e) => {
+                            if e.is_disk_full() {
+                                me.shared.alarms.disk_full_seen();
+                            }
                             tracing::error!(queue = %qref.key.name, error = %e, "cannot open queue store");
+                            let err = if e.is_resource() {
+                                AmqpError::resource_error(format!("cannot open the store of queue '{}': {e}", qref.key.name))
+                            } else {
+                                AmqpError::internal_error(format!("cannot open the store of queue '{}': {e}", qref.key.name))
+                            };
                             for op in pending {
-                                refuse_with(op, AmqpError::internal_error(format!("queue store unavailable: {e}")));
+                                refuse_unstored(op, err.clone());
                             }
                         }
                     }
@@ -289,18 +308,39 @@ impl Core {
         }
     }
 
+    /// Retires a queue whose store failed ([`Queue::retire`]) and closes its shards; the
+    /// next operation on it opens it again from disk (what was synced is there).
+    async fn reopen_failed(&self, cell: &QueueCell, why: &str) {
+        let key = cell.borrow().qref.key.clone();
+        tracing::warn!(queue = %key.name, vhost = %key.vhost, reason = why, "reopening a queue whose store failed");
+        let (shard, index) = cell.borrow_mut().retire();
+        self.queues.borrow_mut().remove(&key);
+        for s in [Some(shard), index].into_iter().flatten() {
+            let _ = s.close().await;
+        }
+        Stats::add(&self.stats().store_reopens, 1);
+    }
+
     /// The queues of this core that are open (not opening or being deleted).
     fn open_queues(&self) -> Vec<QueueCell> {
         self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
     }
 
-    /// Once a second: syncs queues with unsynced deletes, and sends every channel that holds
-    /// a delivery past its queue's acknowledgement timeout an [`ClientEvent::AckTimeout`].
+    /// Once a second: syncs queues with unsynced deletes, sends every channel that holds
+    /// a delivery past its queue's acknowledgement timeout an [`ClientEvent::AckTimeout`],
+    /// and reopens queues whose store failed once the disk alarm is clear.
     async fn ack_timeouts(self: Rc<Self>) {
         loop {
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();
             for c in self.open_queues() {
+                let failure = c.borrow().store_failure();
+                if let Some(why) = failure {
+                    if !self.shared.alarms.disk_alarm() {
+                        self.reopen_failed(&c, &why).await;
+                    }
+                    continue;
+                }
                 Queue::sync_if_dirty(&c);
                 let q = c.borrow();
                 let ms = q.consumer_timeout_ms;
@@ -322,6 +362,17 @@ fn refuse_with(op: QueueOp, err: AmqpError) {
         QueueOp::Publish { confirm: Some(c), .. } => {
             // RabbitMQ confirms a message whose queue vanished while it was routed.
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+        }
+        op => refuse_unstored(op, err),
+    }
+}
+
+/// Answers an operation on a queue whose store cannot be opened: a publish is nacked
+/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
+fn refuse_unstored(op: QueueOp, err: AmqpError) {
+    match op {
+        QueueOp::Publish { confirm: Some(c), .. } => {
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
         }
         QueueOp::Get { reply, .. } => drop(reply.send(Err(err))),
         QueueOp::Consume { reply, .. } => drop(reply.send(Err(err))),
@@ -368,6 +419,10 @@ impl QueueEnv for Core {
         Core::stats(self)
     }
 
+    fn disk_full(&self) {
+        self.shared.alarms.disk_full_seen();
+    }
+
     fn auto_delete(&self, key: &QueueKey) {
         let qref = QueueRef { key: key.clone(), owner_core: self.id, durable: false };
         let (reply, _rx) = crate::broker::reply_channel();
@@ -409,7 +464,7 @@ fn wait_port_free(addr: std::net::SocketAddr) -> std::io::Result<()> {
 /// socket with an accept pending in an io_uring outlives a killed process until the kernel
 /// tears the ring down (seen here taking over 10 s after kill -9 under load), and with
 /// SO_REUSEPORT a restarted broker would share the port with it and see connections reset.
-fn listen(core: usize, addr: std::net::SocketAddr) -> std::io::Result<flume::Receiver<std::net::TcpStream>> {
+fn listen(core: usize, addr: std::net::SocketAddr, alarms: Arc<Alarms>) -> std::io::Result<flume::Receiver<std::net::TcpStream>> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
@@ -418,9 +473,23 @@ fn listen(core: usize, addr: std::net::SocketAddr) -> std::io::Result<flume::Rec
     socket.listen(1024)?;
     let listener: std::net::TcpListener = socket.into();
     let (tx, rx) = flume::unbounded();
+    let mut last_warned: Option<Instant> = None;
     std::thread::Builder::new().name(format!("ringmq-accept-{core}")).spawn(move || loop {
         match listener.accept() {
-            Ok((stream, _)) => {
+            Ok((stream, peer)) => {
+                if alarms.refuse_connections() {
+                    // Descriptors are nearly gone: keep them for the connections and queues
+                    // there are (RabbitMQ's file-descriptor limit). The client sees the
+                    // socket closed before the protocol header.
+                    if last_warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                        let (open, max) = (alarms.open_fds.load(Ordering::Relaxed), alarms.max_fds.load(Ordering::Relaxed));
+                        tracing::warn!(%peer, open_fds = open, max_fds = max, "connection refused: file descriptors nearly exhausted");
+                        last_warned = Some(Instant::now());
+                    }
+                    alarms.connections_refused.fetch_add(1, Ordering::Relaxed);
+                    drop(stream);
+                    continue;
+                }
                 if stream.set_nonblocking(true).is_err() {
                     continue;
                 }
@@ -453,6 +522,14 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
         inboxes.push(tx);
         receivers.push(rx);
     }
+    let alarms = Arc::new(Alarms::new(config.disk_free_limit));
+    let (soft_before, soft, hard) = crate::broker::alarms::raise_fd_limit();
+    alarms.max_fds.store(soft, Ordering::Relaxed);
+    if soft < 4096 {
+        tracing::warn!(soft_before, soft, hard, "open-files limit is low: each durable queue holds 2 descriptors or more; raise the hard limit (LimitNOFILE=) for many queues");
+    } else {
+        tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
+    }
     let shared = Arc::new(Shared {
         config: config.clone(),
         meta,
@@ -461,13 +538,22 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
         next_id: AtomicU64::new(1),
         shutting_down: AtomicBool::new(false),
         stats: (0..cores).map(|_| Stats::default()).collect(),
+        alarms: alarms.clone(),
     });
+    {
+        let inboxes = shared.inboxes.clone();
+        crate::broker::alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| {
+            for inbox in &inboxes {
+                let _ = inbox.send(CoreMsg::DiskAlarm(raised));
+            }
+        })?;
+    }
     crate::observe::serve_metrics(config.metrics_listen, shared.clone());
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut handles = Vec::new();
     for (i, rx) in receivers.into_iter().enumerate() {
         let shared = shared.clone();
-        let accepted = listen(i, config.listen)?;
+        let accepted = listen(i, config.listen, shared.alarms.clone())?;
         let placement = if (cores as usize) <= cpus { Placement::Fixed(i) } else { Placement::Unbound };
         let name = format!("ringmq-core-{i}");
         let h = std::thread::Builder::new().name(name.clone()).stack_size(CORE_STACK_BYTES).spawn(move || {

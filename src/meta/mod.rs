@@ -92,6 +92,16 @@ pub enum MetaError {
     /// The driver stopped after a fatal error (the message says which); the broker should exit.
     #[error("metadata group failed: {0}")]
     Failed(String),
+    /// The metadata log cannot get the disk blocks this proposal needs (the filesystem is
+    /// full): nothing was proposed, the group goes on, and the same call may succeed once
+    /// space is back.
+    #[error("metadata log {}: no disk space for {bytes} more bytes", path.display())]
+    DiskFull {
+        /// The log file.
+        path: PathBuf,
+        /// Bytes the proposal needed.
+        bytes: u64,
+    },
     /// This node is not the leader, so it cannot propose (multi-voter groups only).
     #[error("not the metadata leader (leader: {leader:?})")]
     NotLeader {

@@ -374,6 +374,8 @@ struct Driver {
     /// Waiters per proposed entry, by batch sequence.
     in_flight: HashMap<u64, Vec<Waiter>>,
     last_tick: Instant,
+    /// No compaction before this instant (set after a failed one).
+    compact_after: Option<Instant>,
     shutdown_done: Vec<flume::Sender<()>>,
 }
 
@@ -440,6 +442,7 @@ impl Driver {
             next_seq: 1,
             in_flight: HashMap::new(),
             last_tick: Instant::now(),
+            compact_after: None,
             shutdown_done: Vec::new(),
         })
     }
@@ -531,9 +534,17 @@ impl Driver {
             }
             self.propose_entries(batch);
             self.on_ready()?;
-            if self.raw.store().wants_compaction() {
+            if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| Instant::now() >= t) {
                 let state = self.shared.state.lock().clone();
-                self.raw.mut_store().compact(&state)?;
+                // A failed compaction (no disk space for the snapshot or the new log) leaves
+                // the old log in use, consistent with memory: retried later, not fatal.
+                match self.raw.mut_store().compact(&state) {
+                    Ok(()) => self.compact_after = None,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
+                        self.compact_after = Some(Instant::now() + Duration::from_secs(10));
+                    }
+                }
             }
             if stopping {
                 // Requests sent before `stopped` was visible are still served.
@@ -606,6 +617,18 @@ impl Driver {
             ctx.extend_from_slice(&seq.to_le_bytes());
             let mut data = Vec::with_capacity(entry.bytes_estimate + 8);
             encode_batch(entry.cmds.len(), &entry.cmds, &mut data);
+            // The entry's record (and its HardState) must find disk blocks: on a full disk the
+            // proposal is refused here, before raft-rs takes it.
+            if let Err(e) = self.raw.mut_store().reserve_log(data.len() as u64 + ctx.len() as u64 + 128) {
+                tracing::warn!(error = %e, "metadata proposal refused: disk full");
+                for w in entry.waiters {
+                    let _ = w.reply.send(Err(match &e {
+                        MetaError::DiskFull { path, bytes } => MetaError::DiskFull { path: path.clone(), bytes: *bytes },
+                        other => MetaError::Raft(other.to_string()),
+                    }));
+                }
+                continue;
+            }
             match self.raw.propose(ctx, data) {
                 Ok(()) => {
                     self.in_flight.insert(seq, entry.waiters);

@@ -68,6 +68,11 @@ const KIND_CONF_STATE: u8 = 3;
 pub const COMPACT_ENTRIES: u64 = 10_000;
 /// ...or the log file is larger than this (bytes).
 pub const COMPACT_BYTES: u64 = 16 << 20;
+/// Bytes of `meta.log` preallocated ahead of its writes (1 MiB).
+pub const LOG_PREALLOC_BYTES: u64 = 1 << 20;
+/// Bytes of preallocated log kept for raft-rs's own records when a proposal is checked
+/// against the disk (64 KiB: hundreds of HardState records and leader no-ops).
+pub const LOG_RESERVE_BYTES: u64 = 64 << 10;
 
 /// The JSON body of `meta.snap`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -125,6 +130,9 @@ pub struct DiskStorage {
     log: File,
     /// Bytes in `meta.log` (the next record's offset).
     log_len: u64,
+    /// Bytes of `meta.log` known to have disk blocks (written, or preallocated with
+    /// fallocate KEEP_SIZE): writes below it cannot fail for lack of space.
+    log_room: u64,
     hard_state: HardState,
     conf_state: ConfState,
     /// HardState changed in memory but not yet in the log (a commit-index move).
@@ -181,6 +189,7 @@ impl DiskStorage {
             dir: dir.to_owned(),
             log: File::open(dir).map_err(io_err("open directory", dir))?, // replaced below
             log_len: 0,
+            log_room: 0,
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             hs_dirty: false,
@@ -234,6 +243,7 @@ impl DiskStorage {
             }
             st.log = log;
             st.log_len = good_len;
+            st.log_room = good_len;
             if good_len < LOG_MAGIC.len() as u64 {
                 // Torn before the magic was complete: start the file over.
                 st.rewrite_log()?;
@@ -439,6 +449,8 @@ impl DiskStorage {
     fn write_and_sync(&mut self, buf: &[u8], sync: bool) -> Result<(), MetaError> {
         let path = self.dir.join(LOG_FILE);
         if !buf.is_empty() {
+            // Raft's own records come out of the reserve; when even that is short, try.
+            let _ = self.reserve_log(buf.len() as u64);
             self.log
                 .write_all_at(buf, self.log_len)
                 .map_err(io_err("write log", &path))?;
@@ -553,7 +565,39 @@ impl DiskStorage {
             .open(&path)
             .map_err(io_err("open log", &path))?;
         self.log_len = out.len() as u64;
+        self.log_room = self.log_len;
         self.hs_dirty = false;
+        Ok(())
+    }
+
+    /// Makes sure `bytes` more can be written to the log, with [`LOG_RESERVE_BYTES`] left
+    /// over for raft-rs's own records (HardState, leader no-ops): preallocates the log
+    /// (fallocate KEEP_SIZE) [`LOG_PREALLOC_BYTES`] ahead, or only what is asked when the
+    /// disk has less. The driver calls it before proposing, so a full disk refuses a
+    /// proposal ([`MetaError::DiskFull`]) instead of failing a write raft-rs has already
+    /// taken (which stops the group).
+    ///
+    /// Errors: [`MetaError::DiskFull`] when the blocks cannot be had.
+    pub fn reserve_log(&mut self, bytes: u64) -> Result<(), MetaError> {
+        let need = self.log_len + bytes + LOG_RESERVE_BYTES;
+        if need <= self.log_room {
+            return Ok(());
+        }
+        use std::os::fd::AsRawFd;
+        let fd = self.log.as_raw_fd();
+        let alloc = |to: u64| {
+            // SAFETY: fallocate on a descriptor we own.
+            let rc = unsafe { libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, 0, to as libc::off_t) };
+            rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
+        };
+        let ahead = need + LOG_PREALLOC_BYTES;
+        if alloc(ahead) {
+            self.log_room = ahead;
+        } else if alloc(need) {
+            self.log_room = need;
+        } else {
+            return Err(MetaError::DiskFull { path: self.dir.join(LOG_FILE), bytes });
+        }
         Ok(())
     }
 

@@ -100,6 +100,10 @@ pub struct Stats {
     pub confirmed: AtomicU64,
     /// Unroutable mandatory messages returned.
     pub returned: AtomicU64,
+    /// Publishes a queue could not store (disk full, store failed): nacked.
+    pub store_refused: AtomicU64,
+    /// Queues whose store failed and were reopened from disk.
+    pub store_reopens: AtomicU64,
 }
 
 impl Stats {
@@ -111,6 +115,10 @@ impl Stats {
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {
     out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
 }
 
 /// Renders every core's counters and histograms (summed) and the metadata group's figures.
@@ -127,6 +135,23 @@ pub fn render(shared: &Shared) -> String {
     counter(o, "ringmq_messages_confirmed_total", "Publisher confirms sent.", sum(|s| &s.confirmed));
     counter(o, "ringmq_messages_returned_total", "Unroutable mandatory messages returned.", sum(|s| &s.returned));
     counter(o, "ringmq_queue_syncs_total", "Group commits (fdatasync) of queue shards and unacked indexes.", sum(|s| &s.queue_syncs));
+    counter(o, "ringmq_messages_store_refused_total", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused));
+    counter(o, "ringmq_queue_store_reopens_total", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens));
+    // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
+    let a = &shared.alarms;
+    let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+    counter(o, "ringmq_connections_refused_total", "Connections closed at accept: file descriptors low.", load(&a.connections_refused));
+    gauge(o, "rabbitmq_process_open_fds", "Open file descriptors.", load(&a.open_fds));
+    gauge(o, "rabbitmq_process_max_fds", "Open file descriptors limit.", load(&a.max_fds));
+    gauge(o, "rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", load(&a.disk_free_bytes));
+    gauge(o, "rabbitmq_disk_space_available_limit_bytes", "Free disk space low watermark in bytes.", a.disk_free_limit);
+    gauge(o, "rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm() as u64);
+    gauge(
+        o,
+        "rabbitmq_alarms_file_descriptor_limit",
+        "is 1 if file descriptor limit alarm is in effect",
+        a.fd_alarm.load(Ordering::Relaxed) as u64,
+    );
     let name = "ringmq_stage_latency_seconds";
     o.push_str(&format!(
         "# HELP {name} Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.\n# TYPE {name} histogram\n"

@@ -19,8 +19,13 @@ use super::error::AmqpError;
 use crate::meta::MetaError;
 
 /// Maps a metadata failure to 541 INTERNAL_ERROR (hard).
+/// 506 RESOURCE_ERROR when the metadata log has no disk space (the request may succeed
+/// later), else 541 INTERNAL_ERROR.
 pub fn meta_error(e: MetaError) -> AmqpError {
-    AmqpError::internal_error(format!("metadata store: {e}"))
+    match e {
+        MetaError::DiskFull { .. } => AmqpError::resource_error(format!("metadata store: {e}")),
+        e => AmqpError::internal_error(format!("metadata store: {e}")),
+    }
 }
 
 /// Whether two argument tables are equivalent for a redeclare (RabbitMQ compares the

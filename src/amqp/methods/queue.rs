@@ -101,6 +101,15 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             };
             validate_arguments(&def)?;
             let existing = s.core.router().topology.queue(&vhost, &name).cloned();
+            if existing.is_none() {
+                // Descriptors for the new queue's files (one per shard segment: its messages,
+                // and for a durable queue its unacked index), within the headroom.
+                if let Err((open, max)) = s.core.shared.alarms.reserve_fds(if d.durable { 2 } else { 1 }) {
+                    return Err(AmqpError::resource_error(format!(
+                        "cannot declare queue '{name}' in vhost '{vhost}': file descriptor limit nearly reached ({open} of {max} open)"
+                    )));
+                }
+            }
             let (messages, consumers) = match existing {
                 Some(old) => {
                     let (q, _) = lookup(s, &name)?;
@@ -114,8 +123,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                         stats(s, &q).await?
                     }
                     _ => {
+                        // Open its store now: declare-ok means the queue can take messages.
+                        let q = s.core.router().queue_ref(&vhost, &name).expect("just declared");
+                        if let Err(e) = stats(s, &q).await {
+                            undeclare(s, &q, &def).await;
+                            return Err(e);
+                        }
                         if d.exclusive {
-                            let q = s.core.router().queue_ref(&vhost, &name).expect("just declared");
                             s.st.borrow_mut().exclusive_queues.push(q);
                         }
                         (0, 0)
@@ -172,6 +186,17 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }
+}
+
+/// Takes back a declare whose store could not be opened: the queue leaves the metadata and
+/// its directory goes, so the client's error is the whole story (no queue half there).
+async fn undeclare(s: &Session, q: &QueueRef, def: &QueueDef) {
+    let cmd = Command::DeleteQueue { vhost: q.key.vhost.to_string(), name: q.key.name.to_string() };
+    if let Err(e) = s.core.shared.meta.propose(cmd).await {
+        tracing::error!(queue = %q.key.name, error = %e, "taking back a failed declare failed");
+    }
+    let dir = s.core.shared.config.queue_dir(def);
+    let _ = glommio::executor().spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
 }
 
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {

@@ -40,6 +40,23 @@ use crate::meta::MetaHandle;
 use consumer::Consumers;
 use index::{now_ms, IndexRecord};
 
+thread_local! {
+    static INDEX_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    static REFUSAL_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// True at most once a second per `slot` and thread: for log lines a full disk would
+/// otherwise print once per message.
+fn once_a_second(slot: &'static std::thread::LocalKey<std::cell::Cell<Option<Instant>>>) -> bool {
+    slot.with(|c| {
+        let due = c.get().is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
+        if due {
+            c.set(Some(Instant::now()));
+        }
+        due
+    })
+}
+
 /// Default delivery acknowledgement timeout: 30 minutes (RabbitMQ's consumer_timeout), in ms.
 pub const DEFAULT_CONSUMER_TIMEOUT_MS: u64 = 30 * 60 * 1000;
 
@@ -53,6 +70,8 @@ pub trait QueueEnv: Mesh {
     fn meta(&self) -> &MetaHandle;
     /// This core's counters and latency histograms.
     fn stats(&self) -> &crate::observe::Stats;
+    /// A store reported a full disk (the disk alarm is checked at once).
+    fn disk_full(&self);
 }
 
 /// Who holds an outstanding delivery.
@@ -380,7 +399,13 @@ impl Queue {
                 self.wake();
             }
             Err(e) => {
-                tracing::error!(queue = %self.qref.key.name, error = %e, "append failed");
+                if e.is_disk_full() {
+                    self.env.disk_full();
+                }
+                if once_a_second(&REFUSAL_LOGGED) {
+                    tracing::warn!(queue = %self.qref.key.name, error = %e, "publish not stored (nacked)");
+                }
+                crate::observe::Stats::add(&self.env.stats().store_refused, 1);
                 if let Some(c) = confirm {
                     let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
                 }
@@ -457,6 +482,34 @@ impl Queue {
         }
         for (c, _) in self.pending_confirms.drain(..) {
             let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+        }
+        self.wake();
+        (self.shard.clone(), self.index.clone())
+    }
+
+    /// Why this queue's store stopped taking writes, if it did (a write or fdatasync of its
+    /// message shard or unacked index failed, e.g. EIO or a full disk that fallocate did
+    /// not see coming). Its publishes are nacked meanwhile; reads, deliveries and acks go
+    /// on. The core retires such a queue and reopens it from disk once the disk alarm is
+    /// clear ([`Queue::retire`]).
+    pub fn store_failure(&self) -> Option<String> {
+        self.shard.failure().or_else(|| self.index.as_ref().and_then(|i| i.failure()))
+    }
+
+    /// Takes a queue whose store failed out of service, to be reopened from disk: consumers
+    /// are cancelled (basic.cancel to clients that announced consumer_cancel_notify), waiting
+    /// confirms are nacked, tasks stop. What the store synced comes back at the reopen; the
+    /// deliveries outstanding now come back redelivered (rules 5 and 7). Returns the shards
+    /// for the caller to close.
+    pub fn retire(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
+        self.deleted = true;
+        for c in self.consumers.drain() {
+            if c.spec.cancel_notify {
+                let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
+            }
+        }
+        for (c, _) in self.pending_confirms.drain(..) {
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
         }
         self.wake();
         (self.shard.clone(), self.index.clone())
@@ -603,7 +656,10 @@ impl Queue {
         drop(cell);
         if let Some(index) = index {
             if let Err(e) = index.sync_appends().await {
-                crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
+                // The deliveries go out all the same (the messages themselves are stored):
+                // after a crash they may come back without redelivered=true, a duplicate
+                // and never a loss. The queue reopens its store (see `Queue::store_failure`).
+                tracing::error!(error = %e, "unacked index sync failed; deliveries sent without a durable index record");
             }
         }
         let Some(cell) = weak.upgrade() else { return };
@@ -654,7 +710,15 @@ impl Queue {
                 Some(i)
             }
             Err(e) => {
-                tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index append failed");
+                // Delivered all the same (the message is stored): after a crash it may come
+                // back without redelivered=true, a duplicate and never a loss. A full disk
+                // makes this happen for every delivery: logged at most once a second.
+                if e.is_disk_full() {
+                    self.env.disk_full();
+                }
+                if once_a_second(&INDEX_FAILURE_LOGGED) {
+                    tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index append failed; delivering without an index record");
+                }
                 None
             }
         }
@@ -836,8 +900,15 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
         let ok = match synced {
             Ok(_) => true,
             Err(e) => {
-                tracing::error!(error = %e, "sync failed");
-                crate::core::fatal::fatal(&format!("fdatasync of a queue shard failed: {e}"));
+                // Nothing of this batch is known durable: its publishes are nacked. The shard
+                // is read-only now (reads and acks go on); the core reopens the queue from
+                // disk once the disk alarm is clear (`Queue::store_failure`).
+                if e.is_disk_full() {
+                    env.disk_full();
+                }
+                tracing::error!(error = %e, confirms = batch.len(), "queue store sync failed; its publishes are nacked");
+                crate::observe::Stats::add(&env.stats().store_refused, batch.len() as u64);
+                false
             }
         };
         // The messages' deletions are durable now: their index records may go.
@@ -891,7 +962,14 @@ async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
         crate::observe::Stats::add(&env.stats().queue_syncs, 2);
         let synced = match (shard.sync().await, index.sync().await) {
             (Ok(_), Ok(s)) => s,
-            (Err(e), _) | (_, Err(e)) => crate::core::fatal::fatal(&format!("fdatasync before a cursor commit failed: {e}")),
+            (Err(e), _) | (_, Err(e)) => {
+                // The cursor stays where it is (a recovery aid: the index covers the rest).
+                tracing::error!(queue = %key.name, error = %e, "sync before a cursor commit failed; cursor not moved");
+                if let Some(cell) = weak.upgrade() {
+                    cell.borrow_mut().cursor.committing = false;
+                }
+                return;
+            }
         };
         let outcome = env.meta().propose(cursor_cas(&key, expected, target, &synced)).await;
         let Some(cell) = weak.upgrade() else { return };
@@ -982,7 +1060,8 @@ fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: super::Reply<Result<Op
         Some(index) => {
             glommio::spawn_local(async move {
                 if let Err(e) = index.sync_appends().await {
-                    crate::core::fatal::fatal(&format!("fdatasync of an unacked index failed: {e}"));
+                    // As in `Queue::flush_unsynced`: answered all the same.
+                    tracing::error!(error = %e, "unacked index sync failed; basic.get answered without a durable index record");
                 }
                 let _ = reply.send(Ok(Some(r)));
             })
