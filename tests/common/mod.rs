@@ -533,3 +533,229 @@ pub async fn assert_no_delivery(c: &mut lapin::Consumer, quiet: Duration, what: 
         panic!("{what}: unexpected delivery {:?} tag {}", String::from_utf8_lossy(&d.data), d.delivery_tag);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Added for tests/resources.rs (issue 9): a broker on a caller-chosen data dir, optionally run
+// under a command prefix, restartable with another prefix or other flags.
+// ---------------------------------------------------------------------------------------------
+
+/// A ringmq child process on a data dir the caller chooses (e.g. on a loop-mounted filesystem),
+/// optionally started under a command prefix such as `prlimit --nofile=256:256 --` (prlimit
+/// execs the broker, so the child's PID is the broker's). The prefix and the extra flags may be
+/// changed between stops and starts; port, metrics port and data dir stay. The broker is killed
+/// by its PID on drop. Its log goes to a file in the temp dir (never the data dir, which may be
+/// on a full filesystem) and is printed when the owning test panics. Never an external broker.
+pub struct OwnBroker {
+    addr: SocketAddr,
+    metrics_port: u16,
+    data_dir: PathBuf,
+    prefix: Vec<String>,
+    args: Vec<String>,
+    child: Option<Child>,
+    log_path: PathBuf,
+}
+
+impl OwnBroker {
+    /// Start ringmq on `data_dir` (created if missing) under `prefix` (empty: none) with the
+    /// harness flags plus `args`; waits (bounded) until it accepts.
+    pub fn start_in(data_dir: &std::path::Path, prefix: &[&str], args: &[&str]) -> OwnBroker {
+        std::fs::create_dir_all(data_dir).unwrap_or_else(|e| panic!("create {}: {e}", data_dir.display()));
+        let log_path = std::env::temp_dir().join(format!("{}.stderr.log", uniq("own-broker")));
+        let mut b = OwnBroker {
+            addr: SocketAddr::from(([127, 0, 0, 1], free_port())),
+            metrics_port: free_port(),
+            data_dir: data_dir.to_path_buf(),
+            prefix: prefix.iter().map(|s| s.to_string()).collect(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            child: None,
+            log_path,
+        };
+        b.start();
+        b
+    }
+
+    pub fn host(&self) -> String {
+        self.addr.ip().to_string()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn metrics_port(&self) -> u16 {
+        self.metrics_port
+    }
+
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// The running child's PID (None when stopped).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Command prefix for the next [`OwnBroker::start`] (empty: run the broker directly).
+    pub fn set_prefix(&mut self, prefix: &[&str]) {
+        self.prefix = prefix.iter().map(|s| s.to_string()).collect();
+    }
+
+    /// Extra flags for the next [`OwnBroker::start`] (replacing the previous ones).
+    pub fn set_args(&mut self, args: &[&str]) {
+        self.args = args.iter().map(|s| s.to_string()).collect();
+    }
+
+    /// The broker's captured stdout/stderr so far (every start appends).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Panics (with the log) unless the broker process is still running.
+    #[track_caller]
+    pub fn assert_running(&mut self, when: &str) {
+        let child = self.child.as_mut().unwrap_or_else(|| panic!("{when}: broker not started"));
+        if let Ok(Some(status)) = child.try_wait() {
+            self.child = None;
+            panic!("{when}: ringmq is no longer running ({status}); log:\n{}", self.log());
+        }
+    }
+
+    /// Start (after [`OwnBroker::stop`] or [`OwnBroker::kill9`]) on the same ports and data dir
+    /// with the current prefix and flags. A start that dies at once (the port briefly not
+    /// bindable after the previous process) is retried a few times; bounded.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "start(): the broker is already running");
+        for attempt in 0..20 {
+            match self.spawn_and_wait() {
+                Ok(()) => return,
+                Err(e) if attempt == 19 => panic!("{e}; log:\n{}", self.log()),
+                Err(_) => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+    }
+
+    fn spawn_and_wait(&mut self) -> Result<(), String> {
+        let log = File::options().create(true).append(true).open(&self.log_path).expect("broker log file");
+        let out = log.try_clone().unwrap();
+        let mut cmd = match self.prefix.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(broker_binary());
+                c
+            }
+            None => Command::new(broker_binary()),
+        };
+        cmd.arg("--listen")
+            .arg(self.addr.to_string())
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--metrics-listen")
+            .arg(format!("127.0.0.1:{}", self.metrics_port))
+            .arg("--cores")
+            .arg("2")
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(log);
+        let mut child = cmd.spawn().map_err(|e| format!("spawn ringmq ({:?}): {e}", self.prefix))?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if accepts(self.addr) {
+                self.child = Some(child);
+                return Ok(());
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!("ringmq exited during start-up ({status})"));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("ringmq did not accept on {} within {START_TIMEOUT:?}", self.addr));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Graceful stop: SIGTERM to the PID, wait (bounded by [`STOP_TIMEOUT`]) for exit status 0.
+    pub fn stop(&mut self) {
+        let mut child = self.child.take().expect("stop(): broker not running");
+        let pid = child.id();
+        let st = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        assert!(st.map(|s| s.success()).unwrap_or(false), "kill -TERM {pid} failed");
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait ringmq") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("ringmq did not exit within {STOP_TIMEOUT:?} of SIGTERM; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "ringmq exited with {status} after SIGTERM; log:\n{}", self.log());
+    }
+
+    /// Crash stop: SIGKILL to the PID, reap.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("kill9(): broker not running");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// GET /metrics (plain HTTP over a TcpStream, bounded to 5 s); the whole response text.
+    pub fn metrics(&self) -> Result<String, String> {
+        http_get(self.metrics_port, "/metrics")
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Ok(Some(status)) = child.try_wait() {
+                eprintln!("ringmq ({}) had already exited: {status}", self.addr);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            // the last 200 lines: a broker at a resource limit may log an error per request
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let skip = lines.len().saturating_sub(200);
+            let note = if skip > 0 { format!("({skip} earlier lines left out)\n") } else { String::new() };
+            eprintln!("----- ringmq log ({}) -----\n{note}{}\n----- end of ringmq log -----", self.addr, lines[skip..].join("\n"));
+        }
+        let _ = std::fs::remove_file(&self.log_path);
+    }
+}
+
+/// `GET path` on 127.0.0.1:port with `Connection: close`; the response (headers and body), or
+/// why not. Connect, write and read are each bounded to 5 s.
+pub fn http_get(port: u16, path: &str) -> Result<String, String> {
+    use std::io::Write;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes())
+        .map_err(|e| format!("write request: {e}"))?;
+    let mut out = Vec::new();
+    let r = s.read_to_end(&mut out);
+    if out.is_empty() {
+        return Err(format!("no response from {addr}{path}: {r:?}"));
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// The value of an unlabelled Prometheus series (`name value`) in a metrics text, if present.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        if !rest.starts_with(' ') {
+            return None; // a longer name with this prefix, or a labelled series
+        }
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}

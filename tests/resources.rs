@@ -1,0 +1,591 @@
+//! Issue 9: resource exhaustion must never turn into a confirm for something not stored, nor
+//! into the death of the broker. Real clients (pika scripts in tests/clients/) do the AMQP work;
+//! these tests start, stop, kill and restart ringmq, set its descriptor limit, loop-mount a small
+//! ext4 filesystem for its data, fill that filesystem and read /metrics.
+//!
+//! - `fd_limit_never_confirms_what_is_not_stored`: ringmq under `prlimit --nofile=256:256`;
+//!   durable queues with one confirmed persistent message each until the broker refuses
+//!   (506 RESOURCE_ERROR on queue.declare, basic.nack, or a refused connection); every refusal is
+//!   visible, a refused queue does not exist, /metrics shows the limit; after a restart without
+//!   the limit every confirmed message is in its queue exactly once.
+//! - `fd_soft_limit_is_raised_to_the_hard_limit`: under `prlimit --nofile=256:4096` /metrics shows
+//!   4096 descriptors available (the broker raised its soft limit).
+//! - `full_disk_alarm_blocks_publishers_and_nothing_confirmed_is_lost`: data on a 64 MiB ext4,
+//!   `--disk-free-limit 16000000`; publish until connection.blocked, the alarm in /metrics, a
+//!   consumer drains half during the alarm, connection.unblocked, more publishes confirmed,
+//!   kill -9, restart, every confirmed message delivered.
+//! - `starts_on_a_full_disk_and_drains`: a completely full filesystem: the broker starts,
+//!   consumers drain every confirmed message, publishes are nacked (never acked beyond what
+//!   fits), the broker stays up, and once space is freed a publish is confirmed.
+//!
+//! The disk tests need root, `mkfs.ext4` (e2fsprogs) and `mount -o loop` (util-linux mount, a
+//! loop device): without them they print "SKIPPED: ..." and pass, except in CI (env CI set) as
+//! root with mkfs.ext4 present, where a failing loop mount fails the test. The fd tests need
+//! `prlimit` (util-linux). Against an external broker (RINGMQ_TEST_BROKER) all are skipped.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::python::{clients_dir, python, run_bounded};
+use common::*;
+
+const MIB: u64 = 1 << 20;
+/// The disk tests' filesystem and flags.
+const IMAGE_MIB: u64 = 64;
+const SEGMENT_BYTES: &str = "1048576";
+const DISK_FREE_LIMIT: u64 = 16_000_000;
+
+fn external() -> bool {
+    std::env::var_os("RINGMQ_TEST_BROKER").is_some()
+}
+
+fn skip_external(test: &str) -> bool {
+    if external() {
+        eprintln!("SKIPPED: {test}: needs a ringmq the test starts itself (RINGMQ_TEST_BROKER is set)");
+        return true;
+    }
+    false
+}
+
+// ----- running the pika scripts -----
+
+/// Run tests/clients/SCRIPT HOST PORT args…, killed after `limit`; assert it exited 0 and
+/// printed a PASS line; return its output.
+/// When it fails and the broker is gone, the failure names the broker's exit status instead.
+fn run_script(script: &str, b: &mut OwnBroker, args: &[&str], limit: Duration) -> String {
+    let (ok, out) = try_script(script, b, args, limit);
+    if !ok {
+        b.assert_running(&format!("{script} {args:?} failed:\n{out}\nand"));
+    }
+    assert!(ok, "{script} {args:?} failed:\n{out}");
+    out
+}
+
+/// Like [`run_script`], without the assertion: (exited 0 with a PASS line, output).
+fn try_script(script: &str, b: &OwnBroker, args: &[&str], limit: Duration) -> (bool, String) {
+    let py = python();
+    let path = clients_dir().join(script);
+    let port = b.port().to_string();
+    let host = b.host();
+    let mut all = vec![path.to_str().unwrap(), host.as_str(), port.as_str()];
+    all.extend_from_slice(args);
+    let started = Instant::now();
+    let (ok, out) = run_bounded(&py, &all, limit);
+    println!("{script} {args:?} ({:.1} s):\n{out}", started.elapsed().as_secs_f64());
+    (ok && out.lines().any(|l| l.starts_with("PASS ")), out)
+}
+
+/// A pika script the test talks to while it runs: its stdout and stderr lines arrive on a
+/// channel (read by two threads), lines can be written to its stdin. Killed by its PID on drop.
+struct Script {
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    transcript: Vec<String>,
+}
+
+impl Script {
+    fn spawn(script: &str, b: &OwnBroker, args: &[&str]) -> Script {
+        let py = python();
+        let mut child = Command::new(&py)
+            .arg("-u")
+            .arg(clients_dir().join(script))
+            .arg(b.host())
+            .arg(b.port().to_string())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {py} {script}: {e}"));
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(l) = line else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines() {
+                let Ok(l) = line else { break };
+                if tx2.send(format!("stderr: {l}")).is_err() {
+                    break;
+                }
+            }
+        });
+        Script { name: script.to_string(), stdin: child.stdin.take(), child, lines: rx, transcript: Vec::new() }
+    }
+
+    fn output(&self) -> String {
+        self.transcript.join("\n")
+    }
+
+    fn take_line(&mut self, line: String) {
+        println!("  {}| {line}", self.name);
+        self.transcript.push(line);
+    }
+
+    /// Wait (bounded) for a line starting with `prefix`; a FAIL line, the script's end or the
+    /// deadline fails the test.
+    fn expect(&mut self, prefix: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.take_line(line.clone());
+                    if line.starts_with(prefix) {
+                        return line;
+                    }
+                    if line.starts_with("FAIL") {
+                        self.drain_lines(Duration::from_secs(2));
+                        panic!("{} failed while the test waited for {prefix:?}:\n{}", self.name, self.output());
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("{}: no line starting with {prefix:?} within {limit:?}; output:\n{}", self.name, self.output())
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("{}: ended before printing {prefix:?}; output:\n{}", self.name, self.output())
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("script stdin");
+        writeln!(stdin, "{line}").and_then(|_| stdin.flush()).unwrap_or_else(|e| panic!("write to {}: {e}", self.name));
+    }
+
+    /// Collect what is left of the output (until both pipes close, bounded).
+    fn drain_lines(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.take_line(line),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Wait (bounded) for the script to exit; assert exit 0 and a PASS line; its output.
+    fn finish(mut self, limit: Duration) -> String {
+        self.stdin = None;
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("wait script") {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            // keep the transcript current (and printed) while waiting
+            if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(50)) {
+                self.take_line(line);
+            }
+        };
+        self.drain_lines(Duration::from_secs(3));
+        let out = self.output();
+        match status {
+            None => panic!("{} did not finish within {limit:?}; output:\n{out}", self.name),
+            Some(s) => assert!(
+                s.success() && self.transcript.iter().any(|l| l.starts_with("PASS ")),
+                "{} failed ({s}):\n{out}",
+                self.name
+            ),
+        }
+        out
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ----- metrics -----
+
+fn scrape(b: &OwnBroker) -> String {
+    b.metrics().unwrap_or_else(|e| panic!("GET /metrics: {e}; log:\n{}", b.log()))
+}
+
+#[track_caller]
+fn series(text: &str, name: &str) -> f64 {
+    metric_value(text, name).unwrap_or_else(|| {
+        panic!("no series {name} in /metrics ({} lines); its rabbitmq_* series:\n{}", text.lines().count(), resource_lines(text))
+    })
+}
+
+/// The resource series of a metrics text, for the test's output.
+fn resource_lines(text: &str) -> String {
+    text.lines()
+        .filter(|l| l.starts_with("rabbitmq_"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// ----- file descriptors -----
+
+#[test]
+fn fd_limit_never_confirms_what_is_not_stored() {
+    if skip_external("fd_limit_never_confirms_what_is_not_stored") {
+        return;
+    }
+    let work = tempfile::Builder::new().prefix("ringmq-fd-").tempdir().expect("temp dir");
+    let mut b = OwnBroker::start_in(&work.path().join("data"), &["prlimit", "--nofile=256:256", "--"], &[]);
+    let m = scrape(&b);
+    println!("metrics under prlimit 256:256:\n{}", resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_process_max_fds"), 256.0, "max fds under prlimit --nofile=256:256");
+    let open = series(&m, "rabbitmq_process_open_fds");
+    assert!(open > 0.0 && open < 256.0, "rabbitmq_process_open_fds {open} at start (limit 256)");
+    assert_eq!(series(&m, "rabbitmq_alarms_file_descriptor_limit"), 0.0, "fd alarm at start");
+
+    let prefix = uniq("fd");
+    let json_path = work.path().join("fd.json");
+    let json = json_path.to_str().unwrap();
+    let (declared_ok, declare_out) = try_script("fd_limit.py", &b, &["declare", &prefix, json], Duration::from_secs(85));
+    b.assert_running("after declaring queues up to the descriptor limit");
+    match b.metrics() {
+        Ok(m) => {
+            println!("metrics after the declares:\n{}", resource_lines(&m));
+            if let Some(max) = metric_value(&m, "rabbitmq_process_max_fds") {
+                assert_eq!(max, 256.0, "max fds after the declares");
+            }
+            if let Some(open) = metric_value(&m, "rabbitmq_process_open_fds") {
+                assert!(open <= 256.0, "rabbitmq_process_open_fds {open} above the limit");
+            }
+        }
+        // the broker may refuse connections while descriptors are nearly exhausted
+        Err(e) => println!("/metrics not reachable after the declares ({e})"),
+    }
+
+    // Restart without the limit: every confirmed message is there, exactly once. (Run also
+    // when the declare phase failed after writing its results, to show what was lost.)
+    b.stop();
+    b.set_prefix(&[]);
+    b.start();
+    println!("metrics after the restart without prlimit:\n{}", resource_lines(&scrape(&b)));
+    let check = json_path.exists().then(|| try_script("fd_limit.py", &b, &["check", &prefix, json], Duration::from_secs(45)));
+    b.assert_running("at the end");
+    let (check_ok, check_out) = check.unwrap_or_else(|| (false, "(not run: the declare phase wrote no results)".to_string()));
+    assert!(declared_ok, "declare phase failed:\n{declare_out}\ncheck phase after the restart:\n{check_out}");
+    assert!(check_ok, "check phase after the restart failed:\n{check_out}");
+}
+
+#[test]
+fn fd_soft_limit_is_raised_to_the_hard_limit() {
+    if skip_external("fd_soft_limit_is_raised_to_the_hard_limit") {
+        return;
+    }
+    let work = tempfile::Builder::new().prefix("ringmq-fd-").tempdir().expect("temp dir");
+    let b = OwnBroker::start_in(&work.path().join("data"), &["prlimit", "--nofile=256:4096", "--"], &[]);
+    let m = scrape(&b);
+    println!("metrics under prlimit 256:4096:\n{}", resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_process_max_fds"), 4096.0, "soft limit 256, hard 4096: the broker raises soft to hard");
+    let open = series(&m, "rabbitmq_process_open_fds");
+    assert!(open > 0.0 && open < 256.0, "rabbitmq_process_open_fds {open} at start");
+}
+
+// ----- a small loop-mounted filesystem -----
+
+/// The disk tests run one at a time (each loop-mounts, fills and drains a filesystem).
+static DISK_TESTS: Mutex<()> = Mutex::new(());
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// `name` on PATH or in /sbin, /usr/sbin (not always on a user's PATH).
+fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Run a command, bounded by `limit`; Err with its output when it fails.
+fn run_cmd(program: impl AsRef<OsStr>, args: &[&OsStr], limit: Duration) -> Result<(), String> {
+    let program = program.as_ref();
+    let what = format!("{} {}", program.to_string_lossy(), args.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
+    let log = tempfile::tempfile().map_err(|e| format!("{what}: temp file: {e}"))?;
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log.try_clone().unwrap())
+        .spawn()
+        .map_err(|e| format!("{what}: {e}"))?;
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| format!("{what}: {e}"))? {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{what}: killed after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let mut text = String::new();
+    let mut log = log;
+    use std::io::{Read, Seek};
+    let _ = log.seek(std::io::SeekFrom::Start(0));
+    let _ = log.read_to_string(&mut text);
+    Err(format!("{what}: {status}: {}", text.trim()))
+}
+
+/// A sparse image file with an ext4 filesystem, loop-mounted on a temp dir; unmounted on drop
+/// (the broker using it must be stopped first: declare the broker after the mount, so that it
+/// is dropped before it), then the image and its directory are removed.
+struct LoopMount {
+    _dir: tempfile::TempDir,
+    mnt: PathBuf,
+    mounted: bool,
+}
+
+impl LoopMount {
+    fn new(mkfs: &Path, size_mib: u64) -> Result<LoopMount, String> {
+        let dir = tempfile::Builder::new().prefix("ringmq-disk-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
+        let image = dir.path().join("fs.img");
+        File::create(&image)
+            .and_then(|f| f.set_len(size_mib * MIB))
+            .map_err(|e| format!("create {}: {e}", image.display()))?;
+        // -m 0: no blocks reserved for root (the broker runs as root here): "free" and
+        // "available" are then the same figure, and "full" means full for the broker too.
+        run_cmd(mkfs, &["-q".as_ref(), "-F".as_ref(), "-m".as_ref(), "0".as_ref(), image.as_os_str()], Duration::from_secs(30))?;
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).map_err(|e| format!("create {}: {e}", mnt.display()))?;
+        run_cmd("mount", &["-o".as_ref(), "loop".as_ref(), image.as_os_str(), mnt.as_os_str()], Duration::from_secs(30))?;
+        Ok(LoopMount { _dir: dir, mnt, mounted: true })
+    }
+
+    fn path(&self) -> &Path {
+        &self.mnt
+    }
+}
+
+impl Drop for LoopMount {
+    fn drop(&mut self) {
+        if !self.mounted {
+            return;
+        }
+        for _ in 0..10 {
+            match run_cmd("umount", &[self.mnt.as_os_str()], Duration::from_secs(20)) {
+                Ok(()) => return,
+                Err(e) => {
+                    eprintln!("umount {}: {e}; retrying", self.mnt.display());
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            }
+        }
+        if let Err(e) = run_cmd("umount", &["-l".as_ref(), self.mnt.as_os_str()], Duration::from_secs(20)) {
+            eprintln!("umount -l {}: {e}", self.mnt.display());
+        }
+    }
+}
+
+/// A loop-mounted 64 MiB ext4 filesystem, or None (with a printed SKIPPED note) where this
+/// machine cannot make one. In CI, as root with mkfs.ext4 present, a failure fails the test.
+fn loop_disk(test: &str) -> Option<LoopMount> {
+    if skip_external(test) {
+        return None;
+    }
+    if !is_root() {
+        eprintln!("SKIPPED: {test}: needs root to loop-mount an ext4 image");
+        return None;
+    }
+    let Some(mkfs) = find_program("mkfs.ext4") else {
+        eprintln!("SKIPPED: {test}: mkfs.ext4 not found (package e2fsprogs)");
+        return None;
+    };
+    match LoopMount::new(&mkfs, IMAGE_MIB) {
+        Ok(m) => Some(m),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("{test}: CI runs as root with mkfs.ext4, yet the ext4 loop mount failed: {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED: {test}: cannot loop-mount an ext4 image: {e}");
+            None
+        }
+    }
+}
+
+/// (available, free) bytes of the filesystem holding `p` (statvfs f_bavail, f_bfree).
+fn fs_space(p: &Path) -> (u64, u64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is a valid C string.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut s) };
+    assert_eq!(r, 0, "statvfs {}: {}", p.display(), std::io::Error::last_os_error());
+    (s.f_bavail as u64 * s.f_frsize as u64, s.f_bfree as u64 * s.f_frsize as u64)
+}
+
+/// Fill the filesystem of `dir` completely: one file written in shrinking chunks (1 MiB down to
+/// 1 byte) until each size fails, then small files of one byte each (a block apiece) until that
+/// fails too. Returns the bytes written; asserts that less than 64 KiB stays available.
+fn fill_fs(dir: &Path, name: &str) -> u64 {
+    let mut written = 0u64;
+    let started = Instant::now();
+    if let Ok(mut f) = File::create(dir.join(name)) {
+        for chunk in [MIB as usize, 64 << 10, 4096, 1024, 512, 1] {
+            let buf = vec![0u8; chunk];
+            loop {
+                match f.write(&buf) {
+                    Ok(n) if n > 0 => written += n as u64,
+                    _ => break,
+                }
+            }
+            let _ = f.sync_all();
+        }
+    }
+    for i in 0..4096 {
+        let ok = File::create(dir.join(format!("{name}.{i}")))
+            .and_then(|mut g| g.write_all(b"x").and_then(|_| g.sync_all()))
+            .is_ok();
+        if !ok {
+            break;
+        }
+        written += 1;
+    }
+    let (avail, free) = fs_space(dir);
+    println!(
+        "filled {}: wrote {written} bytes in {:.1} s; statvfs: available {avail} bytes, free {free} bytes",
+        dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(avail < 64 << 10, "could not fill {}: {avail} bytes still available", dir.display());
+    written
+}
+
+/// Remove every file in `dir` whose name starts with `prefix`.
+fn remove_fillers(dir: &Path, prefix: &str) {
+    for e in std::fs::read_dir(dir).expect("read mount dir").flatten() {
+        if e.file_name().to_string_lossy().starts_with(prefix) {
+            std::fs::remove_file(e.path()).unwrap_or_else(|err| panic!("remove {}: {err}", e.path().display()));
+        }
+    }
+}
+
+// ----- a full disk -----
+
+#[test]
+fn full_disk_alarm_blocks_publishers_and_nothing_confirmed_is_lost() {
+    let _serial = DISK_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let test = "full_disk_alarm_blocks_publishers_and_nothing_confirmed_is_lost";
+    let Some(disk) = loop_disk(test) else { return };
+    let work = tempfile::Builder::new().prefix("ringmq-disk-json-").tempdir().expect("temp dir");
+    let limit = DISK_FREE_LIMIT.to_string();
+    // declared after `disk`: dropped (killed) before it is unmounted
+    let mut b = OwnBroker::start_in(&disk.path().join("data"), &[], &["--segment-bytes", SEGMENT_BYTES, "--disk-free-limit", &limit]);
+    let m = scrape(&b);
+    println!("metrics at start:\n{}", resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_alarms_free_disk_space_watermark"), 0.0, "disk alarm at start");
+    assert_eq!(series(&m, "rabbitmq_disk_space_available_limit_bytes"), DISK_FREE_LIMIT as f64);
+    let avail = series(&m, "rabbitmq_disk_space_available_bytes");
+    assert!(avail > DISK_FREE_LIMIT as f64, "available {avail} at start, below the limit already");
+
+    let q = uniq("disk-alarm");
+    let json = work.path().join("fill.json");
+    let json = json.to_str().unwrap();
+    let started = Instant::now();
+    let mut s = Script::spawn("disk_full.py", &b, &["fill", &q, json]);
+    s.expect("BLOCKED", Duration::from_secs(70));
+    s.expect("LATE-BLOCKED", Duration::from_secs(10));
+    s.expect("WAITING", Duration::from_secs(5));
+    let m = scrape(&b);
+    println!("metrics while the publisher is blocked ({:.1} s):\n{}", started.elapsed().as_secs_f64(), resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_alarms_free_disk_space_watermark"), 1.0, "disk alarm while blocked");
+    assert_eq!(series(&m, "rabbitmq_disk_space_available_limit_bytes"), DISK_FREE_LIMIT as f64);
+    let avail = series(&m, "rabbitmq_disk_space_available_bytes");
+    assert!(avail < DISK_FREE_LIMIT as f64, "alarm raised, yet available {avail} ≥ limit {DISK_FREE_LIMIT}");
+    let (fs_avail, _) = fs_space(disk.path());
+    println!("statvfs while blocked: {fs_avail} bytes available");
+    s.send("go");
+    s.expect("DRAINED", Duration::from_secs(45));
+    s.expect("UNBLOCKED", Duration::from_secs(35));
+    s.finish(Duration::from_secs(40));
+    b.assert_running("after the alarm");
+    let m = scrape(&b);
+    println!("metrics after connection.unblocked ({:.1} s):\n{}", started.elapsed().as_secs_f64(), resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_alarms_free_disk_space_watermark"), 0.0, "disk alarm after draining half");
+
+    // Crash, restart on the same filesystem, drain: every confirmed message is delivered.
+    b.kill9();
+    b.start();
+    run_script("disk_full.py", &mut b, &["drain", &q, json], Duration::from_secs(60));
+    b.assert_running("after the drain");
+    println!("test took {:.1} s", started.elapsed().as_secs_f64());
+    drop(b);
+    drop(disk);
+}
+
+#[test]
+fn starts_on_a_full_disk_and_drains() {
+    let _serial = DISK_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let test = "starts_on_a_full_disk_and_drains";
+    let Some(disk) = loop_disk(test) else { return };
+    let work = tempfile::Builder::new().prefix("ringmq-disk-json-").tempdir().expect("temp dir");
+    let j = |name: &str| work.path().join(name).to_str().unwrap().to_string();
+    let (before, full, after) = (j("before.json"), j("full.json"), j("after.json"));
+    let started = Instant::now();
+    // --disk-free-limit 0: no alarm, so the broker meets the full disk itself.
+    let mut b = OwnBroker::start_in(&disk.path().join("data"), &[], &["--segment-bytes", SEGMENT_BYTES, "--disk-free-limit", "0"]);
+    let q = uniq("full-start");
+    run_script("disk_full.py", &mut b, &["publish", &q, "before", "300", &before], Duration::from_secs(40));
+    b.stop();
+
+    fill_fs(disk.path(), "filler");
+    b.start();
+    b.assert_running("started on a full filesystem");
+    let m = scrape(&b);
+    println!("metrics on the full disk:\n{}", resource_lines(&m));
+    assert_eq!(series(&m, "rabbitmq_alarms_free_disk_space_watermark"), 0.0, "disk alarm with --disk-free-limit 0");
+    run_script("disk_full.py", &mut b, &["drain", &q, &before], Duration::from_secs(40));
+    b.assert_running("after draining on a full filesystem");
+
+    // Take what the drain freed, then try to use the full disk: a declare is answered (ok or a
+    // visible error), publishes are nacked once nothing fits, the broker stays up.
+    fill_fs(disk.path(), "filler-again");
+    run_script("disk_full.py", &mut b, &["declare-full", &uniq("full-start-new")], Duration::from_secs(25));
+    b.assert_running("after a queue.declare on a full filesystem");
+    run_script("disk_full.py", &mut b, &["publish-full", &q, "full", "2000", &full], Duration::from_secs(65));
+    b.assert_running("after publishing on a full filesystem");
+
+    // Space back: a publish is confirmed; everything confirmed on the full disk is there.
+    remove_fillers(disk.path(), "filler");
+    let (avail, _) = fs_space(disk.path());
+    println!("fillers removed: {avail} bytes available");
+    run_script("disk_full.py", &mut b, &["publish-retry", &q, "after", &after], Duration::from_secs(30));
+    run_script("disk_full.py", &mut b, &["drain", &q, &full, &after], Duration::from_secs(40));
+    b.assert_running("at the end");
+    println!("test took {:.1} s", started.elapsed().as_secs_f64());
+    drop(b);
+    drop(disk);
+}
