@@ -120,8 +120,10 @@ impl StoreError {
     }
 
     /// True when a resource ran out (disk space, quota, file descriptors) rather than
-    /// something being broken: the operation may succeed once the resource is back, and the
-    /// shard is still usable (an `append` or an open that failed this way changed nothing).
+    /// something being broken: the operation may succeed once the resource is back. An
+    /// `append`, a delete or an open that failed this way changed nothing and the shard is
+    /// still usable; a `sync` that failed this way (a write or fdatasync) has turned the
+    /// shard read-only all the same (see `Shard::failure`).
     pub fn is_resource(&self) -> bool {
         self.is_disk_full() || self.is_out_of_files()
     }

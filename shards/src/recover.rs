@@ -371,7 +371,7 @@ async fn recover_segment(
     // nothing; an older version's sparse pages are allocated now. If that fails, appends
     // and deletes allocate what they touch themselves (crate::space).
     let want = if last { (count + 2).min(idx_cap) } else { count };
-    let reserved = match (side::reserve(&ip, true, 0, want), side::reserve(&dp, false, 0, want)) {
+    let reserved = match (side::reserve(&ip, true, 0, want, idx_cap), side::reserve(&dp, false, 0, want, idx_cap)) {
         (Ok(()), Ok(())) => want,
         (Err(e), _) | (_, Err(e)) => {
             tracing::warn!(segment = %sp.display(), error = %e, "side-file pages not allocated at open");

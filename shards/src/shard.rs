@@ -370,11 +370,11 @@ impl State {
         None
     }
 
-    /// Marks `o` deleted; true if it was live. A slot whose bitmap page is not known to
-    /// be allocated (a segment written by an older version, opened on a full disk) gets
-    /// it allocated first; if that fails the record stays live on disk (a duplicate
-    /// after a restart, never a SIGBUS) and this returns false.
-    fn delete_one(&mut self, dir: &Path, o: Offset, hint: &mut usize) -> bool {
+    /// Marks `o` deleted; `Ok(true)` if it was live. A slot whose bitmap page is not known
+    /// to be allocated (a segment written by an older version, opened on a full disk) gets
+    /// it allocated first; if that fails the record stays live (a duplicate after a
+    /// restart, never a SIGBUS) and the allocation's error is returned.
+    fn delete_one(&mut self, dir: &Path, o: Offset, hint: &mut usize) -> Result<bool, StoreError> {
         let si = match self.segs.get(*hint) {
             Some(s) if s.base <= o && o < s.end() => *hint,
             _ => match self.seg_index(o) {
@@ -382,27 +382,24 @@ impl State {
                     *hint = i;
                     i
                 }
-                None => return false,
+                None => return Ok(false),
             },
         };
         let s = &mut self.segs[si];
         let i = o - s.base;
         if i >= s.reserved {
             let p = format::seg_path(dir, s.base, FileKind::Del);
-            if let Err(e) = side::reserve(&p, false, s.reserved, s.count) {
-                tracing::warn!(path = %p.display(), offset = o, error = %e, "deletion bitmap page not allocated; delete kept in memory only");
-                return false;
-            }
+            side::reserve(&p, false, s.reserved, s.count, s.capacity).map_err(|e| StoreError::io("allocating bitmap pages", &p, e))?;
             s.reserved = s.reserved.max(s.count);
         }
         if !side::bit_set(&mut s.del, i) {
-            return false;
+            return Ok(false);
         }
         s.live -= 1;
         s.del_dirty = true;
         self.live -= 1;
         self.cache.remove(o);
-        true
+        Ok(true)
     }
 }
 
@@ -549,7 +546,7 @@ impl Inner {
             for (kind, idx, op) in [(FileKind::Idx, true, "allocating index pages"), (FileKind::Del, false, "allocating bitmap pages")] {
                 let p = self.seg_file_path(s.base, kind);
                 self.injected(FaultPoint::Allocate, op, &p)?;
-                side::reserve(&p, idx, s.reserved, to).map_err(|e| StoreError::io(op, &p, e))?;
+                side::reserve(&p, idx, s.reserved, to, s.capacity).map_err(|e| StoreError::io(op, &p, e))?;
             }
             s.reserved = to;
         }
@@ -1251,7 +1248,9 @@ impl Shard {
 
     fn drop_corrupt(&self, offset: Offset, path: PathBuf, reason: String) -> StoreError {
         tracing::error!(offset, path = %path.display(), %reason, "corrupt record dropped");
-        self.inner.st.borrow_mut().delete_one(&self.inner.dir, offset, &mut 0);
+        if let Err(e) = self.inner.st.borrow_mut().delete_one(&self.inner.dir, offset, &mut 0) {
+            tracing::warn!(offset, error = %e, "corrupt record not marked deleted");
+        }
         StoreError::Corrupt { offset, path, reason }
     }
 
@@ -1318,6 +1317,10 @@ impl Shard {
     /// Marks records deleted: any order, O(1) each (a bit flip in the segment's
     /// mapped bitmap), idempotent; unknown offsets are ignored. Durable by the
     /// next [`Shard::sync`]; a fully deleted segment is removed by a later sync.
+    ///
+    /// Errors: [`StoreError::Closed`]; [`StoreError::DiskFull`] when a bitmap page of a
+    /// segment opened without its pages allocated (an older version's sparse file, on a
+    /// full disk) cannot be allocated: those records stay live, the others are deleted.
     pub fn delete_by_offsets(&self, offsets: &[Offset]) -> Result<(), StoreError> {
         let mut st = self.inner.st.borrow_mut();
         if st.closed {
@@ -1325,13 +1328,17 @@ impl Shard {
         }
         let mut hint = st.segs.len().saturating_sub(1);
         let mut any = false;
+        let mut failed = None;
         for &o in offsets {
-            any |= st.delete_one(&self.inner.dir, o, &mut hint);
+            match st.delete_one(&self.inner.dir, o, &mut hint) {
+                Ok(live) => any |= live,
+                Err(e) => failed = Some(e),
+            }
         }
         if any {
             st.del_epoch += 1;
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// True if `offset` holds a record that is not deleted.

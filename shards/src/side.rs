@@ -25,20 +25,24 @@ fn no_readahead(m: &MmapMut) {
     let _ = m.advise(memmap2::Advice::Random);
 }
 
-/// Bytes of a side file that hold its header and the entries of the first `slots`
-/// records (`.idx`: 4 bytes a record; `.del`: 1 bit), rounded up to whole 4 KiB pages.
-pub(crate) fn bytes_for(idx: bool, slots: u64) -> u64 {
-    let body = if idx { slots * 4 } else { slots.div_ceil(8) };
-    (H as u64 + body).div_ceil(4096) * 4096
+/// Bytes of a side file of `capacity` records up to the end of the 4 KiB page holding the
+/// entry of slot `slots - 1` (`.idx`: 4 bytes a record; `.del`: 1 bit), and never past the
+/// file's end. Whole pages: a store into a mapped page makes the filesystem back the whole
+/// page (with 1 KiB blocks, four of them), so every block of it must be allocated; past
+/// the end would grow the file, and on a full disk fail for nothing.
+pub(crate) fn bytes_for(idx: bool, slots: u64, capacity: u64) -> u64 {
+    let end = |n: u64| H as u64 + if idx { n * 4 } else { n.div_ceil(8) };
+    end(slots).div_ceil(4096).saturating_mul(4096).min(end(capacity))
 }
 
-/// Allocates the pages of the side file at `path` that hold slots `from..to` (see
-/// [`crate::space`]): after it, touching those slots' entries cannot SIGBUS.
+/// Allocates the blocks of the side file at `path` (of `capacity` records) that hold the
+/// pages of slots `from..to` (see [`crate::space`]): after it, touching those slots'
+/// entries cannot SIGBUS.
 ///
 /// Errors: the OS error of fallocate (ENOSPC when the disk is full).
-pub(crate) fn reserve(path: &Path, idx: bool, from: u64, to: u64) -> std::io::Result<()> {
-    let a = if from == 0 { 0 } else { bytes_for(idx, from) - 4096 };
-    crate::space::allocate_path(path, a, bytes_for(idx, to))
+pub(crate) fn reserve(path: &Path, idx: bool, from: u64, to: u64, capacity: u64) -> std::io::Result<()> {
+    let a = bytes_for(idx, from, capacity) / 4096 * 4096;
+    crate::space::allocate_path(path, a.min(bytes_for(idx, to, capacity)), bytes_for(idx, to, capacity))
 }
 
 /// Creates (or truncates) a side file of `capacity` records, with the pages of its header
@@ -48,7 +52,7 @@ pub(crate) fn create(path: &Path, idx: bool, base: Offset, capacity: u64, reserv
     let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
     let body = if idx { capacity * 4 } else { capacity.div_ceil(8) };
     f.set_len(H as u64 + body)?;
-    crate::space::allocate(&f, 0, bytes_for(idx, reserved.min(capacity)).min(H as u64 + body))?;
+    crate::space::allocate(&f, 0, bytes_for(idx, reserved.min(capacity), capacity))?;
     // SAFETY: the file is private to this shard (one owner core); nobody truncates it while mapped.
     let mut m = unsafe { MmapMut::map_mut(&f)? };
     no_readahead(&m);

@@ -903,9 +903,8 @@ async fn group_commit(weak: Weak<RefCell<Queue>>) {
                 // Nothing of this batch is known durable: its publishes are nacked. The shard
                 // is read-only now (reads and acks go on); the core reopens the queue from
                 // disk once the disk alarm is clear (`Queue::store_failure`).
-                if e.is_disk_full() {
-                    env.disk_full();
-                }
+                // Whatever the error says, the disk is worth a look at once.
+                env.disk_full();
                 tracing::error!(error = %e, confirms = batch.len(), "queue store sync failed; its publishes are nacked");
                 crate::observe::Stats::add(&env.stats().store_refused, batch.len() as u64);
                 false
