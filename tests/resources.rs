@@ -589,3 +589,231 @@ fn starts_on_a_full_disk_and_drains() {
     drop(b);
     drop(disk);
 }
+
+// ----- a store failure: every write of the data directory's device fails with EIO -----
+
+/// A 64 MiB ext4 image without a journal, loop-mounted with `errors=continue`, whose writes can
+/// be made to fail with EIO and to work again. The image lives in the test's temp dir on the
+/// host filesystem; `chattr +i` on it makes every write the loop driver passes on fail (ext4
+/// and tmpfs refuse writes to an immutable file even through a descriptor opened before, with
+/// EPERM, which the loop device reports to the filesystem on it as an I/O error: EIO for the
+/// broker's writes and fdatasyncs); `chattr -i` ends the fault. No journal: with one, the first
+/// failed journal write aborts it and ext4 stays read-only until unmounted ("emergency_ro").
+/// Unmounted on drop (after `chattr -i`; the broker using it must be stopped first: declare
+/// the broker after the disk), then the image and its directory are removed.
+struct FaultyDisk {
+    _dir: tempfile::TempDir,
+    image: PathBuf,
+    mnt: PathBuf,
+    chattr: PathBuf,
+    mounted: bool,
+    failing: bool,
+    probes: u32,
+}
+
+impl FaultyDisk {
+    /// Make, mount and try the fault once (on and off), so that a machine where it does not
+    /// work is found before the test starts.
+    fn new(mkfs: &Path, chattr: &Path, size_mib: u64) -> Result<FaultyDisk, String> {
+        let dir = tempfile::Builder::new().prefix("ringmq-eio-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
+        let image = dir.path().join("fs.img");
+        File::create(&image)
+            .and_then(|f| f.set_len(size_mib * MIB))
+            .map_err(|e| format!("create {}: {e}", image.display()))?;
+        let o = |s: &'static str| -> &OsStr { s.as_ref() };
+        run_cmd(mkfs, &[o("-q"), o("-F"), o("-m"), o("0"), o("-O"), o("^has_journal"), image.as_os_str()], Duration::from_secs(30))?;
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).map_err(|e| format!("create {}: {e}", mnt.display()))?;
+        run_cmd("mount", &[o("-o"), o("loop,errors=continue"), image.as_os_str(), mnt.as_os_str()], Duration::from_secs(30))?;
+        let mut d = FaultyDisk { _dir: dir, image, mnt, chattr: chattr.to_path_buf(), mounted: true, failing: false, probes: 0 };
+        d.fail_writes()?;
+        d.heal()?;
+        Ok(d)
+    }
+
+    fn path(&self) -> &Path {
+        &self.mnt
+    }
+
+    /// Write 64 KiB to a new file on the mounted filesystem and fdatasync it; the file is
+    /// removed again.
+    fn probe(&mut self) -> std::io::Result<()> {
+        self.probes += 1;
+        let p = self.mnt.join(format!("probe-{}", self.probes));
+        let r = File::create(&p).and_then(|mut f| {
+            f.write_all(&[7u8; 64 << 10])?;
+            f.sync_data()
+        });
+        let _ = std::fs::remove_file(&p);
+        r
+    }
+
+    /// Start the fault: from now on every write to the device fails (checked: a probe's
+    /// fdatasync gets EIO).
+    fn fail_writes(&mut self) -> Result<(), String> {
+        run_cmd(&self.chattr, &["+i".as_ref(), self.image.as_os_str()], Duration::from_secs(10))?;
+        self.failing = true;
+        match self.probe() {
+            Err(e) if e.raw_os_error() == Some(libc::EIO) => {
+                println!("store fault on: {} is immutable, a probe's fdatasync on {} failed: {e}", self.image.display(), self.mnt.display());
+                Ok(())
+            }
+            Err(e) => Err(format!("with {} immutable a probe write on its loop mount failed with {e}, not EIO", self.image.display())),
+            Ok(()) => Err(format!("with {} immutable a probe write and fdatasync on its loop mount still succeeded", self.image.display())),
+        }
+    }
+
+    /// End the fault: writes work again (checked: a probe is written and synced; a few tries
+    /// over up to 5 s, as buffers that failed during the fault are written again first).
+    fn heal(&mut self) -> Result<(), String> {
+        run_cmd(&self.chattr, &["-i".as_ref(), self.image.as_os_str()], Duration::from_secs(10))?;
+        self.failing = false;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.probe() {
+                Ok(()) => {
+                    println!("store fault off: {} writable again, a probe was written and synced", self.image.display());
+                    return Ok(());
+                }
+                Err(e) if Instant::now() > deadline => {
+                    return Err(format!("{} writable again, yet a probe on its loop mount still fails after 5 s: {e}", self.image.display()))
+                }
+                Err(e) => {
+                    println!("probe after the fault ended: {e}; retrying");
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for FaultyDisk {
+    fn drop(&mut self) {
+        if self.failing {
+            if let Err(e) = run_cmd(&self.chattr, &["-i".as_ref(), self.image.as_os_str()], Duration::from_secs(10)) {
+                eprintln!("chattr -i {}: {e} (the image cannot be removed while immutable)", self.image.display());
+            }
+        }
+        if !self.mounted {
+            return;
+        }
+        for _ in 0..10 {
+            match run_cmd("umount", &[self.mnt.as_os_str()], Duration::from_secs(20)) {
+                Ok(()) => return,
+                Err(e) => {
+                    eprintln!("umount {}: {e}; retrying", self.mnt.display());
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            }
+        }
+        if let Err(e) = run_cmd("umount", &["-l".as_ref(), self.mnt.as_os_str()], Duration::from_secs(20)) {
+            eprintln!("umount -l {}: {e}", self.mnt.display());
+        }
+    }
+}
+
+/// A [`FaultyDisk`], or None (with a printed SKIPPED note) where this machine cannot make one.
+/// In CI, as root with mkfs.ext4 and chattr present (both e2fsprogs), a failure to mount it or
+/// to make its writes fail fails the test.
+fn faulty_disk(test: &str) -> Option<FaultyDisk> {
+    if skip_external(test) {
+        return None;
+    }
+    if !is_root() {
+        eprintln!("SKIPPED: {test}: needs root to loop-mount an ext4 image and make it immutable");
+        return None;
+    }
+    let Some(mkfs) = find_program("mkfs.ext4") else {
+        eprintln!("SKIPPED: {test}: mkfs.ext4 not found (package e2fsprogs)");
+        return None;
+    };
+    let Some(chattr) = find_program("chattr") else {
+        eprintln!("SKIPPED: {test}: chattr not found (package e2fsprogs)");
+        return None;
+    };
+    match FaultyDisk::new(&mkfs, &chattr, IMAGE_MIB) {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("{test}: CI runs as root with mkfs.ext4 and chattr, yet the failing loop disk could not be set up: {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED: {test}: cannot make a loop-mounted ext4 whose writes fail with EIO: {e}");
+            None
+        }
+    }
+}
+
+/// Issue 9, a store failure that leaves the on-disk state unknown: the data dir on a
+/// [`FaultyDisk`], `--disk-free-limit 0`. 300 persistent messages to a durable queue, all
+/// confirmed; then every write of the device fails with EIO: publishes to the queue are
+/// nacked, never acked (also after the fault has lasted past the 1 s tick that retires the
+/// failed queue), none closes the channel or connection, the broker stays up, and
+/// `ringmq_messages_store_refused_total` counts them. Once writes work again a publish to the
+/// same queue is confirmed within 15 s and `ringmq_queue_store_reopens_total` is at least 1.
+/// kill -9, restart: every message confirmed at any point is delivered. Whether the queue can
+/// be read during the fault (basic.get right after the first nack, and after the retire tick)
+/// is printed, not asserted.
+#[test]
+fn store_failure_nacks_and_the_queue_reopens() {
+    let _serial = DISK_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let test = "store_failure_nacks_and_the_queue_reopens";
+    let Some(mut disk) = faulty_disk(test) else { return };
+    let work = tempfile::Builder::new().prefix("ringmq-eio-json-").tempdir().expect("temp dir");
+    let j = |name: &str| work.path().join(name).to_str().unwrap().to_string();
+    let (before, fault, after) = (j("before.json"), j("fault.json"), j("after.json"));
+    let started = Instant::now();
+    // declared after `disk`: dropped (killed) before it is unmounted
+    let mut b = OwnBroker::start_in(&disk.path().join("data"), &[], &["--segment-bytes", SEGMENT_BYTES, "--disk-free-limit", "0"]);
+    let q = uniq("store-fault");
+    run_script("disk_full.py", &mut b, &["publish", &q, "before", "300", &before], Duration::from_secs(40));
+
+    // The fault: every write and fdatasync of the queue's store fails with EIO.
+    disk.fail_writes().unwrap_or_else(|e| panic!("{test}: the fault worked at set-up, not now: {e}"));
+    let (fault_ok, fault_out) = try_script("disk_full.py", &b, &["publish-fault", &q, "fault", "2000", &fault], Duration::from_secs(60));
+    b.assert_running("during the store fault (every write of the device failing with EIO)");
+    let m = scrape(&b);
+    let store_lines = |m: &str| m.lines().filter(|l| l.starts_with("ringmq_messages_store_refused") || l.starts_with("ringmq_queue_store_reopens")).collect::<Vec<_>>().join("\n");
+    println!("metrics during the fault:\n{}", store_lines(&m));
+    let refused = series(&m, "ringmq_messages_store_refused_total");
+    let reads: Vec<&str> = fault_out.lines().filter(|l| l.starts_with("READ") || l.starts_with("LATE-READ")).collect();
+    println!("reads of the failed queue during the fault:\n{}", reads.join("\n"));
+    // The queue stays readable while its store cannot be written: it is reopened only once
+    // writes work again (a probe write), not on the first tick.
+    assert!(reads.len() >= 2 && reads.iter().all(|l| l.contains(" ok ")), "{test}: the failed queue must stay readable during the fault:\n{}\n{}", reads.join("\n"), b.log());
+
+    // Writes work again: the queue reopens from disk and takes publishes.
+    disk.heal().unwrap_or_else(|e| panic!("{test}: {e}"));
+    let healed = Instant::now();
+    let (retry_ok, retry_out) = try_script("disk_full.py", &b, &["publish-retry", &q, "after", &after, "14"], Duration::from_secs(30));
+    let to_ack = healed.elapsed();
+    println!("fault ended → first publish confirmed: {:.1} s", to_ack.as_secs_f64());
+    b.assert_running("after the fault ended");
+    let m = scrape(&b);
+    println!("metrics after the fault:\n{}", store_lines(&m));
+    let reopens = series(&m, "ringmq_queue_store_reopens_total");
+
+    // Crash, restart, drain: every message confirmed at any point is delivered. (Run also when
+    // an earlier phase failed, to show what was lost.)
+    b.kill9();
+    b.start();
+    let mut files: Vec<&str> = Vec::new();
+    for f in [&before, &fault, &after] {
+        if Path::new(f).exists() {
+            files.push(f);
+        }
+    }
+    let mut args = vec!["drain", q.as_str()];
+    args.extend(files.iter().copied());
+    let (drain_ok, drain_out) = try_script("disk_full.py", &b, &args, Duration::from_secs(60));
+    b.assert_running("after the drain");
+    println!("test took {:.1} s", started.elapsed().as_secs_f64());
+
+    assert!(fault_ok, "publishing during the store fault:\n{fault_out}");
+    assert!(refused > 0.0, "ringmq_messages_store_refused_total {refused} after publishes were nacked during the fault");
+    assert!(retry_ok, "publishing after the fault ended:\n{retry_out}");
+    assert!(to_ack <= Duration::from_secs(15), "first confirm {:.1} s after the fault ended (limit 15 s)", to_ack.as_secs_f64());
+    assert!(reopens >= 1.0, "ringmq_queue_store_reopens_total {reopens} after a store failure and its end");
+    assert!(drain_ok, "drain after kill -9 and restart (files {files:?}):\n{drain_out}");
+    drop(b);
+    drop(disk);
+}

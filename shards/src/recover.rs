@@ -56,8 +56,9 @@ fn prepare_dir(dir: &Path) -> Result<Vec<String>, StoreError> {
 /// waits for every write cut before it, and a later segment's writes are cut after this
 /// one's). The files of that segment and of every later one are removed, and the segment
 /// before it is recovered as the last (its torn tail, if any, truncated). Only when it is
-/// the first segment is it kept, as the empty last segment (its header rewritten): its
-/// base is where the shard's offsets go on.
+/// the first segment and its base is not 0 is it kept, as the empty last segment (its
+/// header rewritten): its base is where the shard's offsets go on. (Removed, a first
+/// segment at 0 needs no write to recover: the next roll creates it again.)
 fn drop_unwritten_segments(dir: &Path, names: &mut Vec<String>) {
     use std::io::Read;
     let mut bases: Vec<Offset> = names
@@ -75,7 +76,7 @@ fn drop_unwritten_segments(dir: &Path, names: &mut Vec<String>) {
         }
     };
     let Some(k) = bases.iter().position(|&b| unwritten(b)) else { return };
-    let from = if k == 0 { 1 } else { k };
+    let from = if k == 0 && bases[0] != 0 { 1 } else { k };
     for &base in &bases[from..] {
         for kind in [FileKind::Seg, FileKind::Idx, FileKind::Del] {
             let p = format::seg_path(dir, base, kind);

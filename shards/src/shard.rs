@@ -523,6 +523,15 @@ impl Inner {
         Ok(())
     }
 
+    /// Opens a side file for the fdatasync that needs it (closed after it: an idle shard
+    /// holds no descriptor for its side files).
+    async fn open_for_fdatasync(&self, path: &Path) -> std::io::Result<BufferedFile> {
+        match self.hit(FaultPoint::Open) {
+            Some(a) => Err(a.error()),
+            None => BufferedFile::open(path).await.map_err(gio),
+        }
+    }
+
     /// The injected failure at `point`, as the error `op` on `path` would give.
     fn injected(&self, point: FaultPoint, op: &'static str, path: &Path) -> Result<(), StoreError> {
         match self.hit(point) {
@@ -1036,11 +1045,7 @@ impl Shard {
             // bitmaps. One that cannot be opened (the open-files limit) leaves its deletes
             // for the next sync: a delete lost in a crash only brings a record back.
             let path = inner.seg_file_path(base, FileKind::Del);
-            let opened = match inner.hit(FaultPoint::Open) {
-                Some(a) => Err(a.error()),
-                None => BufferedFile::open(&path).await.map_err(gio),
-            };
-            let f = match opened {
+            let f = match inner.open_for_fdatasync(&path).await {
                 Ok(f) => f,
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "deletion bitmap not synced now; retried by the next sync");
@@ -1104,11 +1109,7 @@ impl Shard {
                 return Err(self.fail_with(inner.crash_error()));
             }
             let path = inner.seg_file_path(base, FileKind::Idx);
-            let opened = match inner.hit(FaultPoint::Open) {
-                Some(a) => Err(a.error()),
-                None => BufferedFile::open(&path).await.map_err(gio),
-            };
-            let f = match opened {
+            let f = match inner.open_for_fdatasync(&path).await {
                 Ok(f) => f,
                 Err(e) => {
                     // The seal is in the mapping; the kernel writes it back in time. Until

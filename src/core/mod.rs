@@ -217,6 +217,9 @@ impl Core {
                                 AmqpError::internal_error(format!("cannot open the store of queue '{}': {e}", qref.key.name))
                             };
                             for op in pending {
+                                if matches!(op, QueueOp::Publish { .. }) {
+                                    Stats::add(&me.stats().store_refused, 1);
+                                }
                                 refuse_unstored(op, err.clone());
                             }
                         }
@@ -336,7 +339,10 @@ impl Core {
             for c in self.open_queues() {
                 let failure = c.borrow().store_failure();
                 if let Some(why) = failure {
-                    if !self.shared.alarms.disk_alarm() {
+                    // Reopened only once writing works again: until then the queue keeps
+                    // serving what it holds (a reopen would fail and leave nothing to read).
+                    let dir = self.shared.config.queue_dir(&c.borrow().def);
+                    if !self.shared.alarms.disk_alarm() && writable(dir).await {
                         self.reopen_failed(&c, &why).await;
                     }
                     continue;
@@ -350,6 +356,20 @@ impl Core {
             }
         }
     }
+}
+
+/// True when a 4 KiB write and fdatasync of a probe file in `dir` succeed (on the blocking
+/// thread): the filesystem takes writes again.
+async fn writable(dir: std::path::PathBuf) -> bool {
+    glommio::executor()
+        .spawn_blocking(move || {
+            use std::io::Write;
+            let p = dir.join(".write-probe");
+            let ok = std::fs::File::create(&p).and_then(|mut f| f.write_all(&[0u8; 4096]).and_then(|_| f.sync_data())).is_ok();
+            let _ = std::fs::remove_file(&p);
+            ok
+        })
+        .await
 }
 
 /// Answers an operation on a queue that does not exist (any more).

@@ -26,9 +26,19 @@ each run. JSON files hold {"sent": [...], "confirmed": [...], "nacked": [...], "
       On a full disk: publish (confirms, one at a time) up to MAX messages, stopping after
       NACKS_ENOUGH nacks or when the connection is blocked; at least one nack (or a block) is
       required: MAX messages cannot all fit. Acked ones are written as confirmed.
-  publish-retry QUEUE TAG OUT_JSON
-      Publish one message at a time (confirms) until one is acked (bounded: 20 s); nacks before
-      that are allowed (a stopped queue reopening once writing works again).
+  publish-retry QUEUE TAG OUT_JSON [LIMIT_S]
+      Publish one message at a time (confirms) until one is acked (bounded: LIMIT_S seconds,
+      default 20); nacks before that are allowed (a stopped queue reopening once writing works
+      again). Prints "ACKED after S s" (seconds from the first publish).
+  publish-fault QUEUE TAG MAX OUT_JSON
+      While the data directory's block device fails every write (EIO): publish (confirms, one at
+      a time) until NACKS_ENOUGH nacks or MAX publishes, wait LATE_WAIT_S (past the broker's 1 s
+      tick that retires a failed queue), publish LATE_PUBLISHES more. Every publish must be
+      nacked, none acked (nothing can be stored), and none may close the channel or connection.
+      Reads are reported (the Rust test requires both to be ok): after the first nack ("FIRST-NACK") and after the late
+      publishes a basic.get (manual ack; the message is rejected with requeue, so nothing is
+      acked on the failed store) prints "READ ok ID" / "LATE-READ ok ID" with the body checked,
+      or "READ refused: CODE TEXT" (the connection is then opened again).
   declare-full QUEUE
       Declare a new durable queue on a full disk: declare-ok or a visible error (channel or
       connection close with a reply code) both pass; a connection lost without a close fails.
@@ -56,9 +66,11 @@ WINDOW = 64
 MAX_FILL = 40000  # 160 MB: more than the test's filesystem; reaching it means "never blocked"
 EXTRA = 200
 NACKS_ENOUGH = 20
+LATE_WAIT_S = 2.5  # publish-fault: how long the fault is held before the late publishes
+LATE_PUBLISHES = 5
 NACK_GRACE_S = 3  # nacks (the disk filled before the alarm) for longer than this without a block fail
-TIME_LIMIT = {"fill": 85, "publish": 30, "publish-full": 60, "publish-retry": 30, "declare-full": 20,
-              "drain": 60}[MODE]
+TIME_LIMIT = {"fill": 85, "publish": 30, "publish-full": 60, "publish-retry": 30, "publish-fault": 45,
+              "declare-full": 20, "drain": 60}[MODE]
 
 
 class Fail(Exception):
@@ -440,14 +452,16 @@ def run_publish_full():
 
 def run_publish_retry():
     tag, out = REST[0], REST[1]
+    limit = float(REST[2]) if len(REST) > 2 else 20
     conn = pika.BlockingConnection(params(5))
     ch = conn.channel()
     ch.confirm_delivery()
     sent, confirmed, nacked = [], [], []
-    deadline = time.monotonic() + 20
+    started = time.monotonic()
+    deadline = started + limit
     while not confirmed:
-        check(time.monotonic() < deadline, "no publish acked within 20 s after space was freed (%d nacked)"
-              % len(nacked))
+        check(time.monotonic() < deadline, "no publish acked within %g s after space was freed (%d nacked)"
+              % (limit, len(nacked)))
         mid = "%s-%d" % (tag, len(sent))
         sent.append(mid)
         try:
@@ -456,9 +470,93 @@ def run_publish_retry():
         except px.NackError:
             nacked.append(mid)
             conn.sleep(0.5)
+    took = time.monotonic() - started
+    say("ACKED after %.1f s" % took)
     conn.close()
     write_json(out, sent=sent, confirmed=confirmed, nacked=nacked)
-    return "acked after %d nacks" % len(nacked)
+    return "acked after %d nacks in %.1f s" % (len(nacked), took)
+
+
+def run_publish_fault():
+    tag, max_n, out = REST[0], int(REST[1]), REST[2]
+    sent, confirmed, nacked = [], [], []
+    started = time.monotonic()
+    state = {"conn": None, "ch": None}
+
+    def channel():
+        if state["conn"] is None or not state["conn"].is_open:
+            state["conn"] = pika.BlockingConnection(params(5))
+            state["ch"] = None
+        if state["ch"] is None or not state["ch"].is_open:
+            state["ch"] = state["conn"].channel()
+            state["ch"].confirm_delivery()
+        return state["ch"]
+
+    def publish(mid):
+        sent.append(mid)
+        try:
+            channel().basic_publish(exchange="", routing_key=QUEUE, body=body(mid), properties=props(mid),
+                                    mandatory=True)
+            confirmed.append(mid)
+            say("ACKED %s during the store fault" % mid)
+        except px.NackError:
+            nacked.append(mid)
+        except px.UnroutableError:
+            raise Fail("publish %s returned unroutable" % mid)
+        except px.ChannelClosedByBroker as e:
+            raise Fail("publish %s during the store fault: channel closed %d %s (expected basic.nack)"
+                       % (mid, e.reply_code, e.reply_text))
+        except px.ConnectionClosedByBroker as e:
+            raise Fail("publish %s during the store fault: connection closed %d %s (expected basic.nack)"
+                       % (mid, e.reply_code, e.reply_text))
+        except px.AMQPConnectionError as e:
+            raise Fail("publish %s during the store fault: connection lost: %r" % (mid, e))
+
+    def read(label):
+        # basic.get with a manual ack, the message rejected with requeue: nothing is acked on
+        # the failed store. Reported; the Rust test requires "ok" (see the module doc).
+        try:
+            method, properties, data = channel().basic_get(queue=QUEUE, auto_ack=False)
+        except (px.ChannelClosedByBroker, px.ConnectionClosedByBroker) as e:
+            say("%s refused: %d %s" % (label, e.reply_code, e.reply_text))
+            return
+        if method is None:
+            say("%s refused: get-empty (the queue held messages)" % label)
+            return
+        mid = properties.message_id or ""
+        check(body_ok(mid, data), "%s: message %r has a wrong body (%d bytes)" % (label, mid, len(data)))
+        state["ch"].basic_reject(method.delivery_tag, requeue=True)
+        say("%s ok %s redelivered=%s" % (label, mid, method.redelivered))
+
+    try:
+        for i in range(max_n):
+            publish("%s-%d" % (tag, i))
+            if nacked and not state.get("read"):
+                state["read"] = True
+                say("FIRST-NACK %s after %.2f s" % (nacked[0], time.monotonic() - started))
+                read("READ")
+            if len(nacked) >= NACKS_ENOUGH:
+                break
+        # Hold the fault past the core's 1 s tick: the queue must not be retired while writes
+        # still fail (it stays readable); its publishes must still be nacked.
+        time.sleep(LATE_WAIT_S)
+        for i in range(LATE_PUBLISHES):
+            publish("%s-late-%d" % (tag, i))
+        read("LATE-READ")
+    finally:
+        write_json(out, sent=sent, confirmed=confirmed, nacked=nacked)
+    summary = "sent=%d acked=%d nacked=%d in %.1f s" % (len(sent), len(confirmed), len(nacked),
+                                                       time.monotonic() - started)
+    say("RESULT " + summary)
+    check(not confirmed, "%d publishes acked while every write of the device failed, e.g. %s"
+          % (len(confirmed), confirmed[:5]))
+    check(len(nacked) == len(sent), "%d publishes, %d nacked" % (len(sent), len(nacked)))
+    check(len(nacked) >= NACKS_ENOUGH + LATE_PUBLISHES, "only %d nacks" % len(nacked))
+    try:
+        state["conn"].close()
+    except Exception:
+        pass
+    return summary
 
 
 def run_declare_full():
@@ -531,7 +629,8 @@ if __name__ == "__main__":
     name = "disk-full-" + MODE
     try:
         summary = {"fill": run_fill, "publish": run_publish, "publish-full": run_publish_full,
-                   "publish-retry": run_publish_retry, "declare-full": run_declare_full,
+                   "publish-retry": run_publish_retry, "publish-fault": run_publish_fault,
+                   "declare-full": run_declare_full,
                    "drain": run_drain}[MODE]()
         print("PASS %s %s" % (name, summary))
         rc = 0

@@ -474,6 +474,13 @@ impl Queue {
     /// announced consumer_cancel_notify). Returns the shards (messages, unacked index) for
     /// the caller to destroy.
     pub fn tear_down(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
+        // RabbitMQ confirms what was routed to a queue deleted meanwhile.
+        self.out_of_service(true)
+    }
+
+    /// Marks the queue deleted, cancels its consumers, answers waiting confirms with `ok`,
+    /// wakes its tasks (they stop); returns its shards.
+    fn out_of_service(&mut self, confirms_ok: bool) -> (Rc<Shard>, Option<Rc<Shard>>) {
         self.deleted = true;
         for c in self.consumers.drain() {
             if c.spec.cancel_notify {
@@ -481,7 +488,7 @@ impl Queue {
             }
         }
         for (c, _) in self.pending_confirms.drain(..) {
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: confirms_ok });
         }
         self.wake();
         (self.shard.clone(), self.index.clone())
@@ -502,17 +509,7 @@ impl Queue {
     /// deliveries outstanding now come back redelivered (rules 5 and 7). Returns the shards
     /// for the caller to close.
     pub fn retire(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
-        self.deleted = true;
-        for c in self.consumers.drain() {
-            if c.spec.cancel_notify {
-                let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
-            }
-        }
-        for (c, _) in self.pending_confirms.drain(..) {
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
-        }
-        self.wake();
-        (self.shard.clone(), self.index.clone())
+        self.out_of_service(false)
     }
 
     fn maybe_auto_delete(&self) {
