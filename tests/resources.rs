@@ -395,18 +395,24 @@ impl Drop for LoopMount {
         if !self.mounted {
             return;
         }
-        for _ in 0..10 {
-            match run_cmd("umount", &[self.mnt.as_os_str()], Duration::from_secs(20)) {
-                Ok(()) => return,
-                Err(e) => {
-                    eprintln!("umount {}: {e}; retrying", self.mnt.display());
-                    std::thread::sleep(Duration::from_millis(300));
-                }
+        unmount(&self.mnt);
+    }
+}
+
+/// Unmounts `mnt`: 10 tries 300 ms apart (a process that just died may still hold it),
+/// then a lazy unmount.
+fn unmount(mnt: &Path) {
+    for _ in 0..10 {
+        match run_cmd("umount", &[mnt.as_os_str()], Duration::from_secs(20)) {
+            Ok(()) => return,
+            Err(e) => {
+                eprintln!("umount {}: {e}; retrying", mnt.display());
+                std::thread::sleep(Duration::from_millis(300));
             }
         }
-        if let Err(e) = run_cmd("umount", &["-l".as_ref(), self.mnt.as_os_str()], Duration::from_secs(20)) {
-            eprintln!("umount -l {}: {e}", self.mnt.display());
-        }
+    }
+    if let Err(e) = run_cmd("umount", &["-l".as_ref(), mnt.as_os_str()], Duration::from_secs(20)) {
+        eprintln!("umount -l {}: {e}", mnt.display());
     }
 }
 
@@ -697,18 +703,7 @@ impl Drop for FaultyDisk {
         if !self.mounted {
             return;
         }
-        for _ in 0..10 {
-            match run_cmd("umount", &[self.mnt.as_os_str()], Duration::from_secs(20)) {
-                Ok(()) => return,
-                Err(e) => {
-                    eprintln!("umount {}: {e}; retrying", self.mnt.display());
-                    std::thread::sleep(Duration::from_millis(300));
-                }
-            }
-        }
-        if let Err(e) = run_cmd("umount", &["-l".as_ref(), self.mnt.as_os_str()], Duration::from_secs(20)) {
-            eprintln!("umount -l {}: {e}", self.mnt.display());
-        }
+        unmount(&self.mnt);
     }
 }
 
