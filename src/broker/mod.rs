@@ -278,6 +278,9 @@ pub enum QueueOp {
     },
     /// Settle delivered messages by offset (see [`queue::settle`]).
     Settle {
+        /// The settling channel's incarnation ([`Holder::chan_uid`]): only offsets it holds
+        /// are settled (a tag from before a queue was reopened names nothing now).
+        chan_uid: u64,
         /// Acknowledged: delete.
         ack: Vec<u64>,
         /// Requeued: ready again, redelivered=true, original position.

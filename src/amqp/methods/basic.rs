@@ -79,8 +79,9 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
             Stats::add(&s.core.stats().acked, done.len() as u64);
             let settled = by_queue(done);
             wake_channel_queues(s, channel, &settled);
+            let chan_uid = chan_uid(s, channel);
             for (q, offs) in settled {
-                s.queue_send(&q, QueueOp::Settle { ack: offs, requeue: Vec::new(), reject: Vec::new() });
+                s.queue_send(&q, QueueOp::Settle { chan_uid, ack: offs, requeue: Vec::new(), reject: Vec::new() });
             }
             Ok(())
         }
@@ -105,6 +106,11 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this basic method is sent by the server")),
     }
+}
+
+/// The incarnation of `channel` (0 when it is not open: then nothing is settled).
+fn chan_uid(s: &Session, channel: u16) -> u64 {
+    s.st.borrow().channels.get(&channel).map_or(0, |c| c.uid)
 }
 
 /// Settles (tag, multiple) in the channel's ledger.
@@ -143,11 +149,12 @@ fn reject_or_requeue(s: &Session, channel: u16, done: Vec<Unacked>, requeue: boo
     }
     let settled = by_queue(done);
     wake_channel_queues(s, channel, &settled);
+    let chan_uid = chan_uid(s, channel);
     for (q, offs) in settled {
         let op = if requeue {
-            QueueOp::Settle { ack: Vec::new(), requeue: offs, reject: Vec::new() }
+            QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: offs, reject: Vec::new() }
         } else {
-            QueueOp::Settle { ack: Vec::new(), requeue: Vec::new(), reject: offs }
+            QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: Vec::new(), reject: offs }
         };
         s.queue_send(&q, op);
     }
@@ -157,13 +164,13 @@ fn reject_or_requeue(s: &Session, channel: u16, done: Vec<Unacked>, requeue: boo
 /// queue (redelivered, original position); requeue=false redelivers each to the consumer
 /// that holds it, under a new delivery tag.
 fn recover(s: &Session, channel: u16, requeue: bool) {
-    let held = match s.st.borrow_mut().channels.get_mut(&channel) {
-        Some(c) => c.ledger.drain(),
+    let (held, chan_uid) = match s.st.borrow_mut().channels.get_mut(&channel) {
+        Some(c) => (c.ledger.drain(), c.uid),
         None => return,
     };
     for (q, offs) in by_queue(held) {
         let op = if requeue {
-            QueueOp::Settle { ack: Vec::new(), requeue: offs, reject: Vec::new() }
+            QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: offs, reject: Vec::new() }
         } else {
             QueueOp::Redeliver { offsets: offs }
         };

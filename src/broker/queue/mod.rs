@@ -340,7 +340,11 @@ impl Queue {
                 }
                 q.maybe_auto_delete();
             }
-            QueueOp::Settle { ack, requeue, reject } => {
+            QueueOp::Settle { chan_uid, mut ack, mut requeue, mut reject } => {
+                // Rule 1 at the queue: a channel settles only what it holds.
+                for offs in [&mut ack, &mut requeue, &mut reject] {
+                    offs.retain(|o| q.outstanding.get(o).is_some_and(|h| h.holder.chan_uid == chan_uid));
+                }
                 q.ack(&ack);
                 q.requeue(&requeue);
                 drop(q);
