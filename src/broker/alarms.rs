@@ -115,7 +115,7 @@ pub fn raise_fd_limit() -> (u64, u64, u64) {
             lim.rlim_cur = lim.rlim_max;
         }
     }
-    (before as u64, lim.rlim_cur as u64, lim.rlim_max as u64)
+    (before, lim.rlim_cur, lim.rlim_max)
 }
 
 /// Open descriptors of this process (entries of `/proc/self/fd`, less the one reading it).
