@@ -812,3 +812,42 @@ fn store_failure_nacks_and_the_queue_reopens() {
     drop(b);
     drop(disk);
 }
+
+/// Rule 1 across a store reopen: a delivery tag a channel kept from before its queue was
+/// retired and reopened settles nothing at the reopened queue. [`FaultyDisk`],
+/// `--disk-free-limit 0`, one pika process (disk_full.py `stale-tag`) so that its first
+/// connection stays open across the fault: one confirmed persistent message M; connection A
+/// basic.gets it and keeps the tag; every write fails (a publish is nacked, none confirmed);
+/// writes work again and a publish is confirmed within 15 s (the queue was reopened from disk:
+/// `ringmq_queue_store_reopens_total` ≥ 1). Connection B basic.gets M again (redelivered=true)
+/// and keeps it; A (its channel still open, no basic.cancel) acks its old tag; B nacks M with
+/// requeue; the next basic.get returns M. Before the queue checked the settling channel, A's
+/// ack deleted, by offset, the delivery B held, and B's requeue brought nothing back.
+#[test]
+fn stale_tag_after_reopen_settles_nothing() {
+    let _serial = DISK_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let test = "stale_tag_after_reopen_settles_nothing";
+    let Some(mut disk) = faulty_disk(test) else { return };
+    // declared after `disk`: dropped (killed) before it is unmounted
+    let mut b = OwnBroker::start_in(&disk.path().join("data"), &[], &["--segment-bytes", SEGMENT_BYTES, "--disk-free-limit", "0"]);
+    let q = uniq("stale-tag");
+    let mut s = Script::spawn("disk_full.py", &b, &["stale-tag", &q]);
+    s.expect("HOLDING", Duration::from_secs(20));
+
+    disk.fail_writes().unwrap_or_else(|e| panic!("{test}: the fault worked at set-up, not now: {e}"));
+    s.send("fault");
+    let nacked = s.expect("FAULT-NACKED", Duration::from_secs(20));
+    assert!(nacked.contains(" acked=0"), "{test}: a publish was confirmed during the store fault: {nacked}");
+    b.assert_running("during the store fault");
+
+    disk.heal().unwrap_or_else(|e| panic!("{test}: {e}"));
+    s.send("healed");
+    s.expect("REOPENED", Duration::from_secs(20));
+    let out = s.finish(Duration::from_secs(40));
+    b.assert_running("after the stale tag's ack and the requeue");
+    let m = scrape(&b);
+    let reopens = series(&m, "ringmq_queue_store_reopens_total");
+    assert!(reopens >= 1.0, "{test}: ringmq_queue_store_reopens_total {reopens}: the queue was not reopened, the scenario did not happen:\n{out}");
+    drop(b);
+    drop(disk);
+}

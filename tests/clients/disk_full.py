@@ -39,6 +39,16 @@ each run. JSON files hold {"sent": [...], "confirmed": [...], "nacked": [...], "
       publishes a basic.get (manual ack; the message is rejected with requeue, so nothing is
       acked on the failed store) prints "READ ok ID" / "LATE-READ ok ID" with the body checked,
       or "READ refused: CODE TEXT" (the connection is then opened again).
+  stale-tag QUEUE          (the test talks to it over stdin/stdout)
+      A delivery tag kept across a queue's reopen settles nothing. Publishes one confirmed
+      message M; connection A basic.gets it (manual ack) and keeps the tag unacked; prints
+      "HOLDING" and reads "fault" (the test has made every write fail). A publisher connection
+      publishes (confirms, one at a time, at most NACKS_ENOUGH) until one is nacked: none may be
+      acked ("FAULT-NACKED"); reads "healed", then publishes one at a time until one is acked
+      (within REOPEN_LIMIT_S; the queue was reopened from disk; "REOPENED"). Connection B
+      basic.gets M again with redelivered=true and keeps it; A (its channel still open, no
+      basic.cancel or close seen) acks its old tag; B nacks M with requeue; a basic.get must
+      return M again (an old tag acking by offset what B held would have deleted it).
   declare-full QUEUE
       Declare a new durable queue on a full disk: declare-ok or a visible error (channel or
       connection close with a reply code) both pass; a connection lost without a close fails.
@@ -68,8 +78,10 @@ EXTRA = 200
 NACKS_ENOUGH = 20
 LATE_WAIT_S = 2.5  # publish-fault: how long the fault is held before the late publishes
 LATE_PUBLISHES = 5
+REOPEN_LIMIT_S = 15  # stale-tag: a publish confirmed this soon after "healed"
 NACK_GRACE_S = 3  # nacks (the disk filled before the alarm) for longer than this without a block fail
 TIME_LIMIT = {"fill": 85, "publish": 30, "publish-full": 60, "publish-retry": 30, "publish-fault": 45,
+              "stale-tag": 60,
               "declare-full": 20, "drain": 60}[MODE]
 
 
@@ -559,6 +571,119 @@ def run_publish_fault():
     return summary
 
 
+def run_stale_tag():
+    events = []  # what connection A saw besides its own calls: basic.cancel, channel/connection close
+    m_id = "stale-M"
+    declare(QUEUE)
+    pub_conn = pika.BlockingConnection(params(5))
+    pub = pub_conn.channel()
+    pub.confirm_delivery()
+    try:
+        pub.basic_publish(exchange="", routing_key=QUEUE, body=body(m_id), properties=props(m_id), mandatory=True)
+    except px.NackError:
+        raise Fail("the first publish (%s) was nacked before any fault" % m_id)
+
+    a_conn = pika.BlockingConnection(params(5))
+    a_conn.add_on_connection_blocked_callback(lambda c, f: events.append("A connection.blocked %r" % f.method.reason))
+    a = a_conn.channel()
+    # BlockingChannel has no close hook of its own; its impl Channel takes more than one
+    a._impl.add_on_close_callback(lambda ch, reason: events.append("A channel closed: %r" % (reason,)))
+    a.add_on_cancel_callback(lambda frame: events.append("A basic.cancel: %r" % (frame,)))
+    method, properties, data = a.basic_get(queue=QUEUE, auto_ack=False)
+    check(method is not None, "A: basic.get returned get-empty after %s was confirmed" % m_id)
+    check(properties.message_id == m_id and body_ok(m_id, data),
+          "A: basic.get returned %r (%d bytes), not %s" % (properties.message_id, len(data), m_id))
+    a_tag = method.delivery_tag
+    say("HOLDING %s tag=%d redelivered=%s" % (m_id, a_tag, method.redelivered))
+
+    line = sys.stdin.readline()
+    check(line.strip() == "fault", "expected 'fault' from the test on stdin, got %r" % line)
+    fault_sent, fault_acked, fault_nacked = [], [], []
+    while not fault_nacked:
+        check(len(fault_sent) < NACKS_ENOUGH, "%d publishes during the store fault, none nacked" % len(fault_sent))
+        mid = "fault-%d" % len(fault_sent)
+        fault_sent.append(mid)
+        try:
+            pub.basic_publish(exchange="", routing_key=QUEUE, body=body(mid), properties=props(mid), mandatory=True)
+            fault_acked.append(mid)
+        except px.NackError:
+            fault_nacked.append(mid)
+        except (px.ChannelClosedByBroker, px.ConnectionClosedByBroker) as e:
+            raise Fail("publish %s during the store fault: closed %d %s (expected basic.nack)"
+                       % (mid, e.reply_code, e.reply_text))
+    check(not fault_acked, "publishes confirmed while every write of the device failed: %s" % fault_acked)
+    say("FAULT-NACKED %s (sent=%d acked=%d)" % (fault_nacked[0], len(fault_sent), len(fault_acked)))
+    a_conn.process_data_events(0)
+
+    line = sys.stdin.readline()
+    check(line.strip() == "healed", "expected 'healed' from the test on stdin, got %r" % line)
+    started = time.monotonic()
+    retry_nacks = 0
+    while True:
+        check(time.monotonic() - started < REOPEN_LIMIT_S, "no publish confirmed within %d s after the fault ended "
+              "(%d nacked)" % (REOPEN_LIMIT_S, retry_nacks))
+        mid = "after-%d" % retry_nacks
+        try:
+            pub.basic_publish(exchange="", routing_key=QUEUE, body=body(mid), properties=props(mid), mandatory=True)
+            break
+        except px.NackError:
+            retry_nacks += 1
+            pub_conn.sleep(0.25)
+    say("REOPENED: %s confirmed %.1f s after the fault ended (%d nacked before)"
+        % (mid, time.monotonic() - started, retry_nacks))
+    a_conn.process_data_events(0.2)  # anything the retire sent to A (basic.cancel, a close) arrives now
+    say("A after the reopen: connection open=%s channel open=%s events=%s" % (a_conn.is_open, a.is_open, events))
+    check(a_conn.is_open and a.is_open, "A's channel did not survive the reopen: %s" % events)
+
+    b_conn = pika.BlockingConnection(params(5))
+    b = b_conn.channel()
+    method, properties, data = b.basic_get(queue=QUEUE, auto_ack=False)
+    check(method is not None, "B: basic.get returned get-empty after the reopen (%s was never acked)" % m_id)
+    check(properties.message_id == m_id, "B: basic.get after the reopen returned %r first, not %s"
+          % (properties.message_id, m_id))
+    check(method.redelivered, "B: %s delivered again after the reopen with redelivered=false" % m_id)
+    b_tag = method.delivery_tag
+    say("B-GOT %s tag=%d redelivered=%s" % (m_id, b_tag, method.redelivered))
+
+    # A's stale tag: its channel still holds it, so no 406; it must settle nothing at the queue.
+    a.basic_ack(a_tag)
+    # a round trip on A's channel: its ack was handled before the reply (one channel, in order)
+    a_count = a.queue_declare(queue=QUEUE, durable=True, passive=True).method.message_count
+    check(a_conn.is_open and a.is_open, "A's basic.ack of its tag from before the reopen closed it: %s" % events)
+    say("A-ACKED old tag %d (channel open; ready after it=%d)" % (a_tag, a_count))
+    pub_conn.sleep(0.3)
+
+    b.basic_nack(b_tag, requeue=True)
+    b_count = b.queue_declare(queue=QUEUE, durable=True, passive=True).method.message_count
+    say("B-NACKED %s requeue=true (ready after it=%d)" % (m_id, b_count))
+
+    c_conn = pika.BlockingConnection(params(5))
+    c = c_conn.channel()
+    got = []
+    while True:
+        method, properties, data = c.basic_get(queue=QUEUE, auto_ack=False)
+        if method is None:
+            break
+        got.append((properties.message_id, method.redelivered))
+        c.basic_ack(method.delivery_tag)
+    say("AFTER %s" % got)
+    check(got, "get-empty after B requeued %s: A's stale tag deleted it" % m_id)
+    check(got[0][0] == m_id, "the first basic.get after B requeued %s returned %r; %s is %s"
+          % (m_id, got[0][0], m_id, "among the rest" if m_id in [g[0] for g in got] else
+             "gone (A's stale tag acked it while B held it)"))
+    check(got[0][1], "%s after B's requeue with redelivered=false" % m_id)
+    a_conn.process_data_events(0)
+    check(a_conn.is_open and a.is_open, "A's channel closed: %s" % events)
+    check(not events, "A saw %s" % events)
+    for conn in (c_conn, b_conn, a_conn, pub_conn):
+        try:
+            conn.close()
+        except Exception:
+            pass
+    return "fault: sent=%d acked=%d nacked=%d; after: %d nacked then confirmed; queue then held %d messages, %s first" % (
+        len(fault_sent), len(fault_acked), len(fault_nacked), retry_nacks, len(got), got[0][0])
+
+
 def run_declare_full():
     conn = pika.BlockingConnection(params(5))
     ch = conn.channel()
@@ -630,7 +755,7 @@ if __name__ == "__main__":
     try:
         summary = {"fill": run_fill, "publish": run_publish, "publish-full": run_publish_full,
                    "publish-retry": run_publish_retry, "publish-fault": run_publish_fault,
-                   "declare-full": run_declare_full,
+                   "declare-full": run_declare_full, "stale-tag": run_stale_tag,
                    "drain": run_drain}[MODE]()
         print("PASS %s %s" % (name, summary))
         rc = 0
