@@ -83,8 +83,8 @@ pub(crate) struct Segment {
     /// it may be written through the mappings (see `crate::space`).
     pub reserved: u64,
     /// Bytes of the `.seg` file that are allocated (preallocated or written):
-    /// `append` accepts a record only if it ends within them. `u64::MAX` where the
-    /// filesystem cannot preallocate.
+    /// `append` accepts a record only if it ends within them (on a filesystem without
+    /// fallocate, what was asked for is taken as allocated: see `space::allocate`).
     pub seg_room: u64,
     /// No more appends (a newer segment exists).
     pub full: bool,
@@ -709,7 +709,7 @@ fn preallocate_ahead(inner: &Rc<Inner>, f: &Rc<DmaFile>, seg_base: Offset, end: 
         _ => return,
     };
     let limit = inner.cfg.segment_bytes;
-    if inner.prealloc_busy.get() || room == u64::MAX || room >= limit || end < room / 2 {
+    if inner.prealloc_busy.get() || room >= limit || end < room / 2 {
         return;
     }
     let target = prealloc_target(room, limit);

@@ -58,6 +58,11 @@ pub fn fd_headroom(max_fds: u64) -> u64 {
     (max_fds / 20).max(32)
 }
 
+/// True when `open` descriptors leave less than [`fd_headroom`] below a known `max`.
+fn in_headroom(open: u64, max: u64) -> bool {
+    max > 0 && open + fd_headroom(max) > max
+}
+
 impl Alarms {
     /// Alarm state for a data directory with this disk threshold; nothing is raised yet.
     pub fn new(disk_free_limit: u64) -> Alarms {
@@ -69,7 +74,7 @@ impl Alarms {
         self.disk_alarm.load(Ordering::Relaxed)
     }
 
-    /// A store reported a full disk: the monitor checks at its next wake-up (≤ 50 ms).
+    /// A store reported a full disk: the monitor checks at its next wake-up (≤ 10 ms).
     pub fn disk_full_seen(&self) {
         self.disk_full_seen.store(true, Ordering::Relaxed);
     }
@@ -85,7 +90,7 @@ impl Alarms {
             return Ok(());
         }
         let open = self.open_fds.fetch_add(n, Ordering::Relaxed) + n;
-        if open + fd_headroom(max) > max {
+        if in_headroom(open, max) {
             self.open_fds.fetch_sub(n, Ordering::Relaxed);
             return Err((open - n, max));
         }
@@ -160,7 +165,7 @@ fn check_fds(alarms: &Alarms) {
     if let Some(n) = count_open_fds() {
         alarms.open_fds.store(n, Ordering::Relaxed);
         let max = alarms.max_fds.load(Ordering::Relaxed);
-        let low = max > 0 && n + fd_headroom(max) > max;
+        let low = in_headroom(n, max);
         if alarms.fd_alarm.swap(low, Ordering::Relaxed) != low {
             if low {
                 tracing::warn!(open = n, limit = max, "file descriptor alarm raised: new connections and queues are refused");

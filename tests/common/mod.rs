@@ -228,22 +228,7 @@ impl Broker {
     pub fn restart(&mut self) {
         assert!(!self.external, "restart() needs a ringmq started by the harness");
         let mut child = self.child.take().expect("broker not running");
-        let pid = child.id();
-        let st = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
-        assert!(st.map(|s| s.success()).unwrap_or(false), "kill -TERM {pid} failed");
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait ringmq") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("ringmq did not exit within {STOP_TIMEOUT:?} of SIGTERM; log:\n{}", self.log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        assert!(status.success(), "ringmq exited with {status} after SIGTERM; log:\n{}", self.log());
+        sigterm_and_wait(&mut child, || self.log());
         self.spawn_on_same_port();
     }
 
@@ -283,6 +268,27 @@ impl Drop for Broker {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// SIGTERM to `child` by its PID, then wait (bounded by [`STOP_TIMEOUT`]) for exit status 0;
+/// panics with `log()` otherwise (after SIGKILL when it did not exit in time).
+fn sigterm_and_wait(child: &mut Child, log: impl Fn() -> String) {
+    let pid = child.id();
+    let st = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+    assert!(st.map(|s| s.success()).unwrap_or(false), "kill -TERM {pid} failed");
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait ringmq") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ringmq did not exit within {STOP_TIMEOUT:?} of SIGTERM; log:\n{}", log());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "ringmq exited with {status} after SIGTERM; log:\n{}", log());
 }
 
 /// Return early from a test (with a printed note) when it needs a broker the harness can
@@ -679,22 +685,7 @@ impl OwnBroker {
     /// Graceful stop: SIGTERM to the PID, wait (bounded by [`STOP_TIMEOUT`]) for exit status 0.
     pub fn stop(&mut self) {
         let mut child = self.child.take().expect("stop(): broker not running");
-        let pid = child.id();
-        let st = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
-        assert!(st.map(|s| s.success()).unwrap_or(false), "kill -TERM {pid} failed");
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait ringmq") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("ringmq did not exit within {STOP_TIMEOUT:?} of SIGTERM; log:\n{}", self.log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        assert!(status.success(), "ringmq exited with {status} after SIGTERM; log:\n{}", self.log());
+        sigterm_and_wait(&mut child, || self.log());
     }
 
     /// Crash stop: SIGKILL to the PID, reap.
