@@ -181,10 +181,7 @@ impl Config {
             listen: cli.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:5672".parse().expect("literal")),
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
-            metrics_listen: cli
-                .metrics_listen
-                .or(file.metrics_listen)
-                .unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
+            metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
             heartbeat: cli.heartbeat.or(file.heartbeat).unwrap_or(60),
             frame_max: cli.frame_max.or(file.frame_max).unwrap_or(131_072),
             channel_max: cli.channel_max.or(file.channel_max).unwrap_or(2047),
@@ -193,9 +190,7 @@ impl Config {
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
             disk_free_limit: cli.disk_free_limit.or(file.disk_free_limit).unwrap_or(DEFAULT_DISK_FREE_LIMIT),
             log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
-            users: file.users.unwrap_or_else(|| {
-                vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]
-            }),
+            users: file.users.unwrap_or_else(|| vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]),
             vhosts: file.vhosts.unwrap_or_else(|| vec!["/".into()]),
             node_id: 1,
         };

@@ -26,11 +26,7 @@ fn main() {
         tracing_subscriber::EnvFilter::new("info")
     });
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
     ringmq::core::fatal::install_panic_hook();
     if let Err(e) = run(config) {
         eprintln!("ringmq: {e}");
@@ -80,12 +76,7 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, Box<dyn std::er
     // SAFETY: flock on a file descriptor we own; no memory is involved.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r != 0 {
-        return Err(format!(
-            "data directory {} is in use by another ringmq (lock {} is held)",
-            dir.display(),
-            path.display()
-        )
-        .into());
+        return Err(format!("data directory {} is in use by another ringmq (lock {} is held)", dir.display(), path.display()).into());
     }
     Ok(f)
 }

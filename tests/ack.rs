@@ -404,12 +404,18 @@ async fn dead_letter_on_reject_and_nack_with_x_death() {
     let admin = chan(&c).await;
     confirm_mode(&admin).await;
     let dlx = uniq("dlx");
-    t("dlx", admin.exchange_declare(dlx.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), FieldTable::default())).await.unwrap();
+    t("dlx", admin.exchange_declare(dlx.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
     let dlq = plain_queue(&admin, "dlq").await;
-    t("bind", admin.queue_bind(dlq.as_str().into(), dlx.as_str().into(), "dead".into(), Default::default(), FieldTable::default())).await.unwrap();
+    t("bind", admin.queue_bind(dlq.as_str().into(), dlx.as_str().into(), "dead".into(), Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
     let dlq_rk = plain_queue(&admin, "dlq-origkey").await;
     let src_x = uniq("src-x");
-    t("src x", admin.exchange_declare(src_x.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), FieldTable::default())).await.unwrap();
+    t("src x", admin.exchange_declare(src_x.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
     // q1: dead-letters with routing key "dead"; q2: keeps the original routing key
     let mut a1 = FieldTable::default();
     a1.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
@@ -418,16 +424,19 @@ async fn dead_letter_on_reject_and_nack_with_x_death() {
     let mut a2 = FieldTable::default();
     a2.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
     let q2 = declare_queue(&admin, &uniq("dl-src2"), Default::default(), a2).await;
-    t("bind", admin.queue_bind(q1.as_str().into(), src_x.as_str().into(), "orig-key".into(), Default::default(), FieldTable::default())).await.unwrap();
-    t("bind", admin.queue_bind(q2.as_str().into(), src_x.as_str().into(), "orig2".into(), Default::default(), FieldTable::default())).await.unwrap();
-    t("bind", admin.queue_bind(dlq_rk.as_str().into(), dlx.as_str().into(), "orig2".into(), Default::default(), FieldTable::default())).await.unwrap();
+    t("bind", admin.queue_bind(q1.as_str().into(), src_x.as_str().into(), "orig-key".into(), Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    t("bind", admin.queue_bind(q2.as_str().into(), src_x.as_str().into(), "orig2".into(), Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    t("bind", admin.queue_bind(dlq_rk.as_str().into(), dlx.as_str().into(), "orig2".into(), Default::default(), FieldTable::default()))
+        .await
+        .unwrap();
 
     let mut h = FieldTable::default();
     h.insert("app".into(), AMQPValue::LongString("kept".into()));
-    let props = BasicProperties::default()
-        .with_message_id("dl-1".into())
-        .with_correlation_id("corr".into())
-        .with_headers(h);
+    let props = BasicProperties::default().with_message_id("dl-1".into()).with_correlation_id("corr".into()).with_headers(h);
     for body in ["rejected", "nacked-1", "nacked-2"] {
         publish_confirmed(&admin, &src_x, "orig-key", body.as_bytes(), props.clone()).await;
     }
@@ -462,7 +471,10 @@ async fn dead_letter_on_reject_and_nack_with_x_death() {
         assert_eq!(str_of(get(h, "x-first-death-reason")), "rejected");
         assert_eq!(str_of(get(h, "x-first-death-exchange")), src_x);
     }
-    let m = t("get", admin.basic_get(dlq_rk.as_str().into(), BasicGetOptions { no_ack: true })).await.unwrap().expect("dead-lettered with original key");
+    let m = t("get", admin.basic_get(dlq_rk.as_str().into(), BasicGetOptions { no_ack: true }))
+        .await
+        .unwrap()
+        .expect("dead-lettered with original key");
     assert_eq!(m.delivery.data, b"to-orig2");
     assert_eq!(m.delivery.routing_key.as_str(), "orig2", "without x-dead-letter-routing-key the original key is kept");
     check_death(&x_death(&m.delivery.properties)[0], &q2, "rejected", 1, &src_x, &["orig2"]);
@@ -664,7 +676,10 @@ async fn competing_consumers_and_getters_never_share_a_message() {
     // publish while they compete
     confirm_mode(&admin).await;
     for i in 0..N {
-        let pc = admin.basic_publish("".into(), q.as_str().into(), Default::default(), &i.to_be_bytes(), BasicProperties::default()).await.unwrap();
+        let pc = admin
+            .basic_publish("".into(), q.as_str().into(), Default::default(), &i.to_be_bytes(), BasicProperties::default())
+            .await
+            .unwrap();
         if i % 500 == 499 {
             t("confirm", pc).await.unwrap();
         }

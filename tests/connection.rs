@@ -20,9 +20,7 @@ async fn plain_login_and_channel_roundtrip() {
     let c = connect_uri(&b.uri_with("auth_mechanism=plain")).await;
     assert!(c.status().connected());
     let ch = t("channel.open", c.create_channel()).await.unwrap();
-    let q = t("declare", ch.queue_declare("".into(), QueueDeclareOptions::exclusive(), FieldTable::default()))
-        .await
-        .unwrap();
+    let q = t("declare", ch.queue_declare("".into(), QueueDeclareOptions::exclusive(), FieldTable::default())).await.unwrap();
     assert!(q.name().as_str().starts_with("amq.gen-"), "server-named queue: {}", q.name());
     t("close", c.close(200, "bye".into())).await.unwrap();
 }
@@ -70,9 +68,7 @@ async fn channels_open_close_independently() {
     let ch2 = t("open 2", c.create_channel()).await.unwrap();
     assert_ne!(ch1.id(), ch2.id());
     let q = uniq("chan");
-    t("declare", ch1.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()))
-        .await
-        .unwrap();
+    t("declare", ch1.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())).await.unwrap();
     t("close ch1", ch1.close(200, "done".into())).await.unwrap();
     assert!(!ch1.status().connected());
     // ch2 unaffected; a new channel works too
@@ -83,7 +79,15 @@ async fn channels_open_close_independently() {
     let got = t("get", ch3.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })).await.unwrap();
     assert_eq!(got.expect("message published on ch2").data, b"x");
     // a soft error on ch3 does not touch ch2
-    let r = t("passive missing", ch3.queue_declare(uniq("missing").as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())).await;
+    let r = t(
+        "passive missing",
+        ch3.queue_declare(
+            uniq("missing").as_str().into(),
+            QueueDeclareOptions { passive: true, ..Default::default() },
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r, 404, "passive declare of missing queue");
     t("ch2 still usable", ch2.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.unwrap();
     t("close", c.close(200, "bye".into())).await.unwrap();
@@ -117,9 +121,12 @@ async fn frame_max_negotiated_and_large_body_intact() {
     assert!(fm >= 4096, "frame_max {fm}");
     let ch = t("channel", c.create_channel()).await.unwrap();
     let q = uniq("big");
-    t("declare", ch.queue_declare(q.as_str().into(), QueueDeclareOptions { auto_delete: false, ..Default::default() }, FieldTable::default()))
-        .await
-        .unwrap();
+    t(
+        "declare",
+        ch.queue_declare(q.as_str().into(), QueueDeclareOptions { auto_delete: false, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     // 1 MiB + 17 bytes, a pattern that would show any reordering or loss of a frame
     let body: Vec<u8> = (0..(1 << 20) + 17u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     for _ in 0..2 {
@@ -130,9 +137,12 @@ async fn frame_max_negotiated_and_large_body_intact() {
     let got = t("get", ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })).await.unwrap().expect("big message");
     assert_eq!(got.data.len(), body.len());
     assert!(got.data == body, "1 MiB body corrupted via basic.get");
-    let mut cons = t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()))
-        .await
-        .unwrap();
+    let mut cons = t(
+        "consume",
+        ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     let d = t("deliver", cons.next()).await.expect("stream").expect("delivery");
     assert!(d.data == body, "1 MiB body corrupted via basic.deliver");
     t("delete", ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.unwrap();

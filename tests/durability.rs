@@ -34,8 +34,20 @@ async fn survive(b: &mut Broker, crash: bool) {
         confirm_mode(&ch).await;
         declare_queue(&ch, &dq, QueueDeclareOptions::durable(), FieldTable::default()).await;
         declare_queue(&ch, &tq, QueueDeclareOptions::default(), FieldTable::default()).await;
-        t("x", ch.exchange_declare(dx.as_str().into(), ExchangeKind::Topic, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())).await.unwrap();
-        t("bind", ch.queue_bind(dq.as_str().into(), dx.as_str().into(), "k.#".into(), Default::default(), FieldTable::default())).await.unwrap();
+        t(
+            "x",
+            ch.exchange_declare(
+                dx.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions { durable: true, ..Default::default() },
+                FieldTable::default(),
+            ),
+        )
+        .await
+        .unwrap();
+        t("bind", ch.queue_bind(dq.as_str().into(), dx.as_str().into(), "k.#".into(), Default::default(), FieldTable::default()))
+            .await
+            .unwrap();
         for i in 0..100u32 {
             let props = persistent().with_message_id(format!("m{i}").into());
             assert!(publish_confirmed(&ch, "", &dq, &i.to_be_bytes(), props).await.is_ack());
@@ -44,7 +56,8 @@ async fn survive(b: &mut Broker, crash: bool) {
         // consume and ack 10, hold 5 unacked across the restart
         let cch = t("channel", c.create_channel()).await.unwrap();
         t("qos", cch.basic_qos(15, Default::default())).await.unwrap();
-        let mut cons = t("consume", cch.basic_consume(dq.as_str().into(), "".into(), Default::default(), FieldTable::default())).await.unwrap();
+        let mut cons =
+            t("consume", cch.basic_consume(dq.as_str().into(), "".into(), Default::default(), FieldTable::default())).await.unwrap();
         let mut ds = Vec::new();
         for _ in 0..15 {
             ds.push(next_delivery(&mut cons, Duration::from_secs(5)).await);
@@ -77,7 +90,12 @@ async fn survive(b: &mut Broker, crash: bool) {
     } else {
         assert_eq!(ready, 90, "90 unacked/undelivered persistent messages survive");
     }
-    let mut cons = t("consume", ch.basic_consume(dq.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let mut cons = t(
+        "consume",
+        ch.basic_consume(dq.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     let mut got = Vec::new();
     for _ in 0..ready {
         let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
@@ -167,9 +185,10 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
     const BUDGET: Duration = Duration::from_secs(120);
     let mut b = Broker::start();
     require_own_broker!(b, "needs kill -9 of ringmq");
-    let seed = std::env::var("RINGMQ_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-    });
+    let seed = std::env::var("RINGMQ_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1);
     eprintln!("crash test seed: {seed} (set RINGMQ_CRASH_SEED to replay)");
     let mut rng = Rng(seed);
     let q = uniq("crash");
@@ -233,7 +252,9 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
                 if ch.basic_qos(50, Default::default()).await.is_err() {
                     return;
                 }
-                let Ok(mut cons) = ch.basic_consume(q.as_str().into(), "".into(), Default::default(), FieldTable::default()).await else { return };
+                let Ok(mut cons) = ch.basic_consume(q.as_str().into(), "".into(), Default::default(), FieldTable::default()).await else {
+                    return;
+                };
                 drop(ready);
                 for _ in 0..1_000_000 {
                     let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(5), cons.next()).await else { return };

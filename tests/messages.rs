@@ -96,7 +96,12 @@ async fn properties_and_headers_roundtrip_get_and_consume() {
     assert!(!got.delivery.redelivered);
     assert_eq!(got.message_count, 2);
 
-    let mut cons = t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let mut cons = t(
+        "consume",
+        ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
     assert_eq!(d.data, b"", "empty body");
     assert_eq!(d.properties, props, "properties changed through basic.deliver");
@@ -114,7 +119,18 @@ async fn mandatory_unroutable_is_returned_before_confirm() {
     let x = uniq("noroute");
     t("x", ch.exchange_declare(x.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), FieldTable::default())).await.unwrap();
     let props = BasicProperties::default().with_message_id("ret-1".into());
-    let pc = t("publish", ch.basic_publish(x.as_str().into(), "nowhere".into(), BasicPublishOptions { mandatory: true, ..Default::default() }, b"unroutable", props.clone())).await.unwrap();
+    let pc = t(
+        "publish",
+        ch.basic_publish(
+            x.as_str().into(),
+            "nowhere".into(),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            b"unroutable",
+            props.clone(),
+        ),
+    )
+    .await
+    .unwrap();
     let conf = t("confirm", pc).await.unwrap();
     assert!(conf.is_ack(), "unroutable message is still confirmed (ack): {conf:?}");
     let ret = conf.take_message().expect("basic.return before the confirm");
@@ -124,12 +140,28 @@ async fn mandatory_unroutable_is_returned_before_confirm() {
     assert_eq!(ret.delivery.routing_key.as_str(), "nowhere");
     assert_eq!(ret.delivery.properties, props);
     // not mandatory: silently dropped, still confirmed, nothing returned
-    let pc = t("publish", ch.basic_publish(x.as_str().into(), "nowhere".into(), BasicPublishOptions::default(), b"dropped", BasicProperties::default())).await.unwrap();
+    let pc = t(
+        "publish",
+        ch.basic_publish(x.as_str().into(), "nowhere".into(), BasicPublishOptions::default(), b"dropped", BasicProperties::default()),
+    )
+    .await
+    .unwrap();
     let conf = t("confirm", pc).await.unwrap();
     assert!(conf.is_ack());
     assert!(conf.take_message().is_none());
     // mandatory to the default exchange with no such queue is returned too
-    let pc = t("publish", ch.basic_publish("".into(), uniq("noq").as_str().into(), BasicPublishOptions { mandatory: true, ..Default::default() }, b"x", BasicProperties::default())).await.unwrap();
+    let pc = t(
+        "publish",
+        ch.basic_publish(
+            "".into(),
+            uniq("noq").as_str().into(),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            b"x",
+            BasicProperties::default(),
+        ),
+    )
+    .await
+    .unwrap();
     let conf = t("confirm", pc).await.unwrap();
     assert_eq!(conf.take_message().expect("returned").reply_code, 312);
     t("close", c.close(200, "".into())).await.unwrap();
@@ -180,8 +212,10 @@ async fn consumer_tags_and_exclusive_consumers() {
     let c = connect(&b).await;
     let ch = t("channel", c.create_channel()).await.unwrap();
     let q = plain_queue(&ch, "ctag").await;
-    let c1 = t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
-    let c2 = t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
+    let c1 =
+        t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
+    let c2 =
+        t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
     assert!(c1.tag().as_str().starts_with("amq.ctag-"), "server-generated tag: {}", c1.tag());
     assert_ne!(c1.tag(), c2.tag());
     // reusing a tag on the same channel → 530 NOT_ALLOWED (a connection error, as in the spec)
@@ -192,18 +226,39 @@ async fn consumer_tags_and_exclusive_consumers() {
     assert_code(r.map(|_| ()), 530, "basic.consume reusing a consumer tag");
     // exclusive consume while others consume → 403
     let ch2 = t("channel", c.create_channel()).await.unwrap();
-    let r = t("exclusive", ch2.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())).await;
+    let r = t(
+        "exclusive",
+        ch2.basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions { exclusive: true, ..Default::default() },
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r.map(|_| ()), 403, "exclusive basic.consume on a queue with consumers");
     // once exclusive, others get 403
     let q2 = plain_queue(&ch, "excl-cons").await;
-    let _ex = t("exclusive", ch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let _ex = t(
+        "exclusive",
+        ch.basic_consume(
+            q2.as_str().into(),
+            "".into(),
+            BasicConsumeOptions { exclusive: true, ..Default::default() },
+            FieldTable::default(),
+        ),
+    )
+    .await
+    .unwrap();
     let other = connect(&b).await;
     let och = t("channel", other.create_channel()).await.unwrap();
-    let r = t("second consumer", och.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await;
+    let r =
+        t("second consumer", och.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await;
     assert_code(r.map(|_| ()), 403, "basic.consume on a queue with an exclusive consumer");
     // consume on a missing queue → 404
     let och = t("channel", other.create_channel()).await.unwrap();
-    let r = t("missing", och.basic_consume(uniq("noq").as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await;
+    let r = t("missing", och.basic_consume(uniq("noq").as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await;
     assert_code(r.map(|_| ()), 404, "basic.consume on a missing queue");
     let ch3 = t("channel", c.create_channel()).await.unwrap();
     for q in [&q, &q2] {
@@ -221,8 +276,18 @@ async fn round_robin_between_consumers() {
     let q = plain_queue(&pch, "rr").await;
     let ch1 = t("channel", c.create_channel()).await.unwrap();
     let ch2 = t("channel", c.create_channel()).await.unwrap();
-    let mut c1 = t("consume", ch1.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())).await.unwrap();
-    let mut c2 = t("consume", ch2.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let mut c1 = t(
+        "consume",
+        ch1.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
+    let mut c2 = t(
+        "consume",
+        ch2.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     for i in 0..20 {
         publish_confirmed(&pch, "", &q, format!("{i}").as_bytes(), BasicProperties::default()).await;
     }
@@ -252,7 +317,17 @@ async fn basic_cancel_stops_deliveries_without_requeue_of_ready() {
     confirm_mode(&ch).await;
     let q = plain_queue(&ch, "cancel").await;
     let cch = t("channel", c.create_channel()).await.unwrap();
-    let mut cons = t("consume", cch.basic_consume(q.as_str().into(), "my-tag".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let mut cons = t(
+        "consume",
+        cch.basic_consume(
+            q.as_str().into(),
+            "my-tag".into(),
+            BasicConsumeOptions { no_ack: true, ..Default::default() },
+            FieldTable::default(),
+        ),
+    )
+    .await
+    .unwrap();
     assert_eq!(cons.tag().as_str(), "my-tag");
     publish_confirmed(&ch, "", &q, b"one", BasicProperties::default()).await;
     assert_eq!(next_delivery(&mut cons, Duration::from_secs(5)).await.data, b"one");
@@ -280,7 +355,8 @@ async fn prefetch_bounds_unacked_per_consumer_and_per_channel() {
     }
     let ch = t("channel", c.create_channel()).await.unwrap();
     t("qos", ch.basic_qos(3, BasicQosOptions::default())).await.unwrap();
-    let mut cons = t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
+    let mut cons =
+        t("consume", ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(next_delivery(&mut cons, Duration::from_secs(5)).await);
@@ -308,8 +384,12 @@ async fn prefetch_bounds_unacked_per_consumer_and_per_channel() {
     }
     let gch = t("channel", c.create_channel()).await.unwrap();
     t("qos global", gch.basic_qos(4, BasicQosOptions { global: true })).await.unwrap();
-    let mut g1 = t("consume", gch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
-    let mut g2 = t("consume", gch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
+    let mut g1 = t("consume", gch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    let mut g2 = t("consume", gch.basic_consume(q2.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await
+        .unwrap();
     let mut n = 0;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     while tokio::time::Instant::now() < deadline {
@@ -333,7 +413,11 @@ async fn confirms_ack_every_publish_in_order() {
     let mut pending = Vec::new();
     for i in 0..500u32 {
         let props = BasicProperties::default().with_delivery_mode(if i % 2 == 0 { 2 } else { 1 });
-        pending.push(t("publish", ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &i.to_be_bytes(), props)).await.unwrap());
+        pending.push(
+            t("publish", ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &i.to_be_bytes(), props))
+                .await
+                .unwrap(),
+        );
     }
     for (i, pc) in pending.into_iter().enumerate() {
         let conf = t("confirm", pc).await.unwrap();

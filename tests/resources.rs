@@ -204,11 +204,7 @@ impl Script {
         let out = self.output();
         match status {
             None => panic!("{} did not finish within {limit:?}; output:\n{out}", self.name),
-            Some(s) => assert!(
-                s.success() && self.transcript.iter().any(|l| l.starts_with("PASS ")),
-                "{} failed ({s}):\n{out}",
-                self.name
-            ),
+            Some(s) => assert!(s.success() && self.transcript.iter().any(|l| l.starts_with("PASS ")), "{} failed ({s}):\n{out}", self.name),
         }
         out
     }
@@ -238,10 +234,7 @@ fn series(text: &str, name: &str) -> f64 {
 
 /// The resource series of a metrics text, for the test's output.
 fn resource_lines(text: &str) -> String {
-    text.lines()
-        .filter(|l| l.starts_with("rabbitmq_"))
-        .collect::<Vec<_>>()
-        .join("\n")
+    text.lines().filter(|l| l.starts_with("rabbitmq_")).collect::<Vec<_>>().join("\n")
 }
 
 // ----- file descriptors -----
@@ -319,10 +312,7 @@ fn is_root() -> bool {
 /// `name` on PATH or in /sbin, /usr/sbin (not always on a user's PATH).
 fn find_program(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")]).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// Run a command, bounded by `limit`; Err with its output when it fails.
@@ -373,9 +363,7 @@ impl LoopMount {
     fn new(mkfs: &Path, size_mib: u64) -> Result<LoopMount, String> {
         let dir = tempfile::Builder::new().prefix("ringmq-disk-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
         let image = dir.path().join("fs.img");
-        File::create(&image)
-            .and_then(|f| f.set_len(size_mib * MIB))
-            .map_err(|e| format!("create {}: {e}", image.display()))?;
+        File::create(&image).and_then(|f| f.set_len(size_mib * MIB)).map_err(|e| format!("create {}: {e}", image.display()))?;
         // -m 0: no blocks reserved for root (the broker runs as root here): "free" and
         // "available" are then the same figure, and "full" means full for the broker too.
         run_cmd(mkfs, &["-q".as_ref(), "-F".as_ref(), "-m".as_ref(), "0".as_ref(), image.as_os_str()], Duration::from_secs(30))?;
@@ -472,9 +460,7 @@ fn fill_fs(dir: &Path, name: &str) -> u64 {
         }
     }
     for i in 0..4096 {
-        let ok = File::create(dir.join(format!("{name}.{i}")))
-            .and_then(|mut g| g.write_all(b"x").and_then(|_| g.sync_all()))
-            .is_ok();
+        let ok = File::create(dir.join(format!("{name}.{i}"))).and_then(|mut g| g.write_all(b"x").and_then(|_| g.sync_all())).is_ok();
         if !ok {
             break;
         }
@@ -623,9 +609,7 @@ impl FaultyDisk {
     fn new(mkfs: &Path, chattr: &Path, size_mib: u64) -> Result<FaultyDisk, String> {
         let dir = tempfile::Builder::new().prefix("ringmq-eio-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
         let image = dir.path().join("fs.img");
-        File::create(&image)
-            .and_then(|f| f.set_len(size_mib * MIB))
-            .map_err(|e| format!("create {}: {e}", image.display()))?;
+        File::create(&image).and_then(|f| f.set_len(size_mib * MIB)).map_err(|e| format!("create {}: {e}", image.display()))?;
         let o = |s: &'static str| -> &OsStr { s.as_ref() };
         run_cmd(mkfs, &[o("-q"), o("-F"), o("-m"), o("0"), o("-O"), o("^has_journal"), image.as_os_str()], Duration::from_secs(30))?;
         let mnt = dir.path().join("mnt");
@@ -661,7 +645,11 @@ impl FaultyDisk {
         self.failing = true;
         match self.probe() {
             Err(e) if e.raw_os_error() == Some(libc::EIO) => {
-                println!("store fault on: {} is immutable, a probe's fdatasync on {} failed: {e}", self.image.display(), self.mnt.display());
+                println!(
+                    "store fault on: {} is immutable, a probe's fdatasync on {} failed: {e}",
+                    self.image.display(),
+                    self.mnt.display()
+                );
                 Ok(())
             }
             Err(e) => Err(format!("with {} immutable a probe write on its loop mount failed with {e}, not EIO", self.image.display())),
@@ -682,7 +670,10 @@ impl FaultyDisk {
                     return Ok(());
                 }
                 Err(e) if Instant::now() > deadline => {
-                    return Err(format!("{} writable again, yet a probe on its loop mount still fails after 5 s: {e}", self.image.display()))
+                    return Err(format!(
+                        "{} writable again, yet a probe on its loop mount still fails after 5 s: {e}",
+                        self.image.display()
+                    ))
                 }
                 Err(e) => {
                     println!("probe after the fault ended: {e}; retrying");
@@ -767,14 +758,24 @@ fn store_failure_nacks_and_the_queue_reopens() {
     let (fault_ok, fault_out) = try_script("disk_full.py", &b, &["publish-fault", &q, "fault", "2000", &fault], Duration::from_secs(60));
     b.assert_running("during the store fault (every write of the device failing with EIO)");
     let m = scrape(&b);
-    let store_lines = |m: &str| m.lines().filter(|l| l.starts_with("ringmq_messages_store_refused") || l.starts_with("ringmq_queue_store_reopens")).collect::<Vec<_>>().join("\n");
+    let store_lines = |m: &str| {
+        m.lines()
+            .filter(|l| l.starts_with("ringmq_messages_store_refused") || l.starts_with("ringmq_queue_store_reopens"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     println!("metrics during the fault:\n{}", store_lines(&m));
     let refused = series(&m, "ringmq_messages_store_refused_total");
     let reads: Vec<&str> = fault_out.lines().filter(|l| l.starts_with("READ") || l.starts_with("LATE-READ")).collect();
     println!("reads of the failed queue during the fault:\n{}", reads.join("\n"));
     // The queue stays readable while its store cannot be written: it is reopened only once
     // writes work again (a probe write), not on the first tick.
-    assert!(reads.len() >= 2 && reads.iter().all(|l| l.contains(" ok ")), "{test}: the failed queue must stay readable during the fault:\n{}\n{}", reads.join("\n"), b.log());
+    assert!(
+        reads.len() >= 2 && reads.iter().all(|l| l.contains(" ok ")),
+        "{test}: the failed queue must stay readable during the fault:\n{}\n{}",
+        reads.join("\n"),
+        b.log()
+    );
 
     // Writes work again: the queue reopens from disk and takes publishes.
     disk.heal().unwrap_or_else(|e| panic!("{test}: {e}"));
@@ -847,7 +848,10 @@ fn stale_tag_after_reopen_settles_nothing() {
     b.assert_running("after the stale tag's ack and the requeue");
     let m = scrape(&b);
     let reopens = series(&m, "ringmq_queue_store_reopens_total");
-    assert!(reopens >= 1.0, "{test}: ringmq_queue_store_reopens_total {reopens}: the queue was not reopened, the scenario did not happen:\n{out}");
+    assert!(
+        reopens >= 1.0,
+        "{test}: ringmq_queue_store_reopens_total {reopens}: the queue was not reopened, the scenario did not happen:\n{out}"
+    );
     drop(b);
     drop(disk);
 }

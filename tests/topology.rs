@@ -121,12 +121,12 @@ async fn topic_exchange_star_and_hash() {
         pub_h(&ch, &x, k, k, None).await;
     }
     let expect: [&[&str]; 6] = [
-        &["a.b.c"],                                                         // a.*.c
-        &["a.b.c", "a", "a.b.b.c", "a.c"],                                  // a.#
+        &["a.b.c"],                                                        // a.*.c
+        &["a.b.c", "a", "a.b.b.c", "a.c"],                                 // a.#
         &["a.b.c", "a", "a.b.b.c", "b.x", "x", "z", "q.z.r.z", "a.c", ""], // #
-        &["b.x"],                                                           // *.x
-        &["z", "q.z.r.z"],                                                  // #.z.#
-        &["a.b.c"],                                                         // a.b.c
+        &["b.x"],                                                          // *.x
+        &["z", "q.z.r.z"],                                                 // #.z.#
+        &["a.b.c"],                                                        // a.b.c
     ];
     for (i, q) in qs.iter().enumerate() {
         assert_eq!(strs(drain(&ch, q, 20).await), expect[i], "pattern {}", patterns[i]);
@@ -182,7 +182,8 @@ async fn default_exchange_routes_by_queue_name_and_refuses_bindings() {
     pub_h(&ch, "", &format!("{q}-not"), "lost", None).await;
     assert_eq!(strs(drain(&ch, &q, 10).await), ["hello"]);
     // Binding to (or unbinding from) the default exchange is refused: 403 ACCESS_REFUSED.
-    let r = t("bind default", ch.queue_bind(q.as_str().into(), "".into(), "k".into(), QueueBindOptions::default(), FieldTable::default())).await;
+    let r = t("bind default", ch.queue_bind(q.as_str().into(), "".into(), "k".into(), QueueBindOptions::default(), FieldTable::default()))
+        .await;
     assert_code(r, 403, "queue.bind to the default exchange");
     let ch2 = t("channel", c.create_channel()).await.unwrap();
     let r = t("delete default", ch2.exchange_delete("".into(), ExchangeDeleteOptions::default())).await;
@@ -227,8 +228,18 @@ async fn exchange_to_exchange_bindings() {
     let q1 = plain_queue(&ch, "e2e1").await;
     let q2 = plain_queue(&ch, "e2e2").await;
     // src --(a.*)--> mid --(a.x)--> q1 ; src --(#)--> fan --> q2
-    t("x bind", ch.exchange_bind(mid.as_str().into(), src.as_str().into(), "a.*".into(), ExchangeBindOptions::default(), FieldTable::default())).await.unwrap();
-    t("x bind", ch.exchange_bind(fan.as_str().into(), src.as_str().into(), "#".into(), ExchangeBindOptions::default(), FieldTable::default())).await.unwrap();
+    t(
+        "x bind",
+        ch.exchange_bind(mid.as_str().into(), src.as_str().into(), "a.*".into(), ExchangeBindOptions::default(), FieldTable::default()),
+    )
+    .await
+    .unwrap();
+    t(
+        "x bind",
+        ch.exchange_bind(fan.as_str().into(), src.as_str().into(), "#".into(), ExchangeBindOptions::default(), FieldTable::default()),
+    )
+    .await
+    .unwrap();
     bind(&ch, &q1, &mid, "a.x", FieldTable::default()).await;
     bind(&ch, &q2, &fan, "", FieldTable::default()).await;
     // q1 also bound directly to src: a message reaching it by two paths is delivered once
@@ -238,11 +249,26 @@ async fn exchange_to_exchange_bindings() {
     }
     assert_eq!(strs(drain(&ch, &q1, 10).await), ["a.x"]);
     assert_eq!(strs(drain(&ch, &q2, 10).await), ["a.x", "a.y", "b"]);
-    t("x unbind", ch.exchange_unbind(fan.as_str().into(), src.as_str().into(), "#".into(), ExchangeUnbindOptions::default(), FieldTable::default())).await.unwrap();
+    t(
+        "x unbind",
+        ch.exchange_unbind(fan.as_str().into(), src.as_str().into(), "#".into(), ExchangeUnbindOptions::default(), FieldTable::default()),
+    )
+    .await
+    .unwrap();
     pub_h(&ch, &src, "b", "b2", None).await;
     assert!(drain(&ch, &q2, 10).await.is_empty());
     // exchange.bind with a missing source → 404
-    let r = t("bind missing", ch.exchange_bind(mid.as_str().into(), uniq("nosrc").as_str().into(), "".into(), ExchangeBindOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "bind missing",
+        ch.exchange_bind(
+            mid.as_str().into(),
+            uniq("nosrc").as_str().into(),
+            "".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r, 404, "exchange.bind with a missing source");
     t("close", c.close(200, "".into())).await.unwrap();
 }
@@ -260,7 +286,18 @@ async fn alternate_exchange_gets_unroutable_messages() {
     pub_h(&ch, &x, "known", "k", None).await;
     pub_h(&ch, &x, "unknown", "u", None).await;
     // mandatory + routed via the AE: not returned
-    let pc = t("publish", ch.basic_publish(x.as_str().into(), "other".into(), BasicPublishOptions { mandatory: true, ..Default::default() }, b"m", Default::default())).await.unwrap();
+    let pc = t(
+        "publish",
+        ch.basic_publish(
+            x.as_str().into(),
+            "other".into(),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            b"m",
+            Default::default(),
+        ),
+    )
+    .await
+    .unwrap();
     let conf = t("confirm", pc).await.unwrap();
     assert!(conf.is_ack());
     assert!(conf.take_message().is_none(), "message routed via alternate-exchange must not be returned");
@@ -278,22 +315,58 @@ async fn exchange_declare_errors() {
     // redeclare with a different type → 406 PRECONDITION_FAILED
     let ch = t("channel", c.create_channel()).await.unwrap();
     let x = exchange(&ch, "retype", ExchangeKind::Direct, FieldTable::default()).await;
-    let r = t("redeclare", ch.exchange_declare(x.as_str().into(), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "redeclare",
+        ch.exchange_declare(x.as_str().into(), ExchangeKind::Fanout, ExchangeDeclareOptions::default(), FieldTable::default()),
+    )
+    .await;
     assert_code(r, 406, "exchange redeclared with another type");
     // redeclare with different durability → 406
     let ch = t("channel", c.create_channel()).await.unwrap();
-    let r = t("redeclare", ch.exchange_declare(x.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default())).await;
+    let r = t(
+        "redeclare",
+        ch.exchange_declare(
+            x.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions { durable: true, ..Default::default() },
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r, 406, "exchange redeclared with another durability");
     // same declaration again is fine
     let ch = t("channel", c.create_channel()).await.unwrap();
-    t("same redeclare", ch.exchange_declare(x.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default())).await.unwrap();
+    t(
+        "same redeclare",
+        ch.exchange_declare(x.as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default()),
+    )
+    .await
+    .unwrap();
     // a name starting with amq. → 403 ACCESS_REFUSED
-    let r = t("amq.foo", ch.exchange_declare(format!("amq.{}", uniq("foo")).as_str().into(), ExchangeKind::Direct, ExchangeDeclareOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "amq.foo",
+        ch.exchange_declare(
+            format!("amq.{}", uniq("foo")).as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r, 403, "exchange.declare amq.*");
     // unknown exchange type → 503 COMMAND_INVALID (connection error in RabbitMQ, as in the spec)
     let c2 = connect(&b).await;
     let ch2 = t("channel", c2.create_channel()).await.unwrap();
-    let r = t("bad type", ch2.exchange_declare(uniq("badtype").as_str().into(), ExchangeKind::Custom("no-such-type".into()), ExchangeDeclareOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "bad type",
+        ch2.exchange_declare(
+            uniq("badtype").as_str().into(),
+            ExchangeKind::Custom("no-such-type".into()),
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await;
     assert_code(r, 503, "exchange.declare with an unknown type");
     // exchange.delete of a missing exchange is OK in RabbitMQ 3.10 (idempotent delete)
     let ch = t("channel", c.create_channel()).await.unwrap();
@@ -311,11 +384,14 @@ async fn exchange_delete_if_unused() {
     let x = exchange(&ch, "ifunused", ExchangeKind::Direct, FieldTable::default()).await;
     let q = plain_queue(&ch, "ifunused-q").await;
     bind(&ch, &q, &x, "k", FieldTable::default()).await;
-    let r = t("delete if_unused", ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions { if_unused: true, ..Default::default() })).await;
+    let r =
+        t("delete if_unused", ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions { if_unused: true, ..Default::default() })).await;
     assert_code(r, 406, "exchange.delete if_unused on a bound exchange");
     let ch = t("channel", c.create_channel()).await.unwrap();
     t("unbind", ch.queue_unbind(q.as_str().into(), x.as_str().into(), "k".into(), FieldTable::default())).await.unwrap();
-    t("delete if_unused", ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions { if_unused: true, ..Default::default() })).await.unwrap();
+    t("delete if_unused", ch.exchange_delete(x.as_str().into(), ExchangeDeleteOptions { if_unused: true, ..Default::default() }))
+        .await
+        .unwrap();
     assert!(!exchange_exists(&c, &x).await);
     // deleting a queue removes its bindings: publishing to the old key routes nowhere
     t("close", c.close(200, "".into())).await.unwrap();
@@ -338,13 +414,19 @@ async fn queue_declare_variants_and_errors() {
     assert_code(r, 406, "queue redeclared with another durability");
     // redeclare with different arguments → 406
     let ch = t("channel", c.create_channel()).await.unwrap();
-    let r = t("redeclare args", ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), table(&[("x-dead-letter-exchange", s("elsewhere"))]))).await;
+    let r = t(
+        "redeclare args",
+        ch.queue_declare(name.as_str().into(), QueueDeclareOptions::default(), table(&[("x-dead-letter-exchange", s("elsewhere"))])),
+    )
+    .await;
     assert_code(r, 406, "queue redeclared with other arguments");
     // identical redeclare is fine
     let ch = t("channel", c.create_channel()).await.unwrap();
     declare_queue(&ch, &name, QueueDeclareOptions::default(), FieldTable::default()).await;
     // amq. prefix → 403
-    let r = t("amq.q", ch.queue_declare(format!("amq.{}", uniq("q")).as_str().into(), QueueDeclareOptions::default(), FieldTable::default())).await;
+    let r =
+        t("amq.q", ch.queue_declare(format!("amq.{}", uniq("q")).as_str().into(), QueueDeclareOptions::default(), FieldTable::default()))
+            .await;
     assert_code(r, 403, "queue.declare amq.*");
     let ch = t("channel", c.create_channel()).await.unwrap();
     t("delete", ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default())).await.unwrap();
@@ -362,13 +444,28 @@ async fn exclusive_queue_is_locked_and_dies_with_its_connection() {
     for what in ["declare", "passive", "consume", "get", "delete", "purge", "bind"] {
         let ch = t("channel", other.create_channel()).await.unwrap();
         let r: Result<(), lapin::Error> = match what {
-            "declare" => t(what, ch.queue_declare(q.as_str().into(), QueueDeclareOptions::exclusive(), FieldTable::default())).await.map(|_| ()),
-            "passive" => t(what, ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())).await.map(|_| ()),
-            "consume" => t(what, ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.map(|_| ()),
+            "declare" => {
+                t(what, ch.queue_declare(q.as_str().into(), QueueDeclareOptions::exclusive(), FieldTable::default())).await.map(|_| ())
+            }
+            "passive" => t(
+                what,
+                ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()),
+            )
+            .await
+            .map(|_| ()),
+            "consume" => t(what, ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()))
+                .await
+                .map(|_| ()),
             "get" => t(what, ch.basic_get(q.as_str().into(), BasicGetOptions::default())).await.map(|_| ()),
             "delete" => t(what, ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.map(|_| ()),
             "purge" => t(what, ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default())).await.map(|_| ()),
-            _ => t(what, ch.queue_bind(q.as_str().into(), "amq.direct".into(), "k".into(), QueueBindOptions::default(), FieldTable::default())).await,
+            _ => {
+                t(
+                    what,
+                    ch.queue_bind(q.as_str().into(), "amq.direct".into(), "k".into(), QueueBindOptions::default(), FieldTable::default()),
+                )
+                .await
+            }
         };
         assert_code(r, 405, &format!("{what} on another connection's exclusive queue"));
     }
@@ -394,13 +491,23 @@ async fn auto_delete_queue_dies_with_last_consumer() {
     let b = Broker::start();
     let c = connect(&b).await;
     let ch = t("channel", c.create_channel()).await.unwrap();
-    let q = declare_queue(&ch, &uniq("autodel"), QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()).await;
+    let q =
+        declare_queue(&ch, &uniq("autodel"), QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()).await;
     // no consumer yet: it stays
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(queue_exists(&c, &q).await, "auto-delete queue deleted before any consumer");
-    let c1 = t("consume", ch.basic_consume(q.as_str().into(), "c1".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
-    let c2 = t("consume", ch.basic_consume(q.as_str().into(), "c2".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
-    let dk = t("passive", ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let c1 = t("consume", ch.basic_consume(q.as_str().into(), "c1".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    let c2 = t("consume", ch.basic_consume(q.as_str().into(), "c2".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    let dk = t(
+        "passive",
+        ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     assert_eq!(dk.consumer_count(), 2);
     t("cancel", ch.basic_cancel(c1.tag(), BasicCancelOptions::default())).await.unwrap();
     assert!(queue_exists(&c, &q).await, "deleted while a consumer remains");
@@ -438,8 +545,14 @@ async fn declare_ok_counts_purge_and_delete_conditions() {
     assert_eq!(t("purge again", ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default())).await.unwrap(), 0);
     // if_unused with a consumer → 406
     let cch = t("channel", c.create_channel()).await.unwrap();
-    let _cons = t("consume", cch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
-    let dk = t("passive", ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())).await.unwrap();
+    let _cons =
+        t("consume", cch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())).await.unwrap();
+    let dk = t(
+        "passive",
+        ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()),
+    )
+    .await
+    .unwrap();
     assert_eq!((dk.message_count(), dk.consumer_count()), (0, 1));
     let r = t("delete if_unused", ch.queue_delete(q.as_str().into(), QueueDeleteOptions { if_unused: true, ..Default::default() })).await;
     assert_code(r, 406, "queue.delete if_unused on a queue with a consumer");
@@ -461,11 +574,19 @@ async fn bind_to_missing_queue_or_exchange_is_not_found() {
     let b = Broker::start();
     let c = connect(&b).await;
     let ch = t("channel", c.create_channel()).await.unwrap();
-    let r = t("bind missing q", ch.queue_bind(uniq("noq").as_str().into(), "amq.direct".into(), "k".into(), QueueBindOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "bind missing q",
+        ch.queue_bind(uniq("noq").as_str().into(), "amq.direct".into(), "k".into(), QueueBindOptions::default(), FieldTable::default()),
+    )
+    .await;
     assert_code(r, 404, "queue.bind of a missing queue");
     let ch = t("channel", c.create_channel()).await.unwrap();
     let q = plain_queue(&ch, "bindmiss").await;
-    let r = t("bind missing x", ch.queue_bind(q.as_str().into(), uniq("nox").as_str().into(), "k".into(), QueueBindOptions::default(), FieldTable::default())).await;
+    let r = t(
+        "bind missing x",
+        ch.queue_bind(q.as_str().into(), uniq("nox").as_str().into(), "k".into(), QueueBindOptions::default(), FieldTable::default()),
+    )
+    .await;
     assert_code(r, 404, "queue.bind to a missing exchange");
     let ch = t("channel", c.create_channel()).await.unwrap();
     t("delete", ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.unwrap();

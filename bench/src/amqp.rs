@@ -3,8 +3,7 @@
 use crate::cli::{redact, Config, ExchangeType};
 use crate::error::BenchError;
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions, QueuePurgeOptions,
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -51,10 +50,7 @@ pub async fn channel(conn: &Connection) -> Result<Channel, BenchError> {
 /// Queue declare options for this run: durable when persistent or when the queue type
 /// requires it (quorum, stream).
 pub fn queue_options(cfg: &Config) -> QueueDeclareOptions {
-    let typed = cfg
-        .queue_args_text
-        .iter()
-        .any(|kv| kv.starts_with("x-queue-type=") && !kv.ends_with("=classic"));
+    let typed = cfg.queue_args_text.iter().any(|kv| kv.starts_with("x-queue-type=") && !kv.ends_with("=classic"));
     QueueDeclareOptions { durable: cfg.persistent || typed, ..QueueDeclareOptions::default() }
 }
 
@@ -91,9 +87,13 @@ pub async fn declare_topology(ch: &Channel, cfg: &Config) -> Result<(), BenchErr
             .map_err(BenchError::Setup)?;
         if !ex.name.is_empty() {
             let (key, args) = binding(ex.kind, q);
-            within(OP_TIMEOUT, "queue.bind", ch.queue_bind(q.as_str().into(), ex.name.as_str().into(), key, QueueBindOptions::default(), args))
-                .await
-                .map_err(BenchError::Setup)?;
+            within(
+                OP_TIMEOUT,
+                "queue.bind",
+                ch.queue_bind(q.as_str().into(), ex.name.as_str().into(), key, QueueBindOptions::default(), args),
+            )
+            .await
+            .map_err(BenchError::Setup)?;
         }
     }
     Ok(())
@@ -103,10 +103,7 @@ pub async fn declare_topology(ch: &Channel, cfg: &Config) -> Result<(), BenchErr
 fn binding(kind: ExchangeType, queue: &str) -> (ShortString, FieldTable) {
     match kind {
         ExchangeType::Fanout => ("".into(), FieldTable::default()),
-        ExchangeType::Headers => (
-            "".into(),
-            headers_for(queue, true),
-        ),
+        ExchangeType::Headers => ("".into(), headers_for(queue, true)),
         ExchangeType::Direct | ExchangeType::Topic => (queue.into(), FieldTable::default()),
     }
 }
@@ -144,7 +141,9 @@ pub async fn delete_topology(ch: &Channel, cfg: &Config) {
         }
     }
     if cfg.exchange.declare {
-        let _ = within(TEARDOWN_OP, "exchange.delete", ch.exchange_delete(cfg.exchange.name.as_str().into(), ExchangeDeleteOptions::default())).await;
+        let _ =
+            within(TEARDOWN_OP, "exchange.delete", ch.exchange_delete(cfg.exchange.name.as_str().into(), ExchangeDeleteOptions::default()))
+                .await;
     }
 }
 

@@ -309,9 +309,7 @@ impl Config {
         };
         let fanout_queues = f.fanout_queues.or((scenario == Fanout).then_some(dq));
         let kind = match (f.exchange_type, fanout_queues) {
-            (Some(t), Some(_)) if t != ExchangeType::Fanout => {
-                return usage("--fanout-queues needs --exchange-type fanout".into())
-            }
+            (Some(t), Some(_)) if t != ExchangeType::Fanout => return usage("--fanout-queues needs --exchange-type fanout".into()),
             (Some(t), _) => t,
             (None, Some(_)) => ExchangeType::Fanout,
             (None, None) => ExchangeType::Direct,
@@ -321,9 +319,7 @@ impl Config {
             k => format!("ringmq-bench-{}", k.name()),
         });
         let exchange = ExchangeSpec {
-            declare: !exchange_name.is_empty()
-                && !exchange_name.starts_with("amq.")
-                && !f.predeclared,
+            declare: !exchange_name.is_empty() && !exchange_name.starts_with("amq.") && !f.predeclared,
             name: exchange_name,
             kind,
         };
@@ -333,11 +329,7 @@ impl Config {
             return usage("no queue".into());
         }
         let manual = if f.auto_ack { false } else { f.multi_ack_every.is_some() || dmanual };
-        let consumers = f.consumers.unwrap_or(if fanout_queues.is_some() {
-            queues.len() as u32
-        } else {
-            dc
-        });
+        let consumers = f.consumers.unwrap_or(if fanout_queues.is_some() { queues.len() as u32 } else { dc });
         let producers = f.producers.unwrap_or(dp);
         if producers > u32::from(u16::MAX) {
             return usage("at most 65535 producers".into());
@@ -429,9 +421,7 @@ fn queue_names(spec: Option<&str>, count: Option<u32>, default_count: u32) -> Re
 fn parse_queue_args(args: &[String]) -> Result<(FieldTable, Vec<String>), BenchError> {
     let mut table = FieldTable::default();
     for kv in args {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| BenchError::Usage(format!("--queue-args {kv}: expected k=v")))?;
+        let (k, v) = kv.split_once('=').ok_or_else(|| BenchError::Usage(format!("--queue-args {kv}: expected k=v")))?;
         let value = if let Ok(i) = v.parse::<i64>() {
             AMQPValue::LongLongInt(i)
         } else if v == "true" || v == "false" {

@@ -39,9 +39,7 @@ impl Pacer {
     /// `timerfd_create(2)` failures (e.g. EMFILE) and epoll registration errors.
     pub fn new() -> io::Result<Self> {
         // SAFETY: plain syscall; the returned fd is checked before use.
-        let raw = unsafe {
-            libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC)
-        };
+        let raw = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -49,8 +47,7 @@ impl Pacer {
         let owned = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: `owned` is a valid open fd owned by the AsyncFd for its whole life, and
         // OwnedFd::as_raw_fd always returns that same fd.
-        let fd = unsafe { AsyncFd::register_with_interest(owned, Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)?;
+        let fd = unsafe { AsyncFd::register_with_interest(owned, Interest::READABLE) }.map_err(|e| e.into_parts().1)?;
         Ok(Self { fd, armed_for: 0 })
     }
 
@@ -63,14 +60,7 @@ impl Pacer {
             },
         };
         // SAFETY: valid fd and itimerspec; old value not requested.
-        unsafe {
-            libc::timerfd_settime(
-                self.fd.as_raw_fd(),
-                libc::TFD_TIMER_ABSTIME,
-                &spec,
-                std::ptr::null_mut(),
-            )
-        };
+        unsafe { libc::timerfd_settime(self.fd.as_raw_fd(), libc::TFD_TIMER_ABSTIME, &spec, std::ptr::null_mut()) };
         self.armed_for = deadline_ns;
     }
 
@@ -91,9 +81,7 @@ impl Pacer {
                 Poll::Ready(Ok(mut guard)) => {
                     let mut expirations = [0u8; 8];
                     // SAFETY: reading 8 bytes into an 8-byte buffer from our own timerfd.
-                    let n = unsafe {
-                        libc::read(self.fd.as_raw_fd(), expirations.as_mut_ptr().cast(), 8)
-                    };
+                    let n = unsafe { libc::read(self.fd.as_raw_fd(), expirations.as_mut_ptr().cast(), 8) };
                     if n < 0 {
                         guard.clear_ready();
                     } else {

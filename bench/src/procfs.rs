@@ -13,17 +13,11 @@ use std::io;
 pub fn process_cpu_us(pid: u32) -> io::Result<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) may contain spaces and parentheses: skip past the last ')'.
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad /proc stat"))?;
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad /proc stat"))?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // rest starts at field 3 (state): utime is field 14 → index 11, stime → index 12.
     let parse = |i: usize| -> io::Result<u64> {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad /proc stat field"))
+        fields.get(i).and_then(|f| f.parse::<u64>().ok()).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad /proc stat field"))
     };
     let ticks = parse(11)? + parse(12)?;
     Ok(ticks * 1_000_000 / clock_ticks_per_second())
@@ -71,9 +65,7 @@ pub fn pid_listening_on(port: u16) -> Option<u32> {
             if cols.len() < 10 || cols[3] != "0A" {
                 continue; // 0A = TCP_LISTEN
             }
-            let local_port = cols[1]
-                .rsplit_once(':')
-                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            let local_port = cols[1].rsplit_once(':').and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
             if local_port == Some(port) {
                 inodes.push(format!("socket:[{}]", cols[9]));
             }

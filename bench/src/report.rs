@@ -308,7 +308,10 @@ impl Outcome {
         h.push_str(&format!("  e2e        {}\n", with_units(&s.e2e.borrow())));
         h.push_str(&format!("  confirm    {}\n", with_units(&s.confirm.borrow())));
         if cfg.rate > 0.0 {
-            h.push_str(&format!("  send lag   {}  (bench lateness vs schedule; included in the above)\n", with_units(&s.send_lag.borrow())));
+            h.push_str(&format!(
+                "  send lag   {}  (bench lateness vs schedule; included in the above)\n",
+                with_units(&s.send_lag.borrow())
+            ));
         }
         let rss = env.broker_rss_max.get().max(env.broker_pid.and_then(procfs::rss_bytes).unwrap_or(0));
         if let Some(cpu0) = w.drain_cpu0 {
@@ -348,7 +351,14 @@ impl Outcome {
         j.insert("first_error".into(), json!(*stats.first_error.borrow()));
         stats.op.borrow().to_json("op", &mut j);
         h.push_str(&format!("ringmq-bench {} — {}\n", cfg.scenario.name(), cfg.uri_redacted()));
-        h.push_str(&format!("  {what}: {} in {:.1} s = {}/s with {} worker(s), errors {}\n", thousands(ops as f64), el, thousands(per_sec(ops, el)), cfg.producers, stats.errors.get()));
+        h.push_str(&format!(
+            "  {what}: {} in {:.1} s = {}/s with {} worker(s), errors {}\n",
+            thousands(ops as f64),
+            el,
+            thousands(per_sec(ops, el)),
+            cfg.producers,
+            stats.errors.get()
+        ));
         if let Some(e) = &*stats.first_error.borrow() {
             h.push_str(&format!("  first error {e}\n"));
         }
@@ -362,10 +372,8 @@ fn with_units(l: &crate::stats::Latency) -> String {
     if l.len() == 0 {
         return "-".into();
     }
-    let parts: Vec<String> = crate::stats::QUANTILES
-        .iter()
-        .map(|(n, q)| format!("{n} {}", fmt_us(l.quantile_us(*q).unwrap_or(0.0))))
-        .collect();
+    let parts: Vec<String> =
+        crate::stats::QUANTILES.iter().map(|(n, q)| format!("{n} {}", fmt_us(l.quantile_us(*q).unwrap_or(0.0)))).collect();
     format!("{}  (n={})", parts.join("  "), l.len())
 }
 
@@ -408,8 +416,16 @@ pub fn compare(a: &Path, b: &Path, label_a: &str, label_b: &str) -> std::io::Res
     };
     // Settings, not figures: identical on both sides by construction.
     const SKIP: [&str; 10] = [
-        "broker_pid", "producers", "consumers", "queues", "size_bytes", "workers",
-        "rate_per_producer", "confirm_window", "multi_ack_every", "prefetch",
+        "broker_pid",
+        "producers",
+        "consumers",
+        "queues",
+        "size_bytes",
+        "workers",
+        "rate_per_producer",
+        "confirm_window",
+        "multi_ack_every",
+        "prefetch",
     ];
     for key in first.keys() {
         if SKIP.contains(&key.as_str()) {

@@ -247,10 +247,7 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     // Teardown, bounded as a whole: a stalled broker costs at most TEARDOWN more.
     let mut depths = vec![None; cfg.queues.len()];
     let _ = tokio::time::timeout(amqp::TEARDOWN, async {
-        let closes: Vec<_> = conns
-            .into_iter()
-            .map(|c| tokio::task::spawn_local(async move { amqp::close(&c).await }))
-            .collect();
+        let closes: Vec<_> = conns.into_iter().map(|c| tokio::task::spawn_local(async move { amqp::close(&c).await })).collect();
         for c in closes {
             let _ = c.await;
         }
@@ -411,7 +408,14 @@ type PublishFuture<'a> = Pin<Box<dyn Future<Output = lapin::Result<PublisherConf
 
 /// One basic.publish owning its body (lapin copies the body into frames on first poll;
 /// the future resolves once the frames are written to the socket).
-fn publish<'a>(ch: &'a Channel, ex: ShortString, rk: ShortString, opts: BasicPublishOptions, body: Vec<u8>, props: BasicProperties) -> PublishFuture<'a> {
+fn publish<'a>(
+    ch: &'a Channel,
+    ex: ShortString,
+    rk: ShortString,
+    opts: BasicPublishOptions,
+    body: Vec<u8>,
+    props: BasicProperties,
+) -> PublishFuture<'a> {
     Box::pin(async move { ch.basic_publish(ex, rk, opts, &body, props).await })
 }
 

@@ -55,8 +55,7 @@ impl Latency {
 }
 
 /// Reported quantiles: name and value.
-pub const QUANTILES: [(&str, f64); 6] =
-    [("p50", 0.5), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99), ("p999", 0.999), ("max", 1.0)];
+pub const QUANTILES: [(&str, f64); 6] = [("p50", 0.5), ("p75", 0.75), ("p95", 0.95), ("p99", 0.99), ("p999", 0.999), ("max", 1.0)];
 
 /// Rounds to one decimal, `None` → null.
 pub fn round1(v: Option<f64>) -> Value {
@@ -160,9 +159,7 @@ impl Stats {
     pub fn roll_tick(&self) -> [Option<f64>; 3] {
         let mut out = [None; 3];
         for (i, (tick, total)) in
-            [(&self.e2e_tick, &self.e2e), (&self.confirm_tick, &self.confirm), (&self.op_tick, &self.op)]
-                .into_iter()
-                .enumerate()
+            [(&self.e2e_tick, &self.e2e), (&self.confirm_tick, &self.confirm), (&self.op_tick, &self.op)].into_iter().enumerate()
         {
             let mut t = tick.borrow_mut();
             out[i] = t.quantile_us(0.99);

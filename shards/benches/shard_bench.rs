@@ -139,10 +139,12 @@ async fn append_case(dir: &Path, size: usize, sync_every: Option<u64>, pipelined
 
 /// Lets the filesystem finish freeing (discard) and writeback from the previous case.
 async fn settle() {
-    let _ = glommio::executor().spawn_blocking(|| {
-        let _ = std::process::Command::new("sync").status();
-        std::thread::sleep(Duration::from_millis(500));
-    }).await;
+    let _ = glommio::executor()
+        .spawn_blocking(|| {
+            let _ = std::process::Command::new("sync").status();
+            std::thread::sleep(Duration::from_millis(500));
+        })
+        .await;
 }
 
 async fn delete_case(dir: &Path) {
@@ -172,10 +174,18 @@ async fn delete_case(dir: &Path) {
         s.delete_by_offsets(chunk).unwrap();
     }
     let ns = t.elapsed().as_secs_f64() * 1e9 / n as f64;
-    row("delete_by_offsets, random order, batches of 1024", format!("{ns:.1} ns/offset"), format!("{n} offsets of 16 B records, {} segments", s.segment_count()));
+    row(
+        "delete_by_offsets, random order, batches of 1024",
+        format!("{ns:.1} ns/offset"),
+        format!("{n} offsets of 16 B records, {} segments", s.segment_count()),
+    );
     let t = Instant::now();
     s.sync().await.unwrap();
-    row("sync after deleting all (bitmap fdatasync + segment removal)", format!("{:.1} ms", t.elapsed().as_secs_f64() * 1e3), String::new());
+    row(
+        "sync after deleting all (bitmap fdatasync + segment removal)",
+        format!("{:.1} ms", t.elapsed().as_secs_f64() * 1e3),
+        String::new(),
+    );
     s.destroy().await.unwrap();
 }
 
@@ -212,7 +222,11 @@ async fn read_cases(dir: &Path) {
         let r = s.read(x % n).await.unwrap().unwrap();
         assert_eq!(r.body.len(), 1024);
     }
-    row("read 1 KiB from disk, random offsets, one at a time", format!("{:.1} µs/record", t.elapsed().as_secs_f64() * 1e6 / reads as f64), "direct I/O, no page cache".into());
+    row(
+        "read 1 KiB from disk, random offsets, one at a time",
+        format!("{:.1} µs/record", t.elapsed().as_secs_f64() * 1e6 / reads as f64),
+        "direct I/O, no page cache".into(),
+    );
     let t = Instant::now();
     let mut r = s.reader(0);
     let mut got = 0u64;
@@ -222,7 +236,11 @@ async fn read_cases(dir: &Path) {
     }
     let secs = t.elapsed().as_secs_f64();
     assert_eq!(got, n);
-    row("sequential reader 1 KiB from disk", format!("{:.0} MB/s, {:.0} krec/s", (n * 1027) as f64 / secs / 1e6, n as f64 / secs / 1e3), "1 MiB reads".into());
+    row(
+        "sequential reader 1 KiB from disk",
+        format!("{:.0} MB/s, {:.0} krec/s", (n * 1027) as f64 / secs / 1e6, n as f64 / secs / 1e3),
+        "1 MiB reads".into(),
+    );
     s.destroy().await.unwrap();
 }
 

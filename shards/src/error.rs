@@ -100,10 +100,7 @@ impl StoreError {
     pub fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> StoreError {
         let path = path.into();
         if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) || source.kind() == io::ErrorKind::StorageFull {
-            let free_bytes = path
-                .parent()
-                .and_then(|p| crate::free_disk_bytes(p).ok())
-                .unwrap_or(0);
+            let free_bytes = path.parent().and_then(|p| crate::free_disk_bytes(p).ok()).unwrap_or(0);
             return StoreError::DiskFull { op, path, free_bytes };
         }
         StoreError::Io { op, path, source }

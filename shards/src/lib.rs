@@ -177,10 +177,7 @@ impl Default for ShardConfig {
 impl ShardConfig {
     fn validate(&self) -> Result<(), StoreError> {
         if !(64 << 10..=1 << 30).contains(&self.segment_bytes) {
-            return Err(StoreError::Config(format!(
-                "segment_bytes {} out of range 65536..=1073741824",
-                self.segment_bytes
-            )));
+            return Err(StoreError::Config(format!("segment_bytes {} out of range 65536..=1073741824", self.segment_bytes)));
         }
         Ok(())
     }

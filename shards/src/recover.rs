@@ -35,9 +35,7 @@ fn prepare_dir(dir: &Path) -> Result<Vec<String>, StoreError> {
             f.write_all(&format::format_file_bytes()).map_err(|e| StoreError::io("writing", &tmp, e))?;
             f.sync_all().map_err(|e| StoreError::io("fsync", &tmp, e))?;
             std::fs::rename(&tmp, &marker).map_err(|e| StoreError::io("renaming", &marker, e))?;
-            std::fs::File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| StoreError::io("fsync directory", dir, e))?;
+            std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| StoreError::io("fsync directory", dir, e))?;
         }
         Err(e) => return Err(StoreError::io("reading", &marker, e)),
     }
@@ -61,12 +59,8 @@ fn prepare_dir(dir: &Path) -> Result<Vec<String>, StoreError> {
 /// segment at 0 needs no write to recover: the next roll creates it again.)
 fn drop_unwritten_segments(dir: &Path, names: &mut Vec<String>) {
     use std::io::Read;
-    let mut bases: Vec<Offset> = names
-        .iter()
-        .filter_map(|n| format::parse_seg_name(n))
-        .filter(|(_, k)| *k == FileKind::Seg)
-        .map(|(b, _)| b)
-        .collect();
+    let mut bases: Vec<Offset> =
+        names.iter().filter_map(|n| format::parse_seg_name(n)).filter(|(_, k)| *k == FileKind::Seg).map(|(b, _)| b).collect();
     bases.sort_unstable();
     let unwritten = |base: Offset| {
         let mut head = [0u8; 8];
@@ -182,12 +176,7 @@ async fn recover_segment(
     let sp = format::seg_path(dir, base, FileKind::Seg);
     let ip = format::seg_path(dir, base, FileKind::Idx);
     let dp = format::seg_path(dir, base, FileKind::Del);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .dma_open(&sp)
-        .await
-        .map_err(|e| StoreError::io("opening segment", &sp, gio(e)))?;
+    let file = OpenOptions::new().read(true).write(true).dma_open(&sp).await.map_err(|e| StoreError::io("opening segment", &sp, gio(e)))?;
     let size = file.file_size().await.map_err(|e| StoreError::io("stat segment", &sp, gio(e)))?;
     let size_cap = capacity_for(size.max(SEG_HEADER_BYTES as u64)).max(capacity_for(cfg.segment_bytes));
 
@@ -338,7 +327,12 @@ async fn recover_segment(
                     format!("torn tail of {} truncated at byte {data_end}: {why}", sp.display()),
                 );
             } else if base + count < base + max_count {
-                drop_range(report, base + count, base + max_count, format!("segment {} unreadable after byte {data_end}: {why}", sp.display()));
+                drop_range(
+                    report,
+                    base + count,
+                    base + max_count,
+                    format!("segment {} unreadable after byte {data_end}: {why}", sp.display()),
+                );
             }
         }
         if !header_ok || (last && (!tail_clean || size < align_up(data_end))) {
@@ -479,14 +473,7 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
         if !full {
             let mut buf = st.alloc_first_chunk();
             buf.as_bytes_mut()[..tail.len()].copy_from_slice(&tail);
-            st.chunk = Some(Chunk {
-                seg_base: base,
-                pos: align_down(data_end),
-                buf,
-                fill: tail.len(),
-                clean: tail.len(),
-                create: false,
-            });
+            st.chunk = Some(Chunk { seg_base: base, pos: align_down(data_end), buf, fill: tail.len(), clean: tail.len(), create: false });
         }
     }
     if !report.dropped.is_empty() || !report.warnings.is_empty() {

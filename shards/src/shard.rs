@@ -315,16 +315,7 @@ impl State {
         };
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.jobs.push_back(Job {
-            seq,
-            seg_base: next.seg_base,
-            pos,
-            buf,
-            create,
-            overlaps,
-            kind,
-            tear: None,
-        });
+        self.jobs.push_back(Job { seq, seg_base: next.seg_base, pos, buf, create, overlaps, kind, tear: None });
         self.marks.push_back((seq, self.next_offset));
         self.chunk = Some(next);
         true
@@ -445,7 +436,9 @@ impl Inner {
         })?;
         let made = self
             .injected(FaultPoint::Open, "creating deletion bitmap", &dp)
-            .and_then(|_| side::create(&dp, false, base, capacity, reserved).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e)))
+            .and_then(|_| {
+                side::create(&dp, false, base, capacity, reserved).map_err(|e| StoreError::io("creating deletion bitmap", &dp, e))
+            })
             .and_then(|del| {
                 self.injected(FaultPoint::Open, "creating segment", &sp)?;
                 let f = std::fs::OpenOptions::new()
@@ -511,14 +504,7 @@ impl Inner {
         });
         let mut buf = st.alloc_first_chunk();
         format::encode_seg_header(base, self.cfg.segment_bytes, buf.as_bytes_mut());
-        st.chunk = Some(Chunk {
-            seg_base: base,
-            pos: 0,
-            buf,
-            fill: SEG_HEADER_BYTES,
-            clean: 0,
-            create: true,
-        });
+        st.chunk = Some(Chunk { seg_base: base, pos: 0, buf, fill: SEG_HEADER_BYTES, clean: 0, create: true });
         st.dir_dirty = true;
         Ok(())
     }
@@ -984,11 +970,7 @@ impl Shard {
                 inner.work.notify();
             }
         }
-        let _permit = inner
-            .sync_lock
-            .acquire_permit(1)
-            .await
-            .map_err(|_| StoreError::Closed { dir: inner.dir.clone() })?;
+        let _permit = inner.sync_lock.acquire_permit(1).await.map_err(|_| StoreError::Closed { dir: inner.dir.clone() })?;
         let (wait_seq, cut_below, del_epoch, del_segs) = {
             let mut st = inner.st.borrow_mut();
             st.check_writable(&inner.dir)?;
@@ -1028,14 +1010,14 @@ impl Shard {
         }
         for (base, f) in data_files {
             let path = inner.seg_file_path(base, FileKind::Seg);
-            tasks.push(glommio::spawn_local(async move {
-                f.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &path, gio(e)))
-            }));
+            tasks.push(glommio::spawn_local(async move { f.fdatasync().await.map_err(|e| StoreError::io("fdatasync", &path, gio(e))) }));
         }
         if !del_segs.is_empty() {
             match inner.hit(FaultPoint::Delete) {
                 None => {}
-                Some(a) if a.is_failure() => return Err(self.fail_with(StoreError::io("fdatasync deletion bitmap", &inner.dir, a.error()))),
+                Some(a) if a.is_failure() => {
+                    return Err(self.fail_with(StoreError::io("fdatasync deletion bitmap", &inner.dir, a.error())))
+                }
                 Some(_) => return Err(self.fail_with(inner.crash_error())),
             }
         }
@@ -1225,12 +1207,9 @@ impl Shard {
         let path = inner.seg_file_path(self.seg_base_of(offset).unwrap_or(0), FileKind::Seg);
         let rr = file.read_at(pos, len).await.map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
         match format::parse_record(&rr) {
-            Parse::Record(r) if r.offset == offset && r.len == len => Ok(Some(Record {
-                offset,
-                flags: r.flags,
-                header: Bytes::copy_from_slice(r.header),
-                body: Bytes::copy_from_slice(r.body),
-            })),
+            Parse::Record(r) if r.offset == offset && r.len == len => {
+                Ok(Some(Record { offset, flags: r.flags, header: Bytes::copy_from_slice(r.header), body: Bytes::copy_from_slice(r.body) }))
+            }
             other => {
                 let reason = match other {
                     Parse::Record(r) => format!("found offset {} length {} at byte {pos}, expected {offset} length {len}", r.offset, r.len),
@@ -1280,10 +1259,7 @@ impl Shard {
             (f, start, end, i0, j, s.base)
         };
         let path = inner.seg_file_path(seg_base, FileKind::Seg);
-        let rr = file
-            .read_at(start, (end - start) as usize)
-            .await
-            .map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
+        let rr = file.read_at(start, (end - start) as usize).await.map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
         let mut out = Vec::with_capacity((last - first) as usize);
         let mut corrupt = Vec::new();
         {

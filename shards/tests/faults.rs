@@ -131,7 +131,12 @@ fn cases(point: FaultPoint, list: &[(u32, FaultAction)]) {
 fn append_write_fault() {
     cases(
         FaultPoint::Append,
-        &[(0, FaultAction::Fail), (0, FaultAction::Tear { keep_bytes: 5000 }), (1, FaultAction::Tear { keep_bytes: 700_000 }), (1, FaultAction::Crash)],
+        &[
+            (0, FaultAction::Fail),
+            (0, FaultAction::Tear { keep_bytes: 5000 }),
+            (1, FaultAction::Tear { keep_bytes: 700_000 }),
+            (1, FaultAction::Crash),
+        ],
     );
 }
 
@@ -139,7 +144,12 @@ fn append_write_fault() {
 fn sync_write_fault() {
     cases(
         FaultPoint::Sync,
-        &[(3, FaultAction::Fail), (5, FaultAction::Tear { keep_bytes: 1000 }), (7, FaultAction::Tear { keep_bytes: 0 }), (2, FaultAction::Crash)],
+        &[
+            (3, FaultAction::Fail),
+            (5, FaultAction::Tear { keep_bytes: 1000 }),
+            (7, FaultAction::Tear { keep_bytes: 0 }),
+            (2, FaultAction::Crash),
+        ],
     );
 }
 
@@ -155,10 +165,7 @@ fn delete_flush_fault() {
 
 #[test]
 fn segment_roll_fault() {
-    cases(
-        FaultPoint::SegmentRoll,
-        &[(3, FaultAction::Fail), (4, FaultAction::Tear { keep_bytes: 512 }), (5, FaultAction::Crash)],
-    );
+    cases(FaultPoint::SegmentRoll, &[(3, FaultAction::Fail), (4, FaultAction::Tear { keep_bytes: 512 }), (5, FaultAction::Crash)]);
 }
 
 #[test]

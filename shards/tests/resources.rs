@@ -66,7 +66,13 @@ impl Log {
     fn delete(&mut self, s: &Shard, offsets: &[u64]) {
         s.delete_by_offsets(offsets).expect("delete");
         let kept: Vec<u64> = offsets.iter().copied().filter(|&o| s.is_live(o)).collect();
-        assert!(kept.is_empty(), "delete_by_offsets returned Ok, yet {} of {} records are still live: {:?}..", kept.len(), offsets.len(), &kept[..kept.len().min(5)]);
+        assert!(
+            kept.is_empty(),
+            "delete_by_offsets returned Ok, yet {} of {} records are still live: {:?}..",
+            kept.len(),
+            offsets.len(),
+            &kept[..kept.len().min(5)]
+        );
         self.pending.extend(offsets);
     }
 
@@ -182,7 +188,14 @@ fn roll_once(log: &mut Log, s: &Shard, n: usize) {
 #[test]
 fn refused_roll_appends_nothing_and_the_shard_stays_writable() {
     run(|| async {
-        let cases = [(P::Open, 0, EMFILE), (P::Open, 1, EMFILE), (P::Open, 2, EMFILE), (P::Open, 1, ENOSPC), (P::Allocate, 0, ENOSPC), (P::Allocate, 0, EDQUOT)];
+        let cases = [
+            (P::Open, 0, EMFILE),
+            (P::Open, 1, EMFILE),
+            (P::Open, 2, EMFILE),
+            (P::Open, 1, ENOSPC),
+            (P::Allocate, 0, ENOSPC),
+            (P::Allocate, 0, EDQUOT),
+        ];
         for (point, k, errno) in cases {
             let cfg = small_cfg();
             let (_dir, path, s, f, mut log) = fresh(&cfg).await;
@@ -396,12 +409,15 @@ fn failed_write_or_fdatasync_turns_read_only() {
             let cfg = ShardConfig { segment_bytes: seg, ..small_cfg() };
             let (_dir, path, s, f, mut log) = fresh(&cfg).await;
             f.arm(point, k, fail(errno));
-            let (what, e) = until_error(&s, &mut log, 8000, 400).await.unwrap_or_else(|| panic!("{point:?}/{errno}: the fault must surface"));
+            let (what, e) =
+                until_error(&s, &mut log, 8000, 400).await.unwrap_or_else(|| panic!("{point:?}/{errno}: the fault must surface"));
             assert_eq!(f.fired(), [(point, fail(errno))]);
             match (point, errno) {
                 // The failing sync returns its fdatasync's error; the shard is read-only after it.
                 (P::Fdatasync, ENOSPC) => assert!(what == "sync" && e.is_disk_full(), "{e:?}"),
-                (P::Fdatasync, _) => assert!(what == "sync" && matches!(&e, StoreError::Io { source, .. } if source.raw_os_error() == Some(EIO)), "{e:?}"),
+                (P::Fdatasync, _) => {
+                    assert!(what == "sync" && matches!(&e, StoreError::Io { source, .. } if source.raw_os_error() == Some(EIO)), "{e:?}")
+                }
                 _ => assert!(matches!(e, StoreError::Failed { .. }), "{point:?}/{errno}: {what}: {e:?}"),
             }
             assert!(matches!(log.put(&s, 10), Err(StoreError::Failed { .. })), "{point:?}: appends refused");
@@ -456,7 +472,9 @@ impl LoopDisk {
             .and_then(|_| cmd("mount", &["-o".as_ref(), "loop".as_ref(), img.as_os_str(), mnt.as_os_str()]));
         match mounted {
             Ok(()) => Some(LoopDisk { mnt, _dir: dir }),
-            Err(e) if std::env::var_os("CI").is_some() && has_mkfs => panic!("{test}: CI, root and mkfs.ext4, yet the loop mount failed: {e}"),
+            Err(e) if std::env::var_os("CI").is_some() && has_mkfs => {
+                panic!("{test}: CI, root and mkfs.ext4, yet the loop mount failed: {e}")
+            }
             Err(e) => {
                 eprintln!("SKIPPED: {test}: cannot loop-mount an ext4 image: {e}");
                 None

@@ -112,10 +112,7 @@ fn is_known_method(class_id: u16, method_id: u16) -> bool {
         30 => matches!(method_id, 10 | 11),
         40 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 51),
         50 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 41 | 50 | 51),
-        60 => matches!(
-            method_id,
-            10 | 11 | 20 | 21 | 30 | 31 | 40 | 50 | 60 | 70 | 71 | 72 | 80 | 90 | 100 | 110 | 111 | 120
-        ),
+        60 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 50 | 60 | 70 | 71 | 72 | 80 | 90 | 100 | 110 | 111 | 120),
         85 => matches!(method_id, 10 | 11),
         90 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31),
         _ => false,
@@ -140,10 +137,7 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
     let channel = u16::from_be_bytes([buf[1], buf[2]]);
     let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]) as usize;
     if frame_max > 0 && size + FRAME_OVERHEAD > frame_max as usize {
-        return Err(AmqpError::frame_error(format!(
-            "frame of {} bytes exceeds frame_max {frame_max}",
-            size + FRAME_OVERHEAD
-        )));
+        return Err(AmqpError::frame_error(format!("frame of {} bytes exceeds frame_max {frame_max}", size + FRAME_OVERHEAD)));
     }
     if !matches!(frame_type, FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT) {
         return Err(AmqpError::frame_error(format!("unknown frame type {frame_type}")));
@@ -153,10 +147,7 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
         return Ok(None);
     }
     if buf[7 + size] != FRAME_END {
-        return Err(AmqpError::frame_error(format!(
-            "bad frame end octet 0x{:02x}",
-            buf[7 + size]
-        )));
+        return Err(AmqpError::frame_error(format!("bad frame end octet 0x{:02x}", buf[7 + size])));
     }
     buf.advance(7);
     let payload = buf.split_to(size).freeze();
@@ -169,33 +160,27 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
             let class_id = u16::from_be_bytes([payload[0], payload[1]]);
             let method_id = u16::from_be_bytes([payload[2], payload[3]]);
             if !is_known_method(class_id, method_id) {
-                return Err(AmqpError::not_implemented(format!(
-                    "unknown method {class_id}.{method_id}"
-                ))
-                .on_method(class_id, method_id));
+                return Err(AmqpError::not_implemented(format!("unknown method {class_id}.{method_id}")).on_method(class_id, method_id));
             }
             // basic.qos prefetch_size is dropped by the parser; RabbitMQ refuses a non-zero one.
             if (class_id, method_id) == (60, 10) && payload.len() >= 8 && payload[4..8] != [0, 0, 0, 0] {
-                return Err(AmqpError::not_implemented("prefetch_size != 0 is not supported; use prefetch_count")
-                    .on_method(class_id, method_id));
+                return Err(
+                    AmqpError::not_implemented("prefetch_size != 0 is not supported; use prefetch_count").on_method(class_id, method_id)
+                );
             }
             match parse_class(&payload[..]) {
                 Ok((rest, method)) if rest.is_empty() => {
                     if method_tables(&method).is_some_and(|t| !table_depth_ok(t)) {
-                        return Err(AmqpError::syntax_error(format!(
-                            "field table nested deeper than {MAX_TABLE_DEPTH} levels"
-                        ))
-                        .on_method(class_id, method_id));
+                        return Err(AmqpError::syntax_error(format!("field table nested deeper than {MAX_TABLE_DEPTH} levels"))
+                            .on_method(class_id, method_id));
                     }
                     Frame::Method { channel, method: Box::new(method) }
                 }
                 // Spec "frame-error": a frame the recipient could not decode (RabbitMQ
                 // answers truncated arguments and overlong field tables the same way).
                 _ => {
-                    return Err(AmqpError::frame_error(format!(
-                        "cannot decode the arguments of method {class_id}.{method_id}"
-                    ))
-                    .on_method(class_id, method_id))
+                    return Err(AmqpError::frame_error(format!("cannot decode the arguments of method {class_id}.{method_id}"))
+                        .on_method(class_id, method_id))
                 }
             }
         }
@@ -227,8 +212,7 @@ pub fn encode_method(out: &mut Vec<u8>, channel: u16, method: &AMQPClass) {
     let body_start = out.len();
     let buf = std::mem::take(out);
     // Writing to a Vec cannot fail short of allocation failure.
-    let buf = cookie_factory::gen_simple(amq_protocol::protocol::gen_class(method), buf)
-        .expect("encoding a method into a Vec");
+    let buf = cookie_factory::gen_simple(amq_protocol::protocol::gen_class(method), buf).expect("encoding a method into a Vec");
     *out = buf;
     let size = (out.len() - body_start) as u32;
     out[start + 3..start + 7].copy_from_slice(&size.to_be_bytes());
@@ -303,8 +287,7 @@ pub fn encode_heartbeat(out: &mut Vec<u8>) {
 
 /// Serializes `props` into the property flags + fields layout of a content header.
 pub fn encode_properties(props: &AMQPProperties) -> Vec<u8> {
-    cookie_factory::gen_simple(amq_protocol::protocol::basic::gen_properties(props), Vec::new())
-        .expect("encoding properties into a Vec")
+    cookie_factory::gen_simple(amq_protocol::protocol::basic::gen_properties(props), Vec::new()).expect("encoding properties into a Vec")
 }
 
 /// Parses property flags + fields (the inverse of [`encode_properties`]).

@@ -661,7 +661,8 @@ impl Session {
                     // Later body frames of this message land on a closing channel and are dropped.
                     self.fail_channel(
                         channel,
-                        AmqpError::precondition_failed(format!("message size {body_size} is larger than the maximum {MAX_MESSAGE_BYTES}")).on_method(60, 40),
+                        AmqpError::precondition_failed(format!("message size {body_size} is larger than the maximum {MAX_MESSAGE_BYTES}"))
+                            .on_method(60, 40),
                         None,
                     );
                     return Ok(());
@@ -815,9 +816,7 @@ impl Session {
             AMQPClass::Access(_) => {
                 self.send_method(
                     channel,
-                    &AMQPClass::Access(amq_protocol::protocol::access::AMQPMethod::RequestOk(
-                        amq_protocol::protocol::access::RequestOk {},
-                    )),
+                    &AMQPClass::Access(amq_protocol::protocol::access::AMQPMethod::RequestOk(amq_protocol::protocol::access::RequestOk {})),
                 );
                 Ok(())
             }
@@ -841,8 +840,7 @@ impl Session {
             ClientEvent::Deliver(d) => {
                 let mut st = self.st.borrow_mut();
                 let frame_max = st.frame_max;
-                let Some(c) = st.channels.get_mut(&d.channel).filter(|c| c.uid == d.chan_uid && c.state == ChannelState::Open)
-                else {
+                let Some(c) = st.channels.get_mut(&d.channel).filter(|c| c.uid == d.chan_uid && c.state == ChannelState::Open) else {
                     // The channel is gone; its ChannelClosed requeues this delivery.
                     return;
                 };

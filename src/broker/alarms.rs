@@ -134,11 +134,7 @@ pub fn count_open_fds() -> Option<u64> {
 ///
 /// # Errors
 /// When the thread cannot be started.
-pub fn start_monitor(
-    alarms: Arc<Alarms>,
-    data_dir: PathBuf,
-    on_disk_alarm: impl Fn(bool) + Send + 'static,
-) -> std::io::Result<()> {
+pub fn start_monitor(alarms: Arc<Alarms>, data_dir: PathBuf, on_disk_alarm: impl Fn(bool) + Send + 'static) -> std::io::Result<()> {
     check_fds(&alarms);
     check_disk(&alarms, &data_dir, &on_disk_alarm);
     std::thread::Builder::new().name("ringmq-alarms".into()).spawn(move || {

@@ -175,9 +175,9 @@ impl ChannelCredit {
     }
     /// A delivery was settled.
     pub fn give(&self) {
-        let _ = self.in_flight.fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |v| {
-            Some(v.saturating_sub(1))
-        });
+        let _ = self
+            .in_flight
+            .fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |v| Some(v.saturating_sub(1)));
     }
 }
 

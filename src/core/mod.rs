@@ -40,9 +40,9 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use glommio::{LocalExecutorBuilder, Placement};
 
 use crate::amqp::error::AmqpError;
+use crate::broker::alarms::Alarms;
 use crate::broker::queue::{read_index, Queue, QueueCell, QueueEnv, Recovered};
 use crate::broker::router::{Route, Router};
-use crate::broker::alarms::Alarms;
 use crate::broker::{ClientEvent, ClientTx, ConnId, Mesh, QueueKey, QueueOp, QueueRef};
 use crate::config::Config;
 use crate::meta::state::Command;
@@ -546,7 +546,12 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
     let (soft_before, soft, hard) = crate::broker::alarms::raise_fd_limit();
     alarms.max_fds.store(soft, Ordering::Relaxed);
     if soft < 4096 {
-        tracing::warn!(soft_before, soft, hard, "open-files limit is low: each durable queue holds 2 descriptors or more; raise the hard limit (LimitNOFILE=) for many queues");
+        tracing::warn!(
+            soft_before,
+            soft,
+            hard,
+            "open-files limit is low: each durable queue holds 2 descriptors or more; raise the hard limit (LimitNOFILE=) for many queues"
+        );
     } else {
         tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
     }

@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use node::MetaHandle;
 pub use state::{
-    Binding, Command, DecodeError, DestKind, ExchangeDef, ExchangeKind, MetaState, NodeId, Outcome,
-    QueueDef, Topology, PREDECLARED_EXCHANGES,
+    Binding, Command, DecodeError, DestKind, ExchangeDef, ExchangeKind, MetaState, NodeId, Outcome, QueueDef, Topology,
+    PREDECLARED_EXCHANGES,
 };
 
 /// Errors of the metadata group.
@@ -122,10 +122,7 @@ pub struct MetaConfig {
 
 impl Default for MetaConfig {
     fn default() -> Self {
-        MetaConfig {
-            compact_entries: storage::COMPACT_ENTRIES,
-            compact_bytes: storage::COMPACT_BYTES,
-        }
+        MetaConfig { compact_entries: storage::COMPACT_ENTRIES, compact_bytes: storage::COMPACT_BYTES }
     }
 }
 

@@ -56,13 +56,8 @@ const MAX_READY_ROUNDS: usize = 64;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 enum Request {
-    Propose {
-        cmds: Vec<Command>,
-        reply: flume::Sender<Result<Vec<Outcome>, MetaError>>,
-    },
-    Shutdown {
-        done: flume::Sender<()>,
-    },
+    Propose { cmds: Vec<Command>, reply: flume::Sender<Result<Vec<Outcome>, MetaError>> },
+    Shutdown { done: flume::Sender<()> },
 }
 
 /// State shared by the driver thread and every handle.
@@ -125,11 +120,7 @@ impl MetaHandle {
     }
 
     /// [`MetaHandle::start`] with explicit tunables.
-    pub fn start_with(
-        dir: &Path,
-        node: NodeId,
-        config: MetaConfig,
-    ) -> Result<MetaHandle, MetaError> {
+    pub fn start_with(dir: &Path, node: NodeId, config: MetaConfig) -> Result<MetaHandle, MetaError> {
         if node == 0 {
             return Err(MetaError::Raft("node id 0 is reserved by raft-rs".into()));
         }
@@ -152,8 +143,7 @@ impl MetaHandle {
         let thread = std::thread::Builder::new()
             .name("ringmq-meta".into())
             .spawn(move || {
-                let mut driver = match Driver::open(&dir, drv_shared.clone(), rx, counters, config)
-                {
+                let mut driver = match Driver::open(&dir, drv_shared.clone(), rx, counters, config) {
                     Ok(d) => d,
                     Err(e) => {
                         drv_shared.stopped.store(true, Ordering::Release);
@@ -174,11 +164,7 @@ impl MetaHandle {
                 driver.run();
             })
             .map_err(|e| MetaError::Raft(format!("spawn the metadata thread: {e}")))?;
-        let handle = MetaHandle {
-            shared,
-            tx,
-            thread: Arc::new(Mutex::new(Some(thread))),
-        };
+        let handle = MetaHandle { shared, tx, thread: Arc::new(Mutex::new(Some(thread))) };
         match init_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -187,9 +173,7 @@ impl MetaHandle {
             }
             Err(_) => {
                 handle.join();
-                return Err(MetaError::Failed(
-                    "metadata thread exited during start".into(),
-                ));
+                return Err(MetaError::Failed("metadata thread exited during start".into()));
             }
         }
         match handle.propose_blocking(vec![Command::NodeBoot { node }]) {
@@ -218,8 +202,7 @@ impl MetaHandle {
     /// [`MetaError::Failed`], [`MetaError::NotLeader`].
     pub async fn propose(&self, cmd: Command) -> Result<Outcome, MetaError> {
         let mut out = self.propose_batch(vec![cmd]).await?;
-        out.pop()
-            .ok_or_else(|| MetaError::Raft("empty outcome list".into()))
+        out.pop().ok_or_else(|| MetaError::Raft("empty outcome list".into()))
     }
 
     /// Proposes several commands in one entry, applied in order with nothing in between; the
@@ -232,12 +215,7 @@ impl MetaHandle {
             return Err(self.shared.stopped_error());
         }
         let (reply, rx) = flume::bounded(1);
-        if self
-            .tx
-            .send_async(Request::Propose { cmds, reply })
-            .await
-            .is_err()
-        {
+        if self.tx.send_async(Request::Propose { cmds, reply }).await.is_err() {
             return Err(self.shared.stopped_error());
         }
         match rx.recv_async().await {
@@ -390,28 +368,17 @@ impl Driver {
         let node = shared.node;
         let (mut store, rec) = DiskStorage::open(dir, counters.clone())?;
         store.set_compaction(meta_config.compact_entries, meta_config.compact_bytes);
-        if rec.fresh
-            || store.conf_state().voters.is_empty() && store.conf_state().learners.is_empty()
-        {
+        if rec.fresh || store.conf_state().voters.is_empty() && store.conf_state().learners.is_empty() {
             // A new single-voter group. (A node joining a cluster would start empty instead and
             // wait for the leader's snapshot: TRANSPORT.)
-            let cs = raft::eraftpb::ConfState {
-                voters: vec![node],
-                ..Default::default()
-            };
+            let cs = raft::eraftpb::ConfState { voters: vec![node], ..Default::default() };
             store.set_conf_state(cs)?;
         }
         let applied = store.snapshot_index();
         if let Some(state) = rec.state {
             *shared.state.lock() = state;
         }
-        tracing::debug!(
-            node,
-            snapshot_index = applied,
-            log_entries = rec.entries,
-            torn_bytes = rec.torn_bytes,
-            "metadata log replayed"
-        );
+        tracing::debug!(node, snapshot_index = applied, log_entries = rec.entries, torn_bytes = rec.torn_bytes, "metadata log replayed");
         let config = Config {
             id: node,
             election_tick: 10,
@@ -422,16 +389,10 @@ impl Driver {
             pre_vote: true,
             ..Config::default()
         };
-        config
-            .validate()
-            .map_err(|e| MetaError::Raft(e.to_string()))?;
+        config.validate().map_err(|e| MetaError::Raft(e.to_string()))?;
         let logger = slog::Logger::root(TracingDrain, slog::o!("raft_id" => node));
-        let raw =
-            RawNode::new(&config, store, &logger).map_err(|e| MetaError::Raft(e.to_string()))?;
-        let nonce = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
+        let raw = RawNode::new(&config, store, &logger).map_err(|e| MetaError::Raft(e.to_string()))?;
+        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
             ^ (u64::from(std::process::id()) << 32);
         Ok(Driver {
             raw,
@@ -454,9 +415,7 @@ impl Driver {
             cs.voters == [self.shared.node] && cs.voters_outgoing.is_empty()
         };
         if single_voter {
-            self.raw
-                .campaign()
-                .map_err(|e| MetaError::Raft(e.to_string()))?;
+            self.raw.campaign().map_err(|e| MetaError::Raft(e.to_string()))?;
         }
         let deadline = Instant::now() + START_TIMEOUT;
         // Bounded: one round per tick until the deadline.
@@ -470,9 +429,7 @@ impl Driver {
             std::thread::sleep(TICK);
             self.raw.tick();
         }
-        Err(MetaError::NotLeader {
-            leader: self.leader(),
-        })
+        Err(MetaError::NotLeader { leader: self.leader() })
     }
 
     fn leader(&self) -> Option<NodeId> {
@@ -581,17 +538,10 @@ impl Driver {
                     Some(e) => e.bytes_estimate + estimate > MAX_ENTRY_BYTES,
                 };
                 if start_new {
-                    batch.push(PendingEntry {
-                        cmds: Vec::new(),
-                        waiters: Vec::new(),
-                        bytes_estimate: 0,
-                    });
+                    batch.push(PendingEntry { cmds: Vec::new(), waiters: Vec::new(), bytes_estimate: 0 });
                 }
                 if let Some(entry) = batch.last_mut() {
-                    entry.waiters.push(Waiter {
-                        count: cmds.len(),
-                        reply,
-                    });
+                    entry.waiters.push(Waiter { count: cmds.len(), reply });
                     entry.cmds.extend(cmds);
                     entry.bytes_estimate += estimate;
                 }
@@ -656,10 +606,7 @@ impl Driver {
             let mut rd = self.raw.ready();
             // TRANSPORT: rd.take_messages() go to peers here. A single voter has none.
             if !rd.messages().is_empty() {
-                tracing::trace!(
-                    n = rd.messages().len(),
-                    "raft messages dropped (no transport)"
-                );
+                tracing::trace!(n = rd.messages().len(), "raft messages dropped (no transport)");
             }
             if !rd.snapshot().is_empty() {
                 let state = self.raw.mut_store().install_snapshot(rd.snapshot())?;
@@ -682,9 +629,7 @@ impl Driver {
             self.apply_entries(committed)?;
             self.raw.advance_apply();
         }
-        self.shared
-            .leader
-            .store(self.raw.raft.leader_id, Ordering::Release);
+        self.shared.leader.store(self.raw.raft.leader_id, Ordering::Release);
         Ok(())
     }
 
@@ -694,9 +639,7 @@ impl Driver {
             match e.get_entry_type() {
                 EntryType::EntryNormal => self.apply_normal(&e)?,
                 EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
-                    let bad = |err: protobuf::ProtobufError| {
-                        MetaError::Raft(format!("conf change: {err}"))
-                    };
+                    let bad = |err: protobuf::ProtobufError| MetaError::Raft(format!("conf change: {err}"));
                     let applied = if e.get_entry_type() == EntryType::EntryConfChange {
                         let cc = ConfChange::parse_from_bytes(&e.data).map_err(bad)?;
                         self.raw.apply_conf_change(&cc)
@@ -704,8 +647,7 @@ impl Driver {
                         let cc = ConfChangeV2::parse_from_bytes(&e.data).map_err(bad)?;
                         self.raw.apply_conf_change(&cc)
                     };
-                    let cs = applied
-                        .map_err(|err| MetaError::Raft(format!("apply conf change: {err}")))?;
+                    let cs = applied.map_err(|err| MetaError::Raft(format!("apply conf change: {err}")))?;
                     self.raw.mut_store().set_conf_state(cs)?;
                     self.shared.state.lock().applied_index = e.index;
                 }
@@ -720,10 +662,7 @@ impl Driver {
             self.shared.state.lock().applied_index = e.index;
             return Ok(());
         }
-        let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry {
-            index: e.index,
-            source,
-        })?;
+        let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry { index: e.index, source })?;
         let mut outcomes = Vec::with_capacity(cmds.len());
         {
             let mut st = self.shared.state.lock();
@@ -759,23 +698,13 @@ fn estimate_bytes(cmd: &Command) -> usize {
     match cmd {
         Command::CursorCas { vhost, queue, .. } => 24 + vhost.len() + queue.len(),
         Command::DeclareVhost { name } => 8 + name.len(),
-        Command::DeleteExchange { vhost, name, .. } | Command::DeleteQueue { vhost, name } => {
-            8 + vhost.len() + name.len()
-        }
+        Command::DeleteExchange { vhost, name, .. } | Command::DeleteQueue { vhost, name } => 8 + vhost.len() + name.len(),
         Command::NodeBoot { .. } => 12,
         // Definitions carry field tables; a generous flat guess keeps this cheap.
-        Command::DeclareExchange(d) => {
-            64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len()
-        }
-        Command::DeclareQueue(d) => {
-            64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len()
-        }
+        Command::DeclareExchange(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),
+        Command::DeclareQueue(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),
         Command::Bind(b) | Command::Unbind(b) => {
-            64 + b.vhost.len()
-                + b.source.len()
-                + b.dest.len()
-                + b.routing_key.len()
-                + 32 * b.arguments.inner().len()
+            64 + b.vhost.len() + b.source.len() + b.dest.len() + b.routing_key.len() + 32 * b.arguments.inner().len()
         }
     }
 }
@@ -797,11 +726,7 @@ impl slog::Drain for TracingDrain {
     type Ok = ();
     type Err = slog::Never;
 
-    fn log(
-        &self,
-        record: &slog::Record<'_>,
-        values: &slog::OwnedKVList,
-    ) -> Result<(), slog::Never> {
+    fn log(&self, record: &slog::Record<'_>, values: &slog::OwnedKVList) -> Result<(), slog::Never> {
         use slog::KV as _;
         let mut kv = KvText(String::new());
         let _ = record.kv().serialize(record, &mut kv);
@@ -837,12 +762,7 @@ mod tests {
     }
 
     fn cas(q: &str, expected: u64, new: u64) -> Command {
-        Command::CursorCas {
-            vhost: "/".into(),
-            queue: q.into(),
-            expected,
-            new,
-        }
+        Command::CursorCas { vhost: "/".into(), queue: q.into(), expected, new }
     }
 
     /// Declares a mix of durable and transient objects; returns nothing, asserts outcomes.
@@ -861,10 +781,7 @@ mod tests {
         ];
         let out = block_on(h.propose_batch(cmds)).unwrap();
         assert!(out.iter().all(|o| *o == Outcome::Created), "{out:?}");
-        assert_eq!(
-            block_on(h.propose(cas("dq", 0, 17))).unwrap(),
-            Outcome::CasApplied
-        );
+        assert_eq!(block_on(h.propose(cas("dq", 0, 17))).unwrap(), Outcome::CasApplied);
     }
 
     #[test]
@@ -872,10 +789,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let h = MetaHandle::start(dir.path(), 1).unwrap();
         assert!(h.is_leader());
-        assert_eq!(
-            (h.node_id(), h.leader_id(), h.boot_epoch()),
-            (1, Some(1), 1)
-        );
+        assert_eq!((h.node_id(), h.leader_id(), h.boot_epoch()), (1, Some(1), 1));
         let v0 = h.topology_version();
         declare_mix(&h);
         // Visible as soon as the proposals resolved.
@@ -886,21 +800,12 @@ mod tests {
         assert_eq!(h.cursor("/", "dq"), Some(17));
         // A cursor write does not bump the topology version.
         let v1 = h.topology_version();
-        assert_eq!(
-            block_on(h.propose(cas("dq", 17, 20))).unwrap(),
-            Outcome::CasApplied
-        );
+        assert_eq!(block_on(h.propose(cas("dq", 17, 20))).unwrap(), Outcome::CasApplied);
         assert_eq!(h.topology_version(), v1);
-        assert!(
-            Arc::ptr_eq(&topo, &h.topology()),
-            "unchanged topology is not rebuilt"
-        );
+        assert!(Arc::ptr_eq(&topo, &h.topology()), "unchanged topology is not rebuilt");
         h.shutdown();
         h.shutdown(); // idempotent
-        assert!(matches!(
-            block_on(h.propose(cas("dq", 20, 21))),
-            Err(MetaError::Stopped)
-        ));
+        assert!(matches!(block_on(h.propose(cas("dq", 20, 21))), Err(MetaError::Stopped)));
 
         let h = MetaHandle::start(dir.path(), 1).unwrap();
         assert_eq!(h.boot_epoch(), 2);
@@ -912,20 +817,11 @@ mod tests {
         assert!(topo.exchange("/", "dx").is_some() && topo.exchange("/", "tx").is_none());
         assert!(topo.exchange("/", "amq.fanout").is_some());
         let left: Vec<_> = topo.all_bindings().cloned().collect();
-        assert_eq!(
-            left,
-            [
-                bind("amq.topic", DestKind::Exchange, "dx", "#"),
-                bind("dx", DestKind::Queue, "dq", "a.#")
-            ]
-        );
+        assert_eq!(left, [bind("amq.topic", DestKind::Exchange, "dx", "#"), bind("dx", DestKind::Queue, "dq", "a.#")]);
         assert_eq!(h.cursor("/", "dq"), Some(20));
         assert_eq!(h.cursor("/", "tq"), None);
         // Stale expected value after restart is still rejected.
-        assert_eq!(
-            h.propose_blocking(vec![cas("dq", 17, 30)]).unwrap(),
-            [Outcome::CasRejected { current: Some(20) }]
-        );
+        assert_eq!(h.propose_blocking(vec![cas("dq", 17, 30)]).unwrap(), [Outcome::CasRejected { current: Some(20) }]);
         h.shutdown();
         let h = MetaHandle::start(dir.path(), 1).unwrap();
         assert_eq!(h.boot_epoch(), 3);
@@ -962,20 +858,12 @@ mod tests {
         assert_eq!(after.commands_applied - before.commands_applied, proposals);
         let entries = after.entries_appended - before.entries_appended;
         let fsyncs = after.fsyncs - before.fsyncs;
-        assert!(
-            entries < proposals,
-            "no grouping: {entries} entries for {proposals} proposals"
-        );
-        assert!(
-            fsyncs < proposals,
-            "no grouping: {fsyncs} fsyncs for {proposals} proposals"
-        );
+        assert!(entries < proposals, "no grouping: {entries} entries for {proposals} proposals");
+        assert!(fsyncs < proposals, "no grouping: {fsyncs} fsyncs for {proposals} proposals");
         for t in 0..THREADS {
             assert_eq!(h.cursor("/", &format!("q{t}")), Some(PER_THREAD));
         }
-        eprintln!(
-            "group commit: {proposals} proposals from {THREADS} threads -> {entries} entries, {fsyncs} fsyncs"
-        );
+        eprintln!("group commit: {proposals} proposals from {THREADS} threads -> {entries} entries, {fsyncs} fsyncs");
         h.shutdown();
     }
 
@@ -985,8 +873,7 @@ mod tests {
         // of 5; every claimed range must be disjoint and together cover 0..total.
         let dir = tempfile::tempdir().unwrap();
         let h = MetaHandle::start(dir.path(), 1).unwrap();
-        h.propose_blocking(vec![Command::DeclareQueue(queue("q", true, None))])
-            .unwrap();
+        h.propose_blocking(vec![Command::DeclareQueue(queue("q", true, None))]).unwrap();
         let claimed = Mutex::new(Vec::new());
         std::thread::scope(|s| {
             for _ in 0..4 {
@@ -1040,19 +927,11 @@ mod tests {
         // The garbage is gone (the file was cut back, then appended to).
         let bytes = std::fs::read(&log).unwrap();
         assert!(bytes.len() as u64 >= good_len);
-        assert!(
-            !bytes.windows(4).any(|w| w == [0xAB; 4]),
-            "torn bytes still in the log"
-        );
+        assert!(!bytes.windows(4).any(|w| w == [0xAB; 4]), "torn bytes still in the log");
 
         // Cut the log in the middle of its last record: the prefix survives.
         let len = std::fs::metadata(&log).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&log)
-            .unwrap()
-            .set_len(len - 3)
-            .unwrap();
+        std::fs::OpenOptions::new().write(true).open(&log).unwrap().set_len(len - 3).unwrap();
         let h = MetaHandle::start(dir.path(), 1).unwrap();
         assert!(h.topology().queue("/", "dq").is_some());
         assert_eq!(h.cursor("/", "dq"), Some(17));
@@ -1080,10 +959,7 @@ mod tests {
     #[test]
     fn compaction_writes_a_snapshot_and_restart_uses_it() {
         let dir = tempfile::tempdir().unwrap();
-        let config = MetaConfig {
-            compact_entries: 20,
-            ..MetaConfig::default()
-        };
+        let config = MetaConfig { compact_entries: 20, ..MetaConfig::default() };
         let h = MetaHandle::start_with(dir.path(), 1, config).unwrap();
         declare_mix(&h);
         for i in 0..100 {
@@ -1100,21 +976,9 @@ mod tests {
         let h = MetaHandle::start_with(dir.path(), 1, config).unwrap();
         assert_eq!(h.cursor("/", "dq"), Some(117));
         let after = h.with_state(|s| s.clone());
-        assert_eq!(
-            after.topology.queues.len(),
-            1,
-            "dq only: tq and xq went at restart"
-        );
-        assert_eq!(
-            after.topology.queue("/", "dq"),
-            before.topology.queue("/", "dq")
-        );
-        assert_eq!(
-            after.topology.bindings.len(),
-            2,
-            "{:?}",
-            after.topology.bindings
-        );
+        assert_eq!(after.topology.queues.len(), 1, "dq only: tq and xq went at restart");
+        assert_eq!(after.topology.queue("/", "dq"), before.topology.queue("/", "dq"));
+        assert_eq!(after.topology.bindings.len(), 2, "{:?}", after.topology.bindings);
         assert!(after.applied_index > before.applied_index);
         h.shutdown();
     }
@@ -1122,10 +986,7 @@ mod tests {
     #[test]
     fn node_id_zero_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(matches!(
-            MetaHandle::start(dir.path(), 0),
-            Err(MetaError::Raft(_))
-        ));
+        assert!(matches!(MetaHandle::start(dir.path(), 0), Err(MetaError::Raft(_))));
     }
 
     #[test]

@@ -174,11 +174,7 @@ pub struct Topology {
 
 impl Topology {
     /// The bindings whose source is exchange `source` in `vhost`, in bind order.
-    pub fn bindings_from<'a>(
-        &'a self,
-        vhost: &str,
-        source: &str,
-    ) -> impl Iterator<Item = &'a Binding> + 'a {
+    pub fn bindings_from<'a>(&'a self, vhost: &str, source: &str) -> impl Iterator<Item = &'a Binding> + 'a {
         // BTreeMap<(String, String), _> cannot be probed with (&str, &str) without allocating;
         // a range over the vhost's keys, then a scan, would be slower for the usual few sources.
         let key = (vhost.to_owned(), source.to_owned());
@@ -192,14 +188,8 @@ impl Topology {
 
     /// The bindings whose destination is `dest` (of kind `dest_kind`) in `vhost`. Scans every
     /// binding: O(bindings). Used by queue.delete and exchange.delete, not by routing.
-    pub fn bindings_to<'a>(
-        &'a self,
-        vhost: &'a str,
-        dest_kind: DestKind,
-        dest: &'a str,
-    ) -> impl Iterator<Item = &'a Binding> + 'a {
-        self.all_bindings()
-            .filter(move |b| b.vhost == vhost && b.dest_kind == dest_kind && b.dest == dest)
+    pub fn bindings_to<'a>(&'a self, vhost: &'a str, dest_kind: DestKind, dest: &'a str) -> impl Iterator<Item = &'a Binding> + 'a {
+        self.all_bindings().filter(move |b| b.vhost == vhost && b.dest_kind == dest_kind && b.dest == dest)
     }
 
     /// The exchange `name` in `vhost`, if declared.
@@ -251,9 +241,7 @@ impl Topology {
             }
             self.exchanges.remove(&key);
             let (vhost, name) = key;
-            candidates.extend(
-                self.remove_bindings_where(|b| b.dest_kind == DestKind::Exchange && b.vhost == vhost && b.dest == name),
-            );
+            candidates.extend(self.remove_bindings_where(|b| b.dest_kind == DestKind::Exchange && b.vhost == vhost && b.dest == name));
         }
     }
 }
@@ -379,17 +367,15 @@ impl MetaState {
                     return Outcome::Existed;
                 }
                 for (ex, kind) in PREDECLARED_EXCHANGES {
-                    topo.exchanges
-                        .entry((name.clone(), ex.to_owned()))
-                        .or_insert_with(|| ExchangeDef {
-                            vhost: name.clone(),
-                            name: ex.to_owned(),
-                            kind,
-                            durable: true,
-                            auto_delete: false,
-                            internal: false,
-                            arguments: FieldTable::default(),
-                        });
+                    topo.exchanges.entry((name.clone(), ex.to_owned())).or_insert_with(|| ExchangeDef {
+                        vhost: name.clone(),
+                        name: ex.to_owned(),
+                        kind,
+                        durable: true,
+                        auto_delete: false,
+                        internal: false,
+                        arguments: FieldTable::default(),
+                    });
                 }
                 Outcome::Created
             }
@@ -401,11 +387,7 @@ impl MetaState {
                 topo.exchanges.insert(key, def.clone());
                 Outcome::Created
             }
-            Command::DeleteExchange {
-                vhost,
-                name,
-                if_unused,
-            } => {
+            Command::DeleteExchange { vhost, name, if_unused } => {
                 let key = (vhost.clone(), name.clone());
                 if !topo.exchanges.contains_key(&key) {
                     return Outcome::NotFound;
@@ -415,9 +397,7 @@ impl MetaState {
                 }
                 topo.exchanges.remove(&key);
                 topo.bindings.remove(&key);
-                let sources = topo.remove_bindings_where(|b| {
-                    b.dest_kind == DestKind::Exchange && b.vhost == *vhost && b.dest == *name
-                });
+                let sources = topo.remove_bindings_where(|b| b.dest_kind == DestKind::Exchange && b.vhost == *vhost && b.dest == *name);
                 topo.reap_auto_delete(sources);
                 Outcome::Deleted
             }
@@ -436,17 +416,13 @@ impl MetaState {
                     return Outcome::NotFound;
                 }
                 self.cursors.remove(&key);
-                let sources = topo.remove_bindings_where(|b| {
-                    b.dest_kind == DestKind::Queue && b.vhost == *vhost && b.dest == *name
-                });
+                let sources = topo.remove_bindings_where(|b| b.dest_kind == DestKind::Queue && b.vhost == *vhost && b.dest == *name);
                 topo.reap_auto_delete(sources);
                 Outcome::Deleted
             }
             Command::Bind(b) => {
                 let key = (b.vhost.clone(), b.source.clone());
-                if !topo.exchanges.contains_key(&key)
-                    || !topo.dest_exists(&b.vhost, b.dest_kind, &b.dest)
-                {
+                if !topo.exchanges.contains_key(&key) || !topo.dest_exists(&b.vhost, b.dest_kind, &b.dest) {
                     return Outcome::NotFound;
                 }
                 let list = topo.bindings.entry(key).or_default();
@@ -471,12 +447,7 @@ impl MetaState {
                 topo.reap_auto_delete(vec![key]);
                 Outcome::Deleted
             }
-            Command::CursorCas {
-                vhost,
-                queue,
-                expected,
-                new,
-            } => {
+            Command::CursorCas { vhost, queue, expected, new } => {
                 // Hot path: probe without building a key when possible is not possible with a
                 // tuple key; two small allocations per CAS are accepted.
                 let key = (vhost.clone(), queue.clone());
@@ -485,9 +456,7 @@ impl MetaState {
                         *cur = *new;
                         Outcome::CasApplied
                     }
-                    Some(cur) => Outcome::CasRejected {
-                        current: Some(*cur),
-                    },
+                    Some(cur) => Outcome::CasRejected { current: Some(*cur) },
                     None => Outcome::CasRejected { current: None },
                 }
             }
@@ -495,22 +464,14 @@ impl MetaState {
                 let epoch = self.boot_epochs.entry(*node).or_insert(0);
                 *epoch += 1;
                 let epoch = *epoch;
-                let gone_queues: Vec<(String, String)> = topo
-                    .queues
-                    .iter()
-                    .filter(|(_, q)| !q.durable || q.exclusive_owner.is_some())
-                    .map(|(k, _)| k.clone())
-                    .collect();
+                let gone_queues: Vec<(String, String)> =
+                    topo.queues.iter().filter(|(_, q)| !q.durable || q.exclusive_owner.is_some()).map(|(k, _)| k.clone()).collect();
                 for key in &gone_queues {
                     topo.queues.remove(key);
                     self.cursors.remove(key);
                 }
-                let gone_exchanges: Vec<(String, String)> = topo
-                    .exchanges
-                    .iter()
-                    .filter(|(_, e)| !e.durable)
-                    .map(|(k, _)| k.clone())
-                    .collect();
+                let gone_exchanges: Vec<(String, String)> =
+                    topo.exchanges.iter().filter(|(_, e)| !e.durable).map(|(k, _)| k.clone()).collect();
                 for key in &gone_exchanges {
                     topo.exchanges.remove(key);
                 }
@@ -540,9 +501,7 @@ impl MetaState {
 
     /// The stored cursor of queue `queue` in `vhost` (a queue offset), if the queue exists.
     pub fn cursor(&self, vhost: &str, queue: &str) -> Option<u64> {
-        self.cursors
-            .get(&(vhost.to_owned(), queue.to_owned()))
-            .copied()
+        self.cursors.get(&(vhost.to_owned(), queue.to_owned())).copied()
     }
 
     /// Checks the invariants of the module doc; returns the first one broken. Used by tests and
@@ -577,10 +536,7 @@ impl MetaState {
                 if b.vhost != *vhost || b.source != *source {
                     return Err(format!("binding {b:?} filed under {vhost:?}/{source:?}"));
                 }
-                if !topo
-                    .exchanges
-                    .contains_key(&(vhost.clone(), source.clone()))
-                {
+                if !topo.exchanges.contains_key(&(vhost.clone(), source.clone())) {
                     return Err(format!("binding {b:?} has no source"));
                 }
                 if !topo.dest_exists(vhost, b.dest_kind, &b.dest) {
@@ -613,11 +569,7 @@ pub struct DecodeError {
 
 /// Appends the binary form of `cmds` (one batch, one Raft entry's data) to `out`; `count` must
 /// be the number of commands `cmds` yields.
-pub fn encode_batch<'a>(
-    count: usize,
-    cmds: impl IntoIterator<Item = &'a Command>,
-    out: &mut Vec<u8>,
-) {
+pub fn encode_batch<'a>(count: usize, cmds: impl IntoIterator<Item = &'a Command>, out: &mut Vec<u8>) {
     out.push(BATCH_FORMAT_V1);
     put_varint(out, count as u64);
     let mut n = 0;
@@ -677,11 +629,7 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             out.push(def.durable as u8 | (def.auto_delete as u8) << 1 | (def.internal as u8) << 2);
             put_table(out, &def.arguments);
         }
-        Command::DeleteExchange {
-            vhost,
-            name,
-            if_unused,
-        } => {
+        Command::DeleteExchange { vhost, name, if_unused } => {
             out.push(TAG_DELETE_EXCHANGE);
             put_str(out, vhost);
             put_str(out, name);
@@ -691,11 +639,7 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             out.push(TAG_DECLARE_QUEUE);
             put_str(out, &def.vhost);
             put_str(out, &def.name);
-            out.push(
-                def.durable as u8
-                    | (def.auto_delete as u8) << 1
-                    | (def.exclusive_owner.is_some() as u8) << 2,
-            );
+            out.push(def.durable as u8 | (def.auto_delete as u8) << 1 | (def.exclusive_owner.is_some() as u8) << 2);
             if let Some(owner) = def.exclusive_owner {
                 put_varint(out, owner);
             }
@@ -710,11 +654,7 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_str(out, name);
         }
         Command::Bind(b) | Command::Unbind(b) => {
-            out.push(if matches!(cmd, Command::Bind(_)) {
-                TAG_BIND
-            } else {
-                TAG_UNBIND
-            });
+            out.push(if matches!(cmd, Command::Bind(_)) { TAG_BIND } else { TAG_UNBIND });
             put_str(out, &b.vhost);
             put_str(out, &b.source);
             out.push(match b.dest_kind {
@@ -725,12 +665,7 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_str(out, &b.routing_key);
             put_table(out, &b.arguments);
         }
-        Command::CursorCas {
-            vhost,
-            queue,
-            expected,
-            new,
-        } => {
+        Command::CursorCas { vhost, queue, expected, new } => {
             out.push(TAG_CURSOR_CAS);
             put_str(out, vhost);
             put_str(out, queue);
@@ -769,24 +704,15 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
                 arguments: r.table()?,
             })
         }
-        TAG_DELETE_EXCHANGE => Command::DeleteExchange {
-            vhost: r.string()?,
-            name: r.string()?,
-            if_unused: r.u8()? != 0,
-        },
+        TAG_DELETE_EXCHANGE => Command::DeleteExchange { vhost: r.string()?, name: r.string()?, if_unused: r.u8()? != 0 },
         TAG_DECLARE_QUEUE => {
             let vhost = r.string()?;
             let name = r.string()?;
             let flags = r.u8()?;
-            let exclusive_owner = if flags & 4 != 0 {
-                Some(r.varint()?)
-            } else {
-                None
-            };
+            let exclusive_owner = if flags & 4 != 0 { Some(r.varint()?) } else { None };
             let arguments = r.table()?;
             let owner_node = r.varint()?;
-            let owner_core =
-                u32::try_from(r.varint()?).map_err(|_| r.err("owner core out of range"))?;
+            let owner_core = u32::try_from(r.varint()?).map_err(|_| r.err("owner core out of range"))?;
             Command::DeclareQueue(QueueDef {
                 vhost,
                 name,
@@ -799,10 +725,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
                 owner_epoch: r.varint()?,
             })
         }
-        TAG_DELETE_QUEUE => Command::DeleteQueue {
-            vhost: r.string()?,
-            name: r.string()?,
-        },
+        TAG_DELETE_QUEUE => Command::DeleteQueue { vhost: r.string()?, name: r.string()? },
         TAG_BIND | TAG_UNBIND => {
             let vhost = r.string()?;
             let source = r.string()?;
@@ -811,26 +734,14 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
                 1 => DestKind::Exchange,
                 _ => return Err(r.err("unknown destination kind")),
             };
-            let b = Binding {
-                vhost,
-                source,
-                dest_kind,
-                dest: r.string()?,
-                routing_key: r.string()?,
-                arguments: r.table()?,
-            };
+            let b = Binding { vhost, source, dest_kind, dest: r.string()?, routing_key: r.string()?, arguments: r.table()? };
             if tag == TAG_BIND {
                 Command::Bind(b)
             } else {
                 Command::Unbind(b)
             }
         }
-        TAG_CURSOR_CAS => Command::CursorCas {
-            vhost: r.string()?,
-            queue: r.string()?,
-            expected: r.varint()?,
-            new: r.varint()?,
-        },
+        TAG_CURSOR_CAS => Command::CursorCas { vhost: r.string()?, queue: r.string()?, expected: r.varint()?, new: r.varint()? },
         TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()? },
         _ => return Err(r.err("unknown command tag")),
     })
@@ -892,10 +803,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
-        let b = *self
-            .buf
-            .get(self.pos)
-            .ok_or_else(|| self.err("truncated"))?;
+        let b = *self.buf.get(self.pos).ok_or_else(|| self.err("truncated"))?;
         self.pos += 1;
         Ok(b)
     }
@@ -933,10 +841,7 @@ impl<'a> Reader<'a> {
         let n = self.len()?;
         let at = self.pos;
         let b = self.bytes(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| DecodeError {
-            at,
-            what: "string is not UTF-8",
-        })
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError { at, what: "string is not UTF-8" })
     }
 
     fn table(&mut self) -> Result<FieldTable, DecodeError> {
@@ -946,10 +851,7 @@ impl<'a> Reader<'a> {
         }
         let at = self.pos;
         let b = self.bytes(n)?;
-        field_table_from_wire(b).ok_or(DecodeError {
-            at,
-            what: "malformed field table",
-        })
+        field_table_from_wire(b).ok_or(DecodeError { at, what: "malformed field table" })
     }
 }
 
@@ -996,21 +898,13 @@ macro_rules! keyed_by_vhost_name {
             use super::*;
             use serde::{Deserializer, Serializer};
 
-            pub fn serialize<S: Serializer>(
-                m: &BTreeMap<(String, String), $ty>,
-                s: S,
-            ) -> Result<S::Ok, S::Error> {
+            pub fn serialize<S: Serializer>(m: &BTreeMap<(String, String), $ty>, s: S) -> Result<S::Ok, S::Error> {
                 s.collect_seq(m.values())
             }
 
-            pub fn deserialize<'de, D: Deserializer<'de>>(
-                d: D,
-            ) -> Result<BTreeMap<(String, String), $ty>, D::Error> {
+            pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<(String, String), $ty>, D::Error> {
                 let list = Vec::<$ty>::deserialize(d)?;
-                Ok(list
-                    .into_iter()
-                    .map(|v| ((v.vhost.clone(), v.name.clone()), v))
-                    .collect())
+                Ok(list.into_iter().map(|v| ((v.vhost.clone(), v.name.clone()), v)).collect())
             }
         }
     };
@@ -1032,9 +926,7 @@ mod keyed_bindings {
         let list = Vec::<Binding>::deserialize(d)?;
         let mut m = BySource::new();
         for b in list {
-            m.entry((b.vhost.clone(), b.source.clone()))
-                .or_default()
-                .push(b);
+            m.entry((b.vhost.clone(), b.source.clone())).or_default().push(b);
         }
         Ok(m)
     }
@@ -1044,16 +936,11 @@ mod keyed_cursors {
     use super::*;
     use serde::{Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(
-        m: &BTreeMap<(String, String), u64>,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(m: &BTreeMap<(String, String), u64>, s: S) -> Result<S::Ok, S::Error> {
         s.collect_seq(m.iter().map(|((v, q), c)| (v, q, c)))
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<BTreeMap<(String, String), u64>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<(String, String), u64>, D::Error> {
         let list = Vec::<(String, String, u64)>::deserialize(d)?;
         Ok(list.into_iter().map(|(v, q, c)| ((v, q), c)).collect())
     }
@@ -1111,12 +998,7 @@ pub(crate) mod tests {
     }
 
     fn cas(queue: &str, expected: u64, new: u64) -> Command {
-        Command::CursorCas {
-            vhost: "/".into(),
-            queue: queue.into(),
-            expected,
-            new,
-        }
+        Command::CursorCas { vhost: "/".into(), queue: queue.into(), expected, new }
     }
 
     fn applied(st: &mut MetaState, cmd: Command) -> Outcome {
@@ -1159,14 +1041,8 @@ pub(crate) mod tests {
     #[test]
     fn vhost_declare_creates_predeclared_exchanges() {
         let mut st = MetaState::default();
-        assert_eq!(
-            applied(&mut st, Command::DeclareVhost { name: "/".into() }),
-            Outcome::Created
-        );
-        assert_eq!(
-            applied(&mut st, Command::DeclareVhost { name: "/".into() }),
-            Outcome::Existed
-        );
+        assert_eq!(applied(&mut st, Command::DeclareVhost { name: "/".into() }), Outcome::Created);
+        assert_eq!(applied(&mut st, Command::DeclareVhost { name: "/".into() }), Outcome::Existed);
         for (name, kind) in PREDECLARED_EXCHANGES {
             let ex = st.topology.exchange("/", name).unwrap();
             assert_eq!((ex.kind, ex.durable), (kind, true));
@@ -1178,47 +1054,22 @@ pub(crate) mod tests {
     fn exchange_declare_returns_existing_definition() {
         let mut st = MetaState::default();
         let x = exchange("logs", ExchangeKind::Fanout, true);
-        assert_eq!(
-            applied(&mut st, Command::DeclareExchange(x.clone())),
-            Outcome::Created
-        );
+        assert_eq!(applied(&mut st, Command::DeclareExchange(x.clone())), Outcome::Created);
         let mut other = x.clone();
         other.kind = ExchangeKind::Topic;
-        assert_eq!(
-            applied(&mut st, Command::DeclareExchange(other)),
-            Outcome::ExchangeExists(x.clone())
-        );
+        assert_eq!(applied(&mut st, Command::DeclareExchange(other)), Outcome::ExchangeExists(x.clone()));
         assert_eq!(st.topology.exchange("/", "logs"), Some(&x));
     }
 
     #[test]
     fn exchange_delete_if_unused_and_cascade() {
         let mut st = MetaState::default();
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("a", ExchangeKind::Direct, true)),
-        );
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("b", ExchangeKind::Direct, true)),
-        );
+        applied(&mut st, Command::DeclareExchange(exchange("a", ExchangeKind::Direct, true)));
+        applied(&mut st, Command::DeclareExchange(exchange("b", ExchangeKind::Direct, true)));
         applied(&mut st, Command::DeclareQueue(queue("q", true, None)));
-        assert_eq!(
-            applied(&mut st, Command::Bind(bind("a", DestKind::Queue, "q", "k"))),
-            Outcome::Created
-        );
-        assert_eq!(
-            applied(
-                &mut st,
-                Command::Bind(bind("b", DestKind::Exchange, "a", "k"))
-            ),
-            Outcome::Created
-        );
-        let del = |name: &str, if_unused| Command::DeleteExchange {
-            vhost: "/".into(),
-            name: name.into(),
-            if_unused,
-        };
+        assert_eq!(applied(&mut st, Command::Bind(bind("a", DestKind::Queue, "q", "k"))), Outcome::Created);
+        assert_eq!(applied(&mut st, Command::Bind(bind("b", DestKind::Exchange, "a", "k"))), Outcome::Created);
+        let del = |name: &str, if_unused| Command::DeleteExchange { vhost: "/".into(), name: name.into(), if_unused };
         assert_eq!(applied(&mut st, del("a", true)), Outcome::InUse);
         assert_eq!(applied(&mut st, del("nope", false)), Outcome::NotFound);
         // Deleting `a` removes a->q (a is source) and b->a (a is destination).
@@ -1233,49 +1084,27 @@ pub(crate) mod tests {
     fn queue_declare_starts_cursor_at_zero_and_returns_existing() {
         let mut st = MetaState::default();
         let q = queue("q", true, None);
-        assert_eq!(
-            applied(&mut st, Command::DeclareQueue(q.clone())),
-            Outcome::Created
-        );
+        assert_eq!(applied(&mut st, Command::DeclareQueue(q.clone())), Outcome::Created);
         assert_eq!(st.cursor("/", "q"), Some(0));
         let mut other = q.clone();
         other.durable = false;
-        assert_eq!(
-            applied(&mut st, Command::DeclareQueue(other)),
-            Outcome::QueueExists(q)
-        );
+        assert_eq!(applied(&mut st, Command::DeclareQueue(other)), Outcome::QueueExists(q));
     }
 
     #[test]
     fn queue_delete_removes_bindings_and_cursor() {
         let mut st = MetaState::default();
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("x", ExchangeKind::Topic, true)),
-        );
+        applied(&mut st, Command::DeclareExchange(exchange("x", ExchangeKind::Topic, true)));
         applied(&mut st, Command::DeclareQueue(queue("q", true, None)));
         applied(&mut st, Command::DeclareQueue(queue("r", true, None)));
-        applied(
-            &mut st,
-            Command::Bind(bind("x", DestKind::Queue, "q", "a.*")),
-        );
-        applied(
-            &mut st,
-            Command::Bind(bind("x", DestKind::Queue, "r", "a.*")),
-        );
+        applied(&mut st, Command::Bind(bind("x", DestKind::Queue, "q", "a.*")));
+        applied(&mut st, Command::Bind(bind("x", DestKind::Queue, "r", "a.*")));
         applied(&mut st, cas("q", 0, 7));
-        let del = Command::DeleteQueue {
-            vhost: "/".into(),
-            name: "q".into(),
-        };
+        let del = Command::DeleteQueue { vhost: "/".into(), name: "q".into() };
         assert_eq!(applied(&mut st, del.clone()), Outcome::Deleted);
         assert_eq!(applied(&mut st, del), Outcome::NotFound);
         assert_eq!(st.cursor("/", "q"), None);
-        let left: Vec<_> = st
-            .topology
-            .bindings_from("/", "x")
-            .map(|b| b.dest.as_str())
-            .collect();
+        let left: Vec<_> = st.topology.bindings_from("/", "x").map(|b| b.dest.as_str()).collect();
         assert_eq!(left, ["r"]);
         // Redeclared, it starts over at 0.
         applied(&mut st, Command::DeclareQueue(queue("q", true, None)));
@@ -1286,42 +1115,20 @@ pub(crate) mod tests {
     fn bind_and_unbind() {
         let mut st = MetaState::default();
         let b = bind("x", DestKind::Queue, "q", "k");
-        assert_eq!(
-            applied(&mut st, Command::Bind(b.clone())),
-            Outcome::NotFound
-        );
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("x", ExchangeKind::Direct, true)),
-        );
-        assert_eq!(
-            applied(&mut st, Command::Bind(b.clone())),
-            Outcome::NotFound,
-            "no queue"
-        );
+        assert_eq!(applied(&mut st, Command::Bind(b.clone())), Outcome::NotFound);
+        applied(&mut st, Command::DeclareExchange(exchange("x", ExchangeKind::Direct, true)));
+        assert_eq!(applied(&mut st, Command::Bind(b.clone())), Outcome::NotFound, "no queue");
         applied(&mut st, Command::DeclareQueue(queue("q", true, None)));
         assert_eq!(applied(&mut st, Command::Bind(b.clone())), Outcome::Created);
         assert_eq!(applied(&mut st, Command::Bind(b.clone())), Outcome::Existed);
         // Same key, other arguments: a different binding.
         let mut b2 = b.clone();
         b2.arguments = args(&[("x-match", AMQPValue::LongString("all".into()))]);
-        assert_eq!(
-            applied(&mut st, Command::Unbind(b2.clone())),
-            Outcome::NotFound
-        );
-        assert_eq!(
-            applied(&mut st, Command::Bind(b2.clone())),
-            Outcome::Created
-        );
+        assert_eq!(applied(&mut st, Command::Unbind(b2.clone())), Outcome::NotFound);
+        assert_eq!(applied(&mut st, Command::Bind(b2.clone())), Outcome::Created);
         assert_eq!(st.topology.bindings_from("/", "x").count(), 2);
-        assert_eq!(
-            st.topology.bindings_to("/", DestKind::Queue, "q").count(),
-            2
-        );
-        assert_eq!(
-            applied(&mut st, Command::Unbind(b.clone())),
-            Outcome::Deleted
-        );
+        assert_eq!(st.topology.bindings_to("/", DestKind::Queue, "q").count(), 2);
+        assert_eq!(applied(&mut st, Command::Unbind(b.clone())), Outcome::Deleted);
         assert_eq!(applied(&mut st, Command::Unbind(b)), Outcome::NotFound);
         assert_eq!(applied(&mut st, Command::Unbind(b2)), Outcome::Deleted);
         assert!(st.topology.bindings.is_empty());
@@ -1330,17 +1137,11 @@ pub(crate) mod tests {
     #[test]
     fn cursor_cas_accepts_rejects_and_reports_current() {
         let mut st = MetaState::default();
-        assert_eq!(
-            applied(&mut st, cas("q", 0, 1)),
-            Outcome::CasRejected { current: None }
-        );
+        assert_eq!(applied(&mut st, cas("q", 0, 1)), Outcome::CasRejected { current: None });
         applied(&mut st, Command::DeclareQueue(queue("q", true, None)));
         assert_eq!(applied(&mut st, cas("q", 0, 10)), Outcome::CasApplied);
         // A proposer that read 0 before the write above is stale now.
-        assert_eq!(
-            applied(&mut st, cas("q", 0, 5)),
-            Outcome::CasRejected { current: Some(10) }
-        );
+        assert_eq!(applied(&mut st, cas("q", 0, 5)), Outcome::CasRejected { current: Some(10) });
         assert_eq!(st.cursor("/", "q"), Some(10));
         // It re-reads and retries.
         assert_eq!(applied(&mut st, cas("q", 10, 15)), Outcome::CasApplied);
@@ -1351,14 +1152,8 @@ pub(crate) mod tests {
     fn node_boot_keeps_durable_and_drops_the_rest() {
         let mut st = MetaState::default();
         applied(&mut st, Command::DeclareVhost { name: "/".into() });
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("dx", ExchangeKind::Direct, true)),
-        );
-        applied(
-            &mut st,
-            Command::DeclareExchange(exchange("tx", ExchangeKind::Direct, false)),
-        );
+        applied(&mut st, Command::DeclareExchange(exchange("dx", ExchangeKind::Direct, true)));
+        applied(&mut st, Command::DeclareExchange(exchange("tx", ExchangeKind::Direct, false)));
         applied(&mut st, Command::DeclareQueue(queue("dq", true, None)));
         applied(&mut st, Command::DeclareQueue(queue("tq", false, None)));
         applied(&mut st, Command::DeclareQueue(queue("xq", true, Some(9))));
@@ -1373,31 +1168,16 @@ pub(crate) mod tests {
             assert_eq!(applied(&mut st, Command::Bind(b)), Outcome::Created);
         }
         applied(&mut st, cas("dq", 0, 3));
-        assert_eq!(
-            applied(&mut st, Command::NodeBoot { node: 1 }),
-            Outcome::Epoch(1)
-        );
-        assert_eq!(
-            applied(&mut st, Command::NodeBoot { node: 2 }),
-            Outcome::Epoch(1)
-        );
-        assert_eq!(
-            applied(&mut st, Command::NodeBoot { node: 1 }),
-            Outcome::Epoch(2)
-        );
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1 }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2 }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1 }), Outcome::Epoch(2));
         let t = &st.topology;
         assert!(t.queue("/", "dq").is_some());
         assert!(t.queue("/", "tq").is_none() && t.queue("/", "xq").is_none());
         assert!(t.exchange("/", "dx").is_some() && t.exchange("/", "tx").is_none());
         assert_eq!(t.exchanges.len(), 7, "6 predeclared + dx");
         let left: Vec<_> = t.all_bindings().cloned().collect();
-        assert_eq!(
-            left,
-            [
-                bind("amq.direct", DestKind::Exchange, "dx", "k"),
-                bind("dx", DestKind::Queue, "dq", "k")
-            ]
-        );
+        assert_eq!(left, [bind("amq.direct", DestKind::Exchange, "dx", "k"), bind("dx", DestKind::Queue, "dq", "k")]);
         assert_eq!(st.cursor("/", "dq"), Some(3));
         assert_eq!(st.cursor("/", "tq"), None);
         assert_eq!(st.boot_epochs.get(&1), Some(&2));
@@ -1408,10 +1188,7 @@ pub(crate) mod tests {
         let mut inner = FieldTable::default();
         inner.insert("n".into(), AMQPValue::LongLongInt(-5));
         let t = args(&[
-            (
-                "x-dead-letter-exchange",
-                AMQPValue::LongString("dlx".into()),
-            ),
+            ("x-dead-letter-exchange", AMQPValue::LongString("dlx".into())),
             ("x-nan", AMQPValue::Double(f64::NAN)),
             ("x-bytes", AMQPValue::ByteArray(vec![0u8, 255, 7].into())),
             ("x-table", AMQPValue::FieldTable(inner)),
@@ -1423,14 +1200,9 @@ pub(crate) mod tests {
         let mut buf = Vec::new();
         encode_batch(1, [&cmd], &mut buf);
         let back = decode_batch(&buf).unwrap();
-        let Command::DeclareQueue(back_q) = &back[0] else {
-            panic!("wrong command")
-        };
+        let Command::DeclareQueue(back_q) = &back[0] else { panic!("wrong command") };
         // NaN != NaN, so compare wire bytes.
-        assert_eq!(
-            field_table_to_wire(&back_q.arguments),
-            field_table_to_wire(&t)
-        );
+        assert_eq!(field_table_to_wire(&back_q.arguments), field_table_to_wire(&t));
 
         let mut st = MetaState::default();
         st.apply(&cmd);
@@ -1470,24 +1242,12 @@ pub(crate) mod tests {
     }
 
     fn kind() -> impl Strategy<Value = ExchangeKind> {
-        prop_oneof![
-            Just(ExchangeKind::Direct),
-            Just(ExchangeKind::Fanout),
-            Just(ExchangeKind::Topic),
-            Just(ExchangeKind::Headers)
-        ]
+        prop_oneof![Just(ExchangeKind::Direct), Just(ExchangeKind::Fanout), Just(ExchangeKind::Topic), Just(ExchangeKind::Headers)]
     }
 
     fn binding() -> impl Strategy<Value = Binding> {
         let vhost = prop_oneof![4 => Just("/".to_string()), 1 => Just("v2".to_string())];
-        (
-            vhost,
-            name(),
-            prop_oneof![Just(DestKind::Queue), Just(DestKind::Exchange)],
-            name(),
-            prop_oneof![Just("k"), Just("#")],
-            table(),
-        )
+        (vhost, name(), prop_oneof![Just(DestKind::Queue), Just(DestKind::Exchange)], name(), prop_oneof![Just("k"), Just("#")], table())
             .prop_map(|(vhost, source, dest_kind, dest, key, arguments)| Binding {
                 vhost,
                 source,
@@ -1500,33 +1260,13 @@ pub(crate) mod tests {
 
     fn command() -> impl Strategy<Value = Command> {
         let vhost = prop_oneof![4 => Just("/".to_string()), 1 => Just("v2".to_string())];
-        let exch = (
-            vhost.clone(),
-            name(),
-            kind(),
-            any::<bool>(),
-            any::<bool>(),
-            table(),
-        )
-            .prop_map(|(vhost, name, kind, durable, internal, arguments)| {
-                Command::DeclareExchange(ExchangeDef {
-                    vhost,
-                    name,
-                    kind,
-                    durable,
-                    auto_delete: false,
-                    internal,
-                    arguments,
-                })
-            });
-        let queue = (
-            vhost.clone(),
-            name(),
-            any::<bool>(),
-            proptest::option::of(0u64..3),
-            table(),
-        )
-            .prop_map(|(vhost, name, durable, exclusive_owner, arguments)| {
+        let exch = (vhost.clone(), name(), kind(), any::<bool>(), any::<bool>(), table()).prop_map(
+            |(vhost, name, kind, durable, internal, arguments)| {
+                Command::DeclareExchange(ExchangeDef { vhost, name, kind, durable, auto_delete: false, internal, arguments })
+            },
+        );
+        let queue = (vhost.clone(), name(), any::<bool>(), proptest::option::of(0u64..3), table()).prop_map(
+            |(vhost, name, durable, exclusive_owner, arguments)| {
                 Command::DeclareQueue(QueueDef {
                     vhost,
                     name,
@@ -1538,7 +1278,8 @@ pub(crate) mod tests {
                     owner_core: 3,
                     owner_epoch: 2,
                 })
-            });
+            },
+        );
         prop_oneof![
             1 => vhost.clone().prop_map(|name| Command::DeclareVhost { name }),
             3 => exch,

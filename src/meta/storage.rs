@@ -147,27 +147,18 @@ pub struct DiskStorage {
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> MetaError + 'a {
-    move |source| MetaError::Io {
-        what,
-        path: path.to_owned(),
-        source,
-    }
+    move |source| MetaError::Io { what, path: path.to_owned(), source }
 }
 
 fn sync_dir(dir: &Path) -> Result<(), MetaError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("fsync directory", dir))
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync directory", dir))
 }
 
 impl DiskStorage {
     /// Opens (creating when missing) the metadata directory `dir` and replays `meta.snap` and
     /// `meta.log`. A torn log tail is truncated (with a warning). Errors: [`MetaError::Io`],
     /// [`MetaError::CorruptLog`], [`MetaError::CorruptSnapshot`].
-    pub(crate) fn open(
-        dir: &Path,
-        counters: Arc<Counters>,
-    ) -> Result<(DiskStorage, Recovered), MetaError> {
+    pub(crate) fn open(dir: &Path, counters: Arc<Counters>) -> Result<(DiskStorage, Recovered), MetaError> {
         fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
         for tmp in [LOG_TMP, SNAP_TMP] {
             let p = dir.join(tmp);
@@ -177,11 +168,7 @@ impl DiskStorage {
         }
         let mut rec = Recovered::default();
         let snap_path = dir.join(SNAP_FILE);
-        let snap = if snap_path.exists() {
-            Some(read_snapshot(&snap_path)?)
-        } else {
-            None
-        };
+        let snap = if snap_path.exists() { Some(read_snapshot(&snap_path)?) } else { None };
         let log_path = dir.join(LOG_FILE);
         rec.fresh = snap.is_none() && !log_path.exists();
 
@@ -208,27 +195,16 @@ impl DiskStorage {
             st.hard_state.commit = body.index;
             let mut state = body.state;
             state.applied_index = body.index;
-            state
-                .check_invariants()
-                .map_err(|why| MetaError::CorruptSnapshot {
-                    path: snap_path.clone(),
-                    why,
-                })?;
+            state.check_invariants().map_err(|why| MetaError::CorruptSnapshot { path: snap_path.clone(), why })?;
             rec.state = Some(state);
         }
 
         if log_path.exists() {
             let mut bytes = Vec::new();
-            File::open(&log_path)
-                .and_then(|mut f| f.read_to_end(&mut bytes))
-                .map_err(io_err("read log", &log_path))?;
+            File::open(&log_path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(io_err("read log", &log_path))?;
             let (good_len, n) = st.replay(&bytes, &log_path)?;
             rec.entries = n;
-            let log = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&log_path)
-                .map_err(io_err("open log", &log_path))?;
+            let log = OpenOptions::new().read(true).write(true).open(&log_path).map_err(io_err("open log", &log_path))?;
             if good_len < bytes.len() as u64 {
                 rec.torn_bytes = bytes.len() as u64 - good_len;
                 tracing::warn!(
@@ -237,8 +213,7 @@ impl DiskStorage {
                     kept_bytes = good_len,
                     "metadata log has a torn tail (interrupted write); truncating it"
                 );
-                log.set_len(good_len)
-                    .map_err(io_err("truncate log", &log_path))?;
+                log.set_len(good_len).map_err(io_err("truncate log", &log_path))?;
                 log.sync_all().map_err(io_err("fsync log", &log_path))?;
             }
             st.log = log;
@@ -263,33 +238,20 @@ impl DiskStorage {
             if bytes.iter().zip(LOG_MAGIC).all(|(a, b)| a == b) {
                 return Ok((0, 0)); // torn while creating
             }
-            return Err(MetaError::CorruptLog {
-                path: path.to_owned(),
-                offset: 0,
-                why: "bad magic",
-            });
+            return Err(MetaError::CorruptLog { path: path.to_owned(), offset: 0, why: "bad magic" });
         }
         if &bytes[..8] != LOG_MAGIC {
-            return Err(MetaError::CorruptLog {
-                path: path.to_owned(),
-                offset: 0,
-                why: "bad magic",
-            });
+            return Err(MetaError::CorruptLog { path: path.to_owned(), offset: 0, why: "bad magic" });
         }
         let mut off = LOG_MAGIC.len();
         let mut kept = 0u64;
         // Bounded: each iteration consumes at least RECORD_HEADER bytes or stops.
         while off < bytes.len() {
-            let bad = |why: &'static str| MetaError::CorruptLog {
-                path: path.to_owned(),
-                offset: off as u64,
-                why,
-            };
+            let bad = |why: &'static str| MetaError::CorruptLog { path: path.to_owned(), offset: off as u64, why };
             match parse_record(&bytes[off..]) {
                 RecordParse::Ok(payload) => {
                     let next = off + RECORD_HEADER + payload.len();
-                    self.replay_record(payload)
-                        .map_err(|_| bad("undecodable record"))?;
+                    self.replay_record(payload).map_err(|_| bad("undecodable record"))?;
                     if payload[0] == KIND_ENTRY {
                         kept += 1;
                     }
@@ -323,10 +285,7 @@ impl DiskStorage {
                 Ok(())
             }
             KIND_HARD_STATE => {
-                let mut r = Reader {
-                    buf: &payload[1..],
-                    pos: 0,
-                };
+                let mut r = Reader { buf: &payload[1..], pos: 0 };
                 let mut u = || -> Result<u64, ()> {
                     let b = r.bytes(8).map_err(|_| ())?;
                     Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
@@ -391,20 +350,10 @@ impl DiskStorage {
     /// write, then one fdatasync when `sync` (raft-rs `Ready::must_sync`). Updates memory after
     /// the write. Errors: [`MetaError::Io`]; after one the log must not be used again (the
     /// driver stops).
-    pub fn append(
-        &mut self,
-        entries: &[Entry],
-        hs: Option<&HardState>,
-        sync: bool,
-    ) -> Result<(), MetaError> {
+    pub fn append(&mut self, entries: &[Entry], hs: Option<&HardState>, sync: bool) -> Result<(), MetaError> {
         if let Some(first) = entries.first() {
             if first.index <= self.snap_index || first.index > self.last() + 1 {
-                return Err(MetaError::Raft(format!(
-                    "append of index {} outside ({}, {}]",
-                    first.index,
-                    self.snap_index,
-                    self.last() + 1
-                )));
+                return Err(MetaError::Raft(format!("append of index {} outside ({}, {}]", first.index, self.snap_index, self.last() + 1)));
             }
         }
         let mut buf = std::mem::take(&mut self.buf);
@@ -424,8 +373,7 @@ impl DiskStorage {
         self.buf = buf;
         r?;
         if let Some(first) = entries.first() {
-            self.entries
-                .truncate((first.index - self.snap_index - 1) as usize);
+            self.entries.truncate((first.index - self.snap_index - 1) as usize);
             self.entries.extend_from_slice(entries);
             self.counters.entries_appended.add(entries.len() as u64);
         }
@@ -451,16 +399,12 @@ impl DiskStorage {
         if !buf.is_empty() {
             // Raft's own records come out of the reserve; when even that is short, try.
             let _ = self.reserve_log(buf.len() as u64);
-            self.log
-                .write_all_at(buf, self.log_len)
-                .map_err(io_err("write log", &path))?;
+            self.log.write_all_at(buf, self.log_len).map_err(io_err("write log", &path))?;
             self.log_len += buf.len() as u64;
             self.counters.log_bytes_written.add(buf.len() as u64);
         }
         if sync {
-            self.log
-                .sync_data()
-                .map_err(io_err("fdatasync log", &path))?;
+            self.log.sync_data().map_err(io_err("fdatasync log", &path))?;
             self.counters.fsyncs.add(1);
         }
         Ok(())
@@ -510,11 +454,8 @@ impl DiskStorage {
     /// the state to continue from. Errors: [`MetaError::CorruptSnapshot`], [`MetaError::Io`].
     pub fn install_snapshot(&mut self, snap: &Snapshot) -> Result<MetaState, MetaError> {
         let path = self.dir.join(SNAP_FILE);
-        let mut body: SnapshotBody =
-            serde_json::from_slice(&snap.data).map_err(|e| MetaError::CorruptSnapshot {
-                path: path.clone(),
-                why: format!("received: {e}"),
-            })?;
+        let mut body: SnapshotBody = serde_json::from_slice(&snap.data)
+            .map_err(|e| MetaError::CorruptSnapshot { path: path.clone(), why: format!("received: {e}") })?;
         let meta = snap.get_metadata();
         body.index = meta.index;
         body.term = meta.term;
@@ -537,8 +478,7 @@ impl DiskStorage {
     }
 
     fn write_snapshot(&mut self, body: &SnapshotBody) -> Result<(), MetaError> {
-        let json =
-            serde_json::to_vec(body).map_err(|e| MetaError::Raft(format!("snapshot: {e}")))?;
+        let json = serde_json::to_vec(body).map_err(|e| MetaError::Raft(format!("snapshot: {e}")))?;
         let mut out = Vec::with_capacity(json.len() + 20);
         out.extend_from_slice(SNAP_MAGIC);
         out.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
@@ -559,11 +499,7 @@ impl DiskStorage {
         }
         self.replace_file(LOG_TMP, LOG_FILE, &out)?;
         let path = self.dir.join(LOG_FILE);
-        self.log = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io_err("open log", &path))?;
+        self.log = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open log", &path))?;
         self.log_len = out.len() as u64;
         self.log_room = self.log_len;
         self.hs_dirty = false;
@@ -606,8 +542,7 @@ impl DiskStorage {
         let tmp_path = self.dir.join(tmp);
         let path = self.dir.join(name);
         let mut f = File::create(&tmp_path).map_err(io_err("create temp file", &tmp_path))?;
-        f.write_all(bytes)
-            .map_err(io_err("write temp file", &tmp_path))?;
+        f.write_all(bytes).map_err(io_err("write temp file", &tmp_path))?;
         f.sync_all().map_err(io_err("fsync temp file", &tmp_path))?;
         drop(f);
         fs::rename(&tmp_path, &path).map_err(io_err("rename temp file", &path))?;
@@ -636,19 +571,10 @@ impl DiskStorage {
 
 impl raft::Storage for DiskStorage {
     fn initial_state(&self) -> raft::Result<RaftState> {
-        Ok(RaftState::new(
-            self.hard_state.clone(),
-            self.conf_state.clone(),
-        ))
+        Ok(RaftState::new(self.hard_state.clone(), self.conf_state.clone()))
     }
 
-    fn entries(
-        &self,
-        low: u64,
-        high: u64,
-        max_size: impl Into<Option<u64>>,
-        _context: GetEntriesContext,
-    ) -> raft::Result<Vec<Entry>> {
+    fn entries(&self, low: u64, high: u64, max_size: impl Into<Option<u64>>, _context: GetEntriesContext) -> raft::Result<Vec<Entry>> {
         if low <= self.snap_index {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
@@ -690,10 +616,7 @@ impl raft::Storage for DiskStorage {
 
 fn read_snapshot(path: &Path) -> Result<SnapshotBody, MetaError> {
     let bytes = fs::read(path).map_err(io_err("read snapshot", path))?;
-    let corrupt = |why: String| MetaError::CorruptSnapshot {
-        path: path.to_owned(),
-        why,
-    };
+    let corrupt = |why: String| MetaError::CorruptSnapshot { path: path.to_owned(), why };
     if bytes.len() < 20 || &bytes[..8] != SNAP_MAGIC {
         return Err(corrupt("bad magic or header".into()));
     }
@@ -741,10 +664,7 @@ fn valid_record_follows(b: &[u8]) -> bool {
         if len == 0 || len > MAX_RECORD || c.len() - RECORD_HEADER < len {
             continue;
         }
-        if !matches!(
-            c[RECORD_HEADER],
-            KIND_ENTRY | KIND_HARD_STATE | KIND_CONF_STATE
-        ) {
+        if !matches!(c[RECORD_HEADER], KIND_ENTRY | KIND_HARD_STATE | KIND_CONF_STATE) {
             continue;
         }
         spent += len;
@@ -801,14 +721,7 @@ fn decode_entry(b: &[u8]) -> Option<Entry> {
     let ctx_len = usize::try_from(r.varint().ok()?).ok()?;
     let ctx = r.bytes(ctx_len).ok()?.to_vec();
     let data = b[r.pos..].to_vec();
-    Some(Entry {
-        index,
-        term,
-        entry_type: ty,
-        context: ctx.into(),
-        data: data.into(),
-        ..Default::default()
-    })
+    Some(Entry { index, term, entry_type: ty, context: ctx.into(), data: data.into(), ..Default::default() })
 }
 
 fn push_hard_state(out: &mut Vec<u8>, hs: &HardState) {
@@ -836,13 +749,7 @@ mod tests {
     use raft::Storage as _;
 
     fn entry(index: u64, term: u64, payload: &[u8]) -> Entry {
-        Entry {
-            index,
-            term,
-            context: vec![7u8; 16].into(),
-            data: payload.to_vec().into(),
-            ..Default::default()
-        }
+        Entry { index, term, context: vec![7u8; 16].into(), data: payload.to_vec().into(), ..Default::default() }
     }
 
     fn open(dir: &Path) -> (DiskStorage, Recovered) {
@@ -850,21 +757,12 @@ mod tests {
     }
 
     fn hs(term: u64, vote: u64, commit: u64) -> HardState {
-        HardState {
-            term,
-            vote,
-            commit,
-            ..Default::default()
-        }
+        HardState { term, vote, commit, ..Default::default() }
     }
 
     fn terms(st: &DiskStorage) -> Vec<(u64, u64)> {
         let (lo, hi) = (st.first_index().unwrap(), st.last_index().unwrap() + 1);
-        st.entries(lo, hi, None, GetEntriesContext::empty(false))
-            .unwrap()
-            .iter()
-            .map(|e| (e.index, e.term))
-            .collect()
+        st.entries(lo, hi, None, GetEntriesContext::empty(false)).unwrap().iter().map(|e| (e.index, e.term)).collect()
     }
 
     #[test]
@@ -872,16 +770,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut st, rec) = open(dir.path());
         assert!(rec.fresh);
-        let cs = ConfState {
-            voters: vec![1, 2, 3],
-            ..Default::default()
-        };
+        let cs = ConfState { voters: vec![1, 2, 3], ..Default::default() };
         st.set_conf_state(cs.clone()).unwrap();
         let ents: Vec<Entry> = (1..=5).map(|i| entry(i, 1, &[i as u8; 3])).collect();
         st.append(&ents, Some(&hs(1, 1, 2)), true).unwrap();
         // A new leader overwrites from index 4.
-        st.append(&[entry(4, 2, b"x")], Some(&hs(2, 2, 3)), true)
-            .unwrap();
+        st.append(&[entry(4, 2, b"x")], Some(&hs(2, 2, 3)), true).unwrap();
         st.set_commit(4);
         st.flush().unwrap();
         drop(st);
@@ -893,9 +787,7 @@ mod tests {
         assert_eq!(st.hard_state(), &hs(2, 2, 4));
         assert_eq!(st.conf_state().voters, cs.voters);
         assert_eq!(st.term(4).unwrap(), 2);
-        let e = st
-            .entries(4, 5, None, GetEntriesContext::empty(false))
-            .unwrap();
+        let e = st.entries(4, 5, None, GetEntriesContext::empty(false)).unwrap();
         assert_eq!(&e[0].data[..], b"x");
         assert_eq!(&e[0].context[..], &[7u8; 16]);
     }
@@ -904,12 +796,7 @@ mod tests {
     fn zero_filled_tail_is_torn_not_corrupt() {
         let dir = tempfile::tempdir().unwrap();
         let (mut st, _) = open(dir.path());
-        st.append(
-            &[entry(1, 1, b"a"), entry(2, 1, b"b")],
-            Some(&hs(1, 1, 2)),
-            true,
-        )
-        .unwrap();
+        st.append(&[entry(1, 1, b"a"), entry(2, 1, b"b")], Some(&hs(1, 1, 2)), true).unwrap();
         drop(st);
         let path = dir.path().join(LOG_FILE);
         let mut bytes = fs::read(&path).unwrap();

@@ -100,20 +100,9 @@ impl Broker {
                 .ok()
                 .and_then(|mut a| a.next())
                 .unwrap_or_else(|| panic!("RINGMQ_TEST_BROKER={ext:?} is not host:port"));
-            return Broker {
-                addr,
-                metrics_port: 0,
-                child: None,
-                data_dir: None,
-                log_path: None,
-                external: true,
-                extra_args: Vec::new(),
-            };
+            return Broker { addr, metrics_port: 0, child: None, data_dir: None, log_path: None, external: true, extra_args: Vec::new() };
         }
-        let data_dir = tempfile::Builder::new()
-            .prefix("ringmq-test-")
-            .tempdir()
-            .expect("temp data dir");
+        let data_dir = tempfile::Builder::new().prefix("ringmq-test-").tempdir().expect("temp data dir");
         let port = free_port();
         let mut b = Broker {
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -168,11 +157,7 @@ impl Broker {
     fn spawn(&mut self) {
         let dir = self.data_dir.as_ref().unwrap().path().to_path_buf();
         let log = self.log_path.clone().unwrap();
-        let stderr = File::options()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("broker log file");
+        let stderr = File::options().create(true).append(true).open(&log).expect("broker log file");
         let stdout = stderr.try_clone().unwrap();
         let mut cmd = Command::new(broker_binary());
         cmd.arg("--listen")
@@ -330,9 +315,7 @@ pub async fn connect(b: &Broker) -> Connection {
 }
 
 pub async fn connect_uri(uri: &str) -> Connection {
-    t("connect", Connection::connect(uri, ConnectionProperties::default()))
-        .await
-        .unwrap_or_else(|e| panic!("connect {uri}: {e}"))
+    t("connect", Connection::connect(uri, ConnectionProperties::default())).await.unwrap_or_else(|e| panic!("connect {uri}: {e}"))
 }
 
 /// Connect and open one channel.
@@ -373,9 +356,17 @@ pub async fn close_watch(ch: &Channel) -> CloseWatch {
     let q = t("watch queue", ch.queue_declare("".into(), lapin::options::QueueDeclareOptions::exclusive(), Default::default()))
         .await
         .expect("declare watch queue");
-    let consumer = t("watch consume", ch.basic_consume(q.name().clone(), "".into(), lapin::options::BasicConsumeOptions { no_ack: true, ..Default::default() }, Default::default()))
-        .await
-        .expect("consume watch queue");
+    let consumer = t(
+        "watch consume",
+        ch.basic_consume(
+            q.name().clone(),
+            "".into(),
+            lapin::options::BasicConsumeOptions { no_ack: true, ..Default::default() },
+            Default::default(),
+        ),
+    )
+    .await
+    .expect("consume watch queue");
     CloseWatch { ch: ch.clone(), consumer }
 }
 
@@ -408,9 +399,7 @@ impl CloseWatch {
 
 /// Declare a queue with the given options and arguments; return its name.
 pub async fn declare_queue(ch: &Channel, name: &str, opts: lapin::options::QueueDeclareOptions, args: lapin::types::FieldTable) -> String {
-    let q = t("queue.declare", ch.queue_declare(name.into(), opts, args))
-        .await
-        .unwrap_or_else(|e| panic!("queue.declare {name}: {e}"));
+    let q = t("queue.declare", ch.queue_declare(name.into(), opts, args)).await.unwrap_or_else(|e| panic!("queue.declare {name}: {e}"));
     q.name().as_str().to_string()
 }
 
@@ -421,9 +410,7 @@ pub async fn plain_queue(ch: &Channel, tag: &str) -> String {
 
 /// Put `ch` in confirm mode (idempotent).
 pub async fn confirm_mode(ch: &Channel) {
-    t("confirm.select", ch.confirm_select(lapin::options::ConfirmSelectOptions::default()))
-        .await
-        .expect("confirm.select");
+    t("confirm.select", ch.confirm_select(lapin::options::ConfirmSelectOptions::default())).await.expect("confirm.select");
 }
 
 /// Publish and wait for the publisher confirm (the channel must be in confirm mode).

@@ -294,11 +294,7 @@ impl RawConn {
         if self.buf.len() < 7 + size + 1 {
             return None;
         }
-        let f = Frame {
-            ty: self.buf[0],
-            channel: u16::from_be_bytes([self.buf[1], self.buf[2]]),
-            payload: self.buf[7..7 + size].to_vec(),
-        };
+        let f = Frame { ty: self.buf[0], channel: u16::from_be_bytes([self.buf[1], self.buf[2]]), payload: self.buf[7..7 + size].to_vec() };
         assert_eq!(self.buf[7 + size], FRAME_END, "broker sent a bad frame-end");
         self.buf.drain(..7 + size + 1);
         Some(f)

@@ -13,20 +13,13 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
-    glommio::LocalExecutorBuilder::default()
-        .spawn(f)
-        .expect("spawn executor")
-        .join()
-        .expect("executor thread");
+    glommio::LocalExecutorBuilder::default().spawn(f).expect("spawn executor").join().expect("executor thread");
 }
 
 /// A temp dir on the same filesystem as the target dir (not tmpfs), so direct
 /// I/O and the IOPOLL probe behave as in production.
 pub fn tmpdir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("shard-test")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .expect("tempdir")
+    tempfile::Builder::new().prefix("shard-test").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir")
 }
 
 /// Small segments and no cache: every path (roll, removal, disk reads) runs.
@@ -62,11 +55,8 @@ pub fn put(s: &Shard, n: usize) -> u64 {
 
 /// The segment files (`*.seg`) of a shard directory, sorted by name (= base offset).
 pub fn seg_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
-        .collect();
+    let mut v: Vec<PathBuf> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "seg")).collect();
     v.sort();
     v
 }

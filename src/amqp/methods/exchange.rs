@@ -44,10 +44,7 @@ pub fn check_equivalent(old: &ExchangeDef, new: &ExchangeDef) -> Result<(), Amqp
         return Err(what("internal", new.internal.to_string(), old.internal.to_string()));
     }
     if !args_equivalent(&old.arguments, &new.arguments) {
-        return Err(AmqpError::precondition_failed(format!(
-            "inequivalent arguments for exchange '{}' in vhost '{}'",
-            old.name, old.vhost
-        )));
+        return Err(AmqpError::precondition_failed(format!("inequivalent arguments for exchange '{}' in vhost '{}'", old.name, old.vhost)));
     }
     Ok(())
 }
@@ -108,7 +105,8 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         exchange::AMQPMethod::Bind(b) => {
-            let binding = binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            let binding =
+                binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
             bind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
@@ -116,7 +114,8 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         exchange::AMQPMethod::Unbind(b) => {
-            let binding = binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            let binding =
+                binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
             unbind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));
@@ -128,7 +127,14 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
 }
 
 /// A binding as the metadata stores it, from the fields of a bind/unbind method.
-pub fn binding(vhost: &str, source: &str, dest_kind: DestKind, dest: &str, routing_key: &str, arguments: &amq_protocol::types::FieldTable) -> Binding {
+pub fn binding(
+    vhost: &str,
+    source: &str,
+    dest_kind: DestKind,
+    dest: &str,
+    routing_key: &str,
+    arguments: &amq_protocol::types::FieldTable,
+) -> Binding {
     Binding {
         vhost: vhost.to_owned(),
         source: source.to_owned(),
@@ -144,7 +150,9 @@ pub fn binding(vhost: &str, source: &str, dest_kind: DestKind, dest: &str, routi
 pub async fn bind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
     check_ends(s, &b)?;
     match s.core.shared.meta.propose(Command::Bind(b.clone())).await.map_err(meta_error)? {
-        Outcome::NotFound => Err(AmqpError::not_found(format!("no exchange '{}' or destination '{}' in vhost '{}'", b.source, b.dest, b.vhost))),
+        Outcome::NotFound => {
+            Err(AmqpError::not_found(format!("no exchange '{}' or destination '{}' in vhost '{}'", b.source, b.dest, b.vhost)))
+        }
         _ => Ok(()),
     }
 }

@@ -38,10 +38,7 @@ pub fn args_equivalent(a: &FieldTable, b: &FieldTable) -> bool {
 /// URL-safe base64 of a unique id mixed with the clock; unique within a run.
 pub fn unique_suffix(id: u64) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ nanos.rotate_left(17);
     let mut y = nanos.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ id;
     let mut s = String::with_capacity(22);

@@ -52,10 +52,7 @@ fn check_equivalent(old: &QueueDef, new: &QueueDef) -> Result<(), AmqpError> {
         return Err(what("exclusive", new.exclusive_owner.is_some(), old.exclusive_owner.is_some()));
     }
     if !args_equivalent(&old.arguments, &new.arguments) {
-        return Err(AmqpError::precondition_failed(format!(
-            "inequivalent arguments for queue '{}' in vhost '{}'",
-            old.name, old.vhost
-        )));
+        return Err(AmqpError::precondition_failed(format!("inequivalent arguments for queue '{}' in vhost '{}'", old.name, old.vhost)));
     }
     Ok(())
 }
@@ -83,9 +80,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             if name.is_empty() {
                 name = format!("amq.gen-{}", unique_suffix(s.core.shared.next_id()));
             } else if name.starts_with("amq.") {
-                return Err(AmqpError::access_refused(format!(
-                    "queue name '{name}' contains reserved prefix 'amq.*'"
-                )));
+                return Err(AmqpError::access_refused(format!("queue name '{name}' contains reserved prefix 'amq.*'")));
             }
             let meta = &s.core.shared.meta;
             let def = QueueDef {
@@ -202,11 +197,7 @@ async fn undeclare(s: &Session, q: &QueueRef, def: &QueueDef) {
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {
     s.send_method(
         channel,
-        &AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
-            queue: name.into(),
-            message_count,
-            consumer_count,
-        })),
+        &AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk { queue: name.into(), message_count, consumer_count })),
     );
 }
 

@@ -60,8 +60,7 @@ impl IndexRecord {
         if b.len() < 45 || b.get_u8() != VERSION {
             return None;
         }
-        let (node, epoch, conn, channel, time_ms, offset) =
-            (b.get_u64(), b.get_u64(), b.get_u64(), b.get_u16(), b.get_u64(), b.get_u64());
+        let (node, epoch, conn, channel, time_ms, offset) = (b.get_u64(), b.get_u64(), b.get_u64(), b.get_u16(), b.get_u64(), b.get_u64());
         let string = |b: &mut &[u8]| -> Option<String> {
             let n = *b.first()? as usize;
             let s = std::str::from_utf8(b.get(1..1 + n)?).ok()?.to_owned();
@@ -76,10 +75,7 @@ impl IndexRecord {
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -31,9 +31,7 @@ use ringmq_shards::{Record, Shard, Synced};
 
 use super::message::Message;
 use super::router::{int_arg, string_arg, Route};
-use super::{
-    ClientEvent, ConfirmTo, ConsumerId, Delivery, GetReply, Holder, Mesh, QueueKey, QueueOp, QueueRef,
-};
+use super::{ClientEvent, ConfirmTo, ConsumerId, Delivery, GetReply, Holder, Mesh, QueueKey, QueueOp, QueueRef};
 use crate::amqp::error::AmqpError;
 use crate::meta::state::{Command, Outcome, QueueDef};
 use crate::meta::MetaHandle;
@@ -176,7 +174,10 @@ enum Step {
     /// [`consumer::MAX_PENDING_EVENTS`]): try again shortly.
     Backlogged,
     Sent,
-    Read { offset: u64, consumer: ConsumerId },
+    Read {
+        offset: u64,
+        consumer: ConsumerId,
+    },
 }
 
 impl Queue {
@@ -223,43 +224,43 @@ impl Queue {
                 tracing::error!(error = %e, "unacked index delete failed");
             }
         }
-        let consumer_timeout_ms = int_arg(&def.arguments, "x-consumer-timeout")
-            .filter(|v| *v > 0)
-            .map(|v| v as u64)
-            .unwrap_or(default_timeout_ms);
+        let consumer_timeout_ms =
+            int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
-        let q = Rc::new_cyclic(|me| RefCell::new(Queue {
-            qref,
-            def,
-            shard: Rc::new(shard),
-            index: index.map(Rc::new),
-            cursor: Cursor { committed: recovered.cursor, target: recovered.cursor, committing: false },
-            me: me.clone(),
-            ready,
-            ready_at,
-            requeued: BTreeSet::new(),
-            redelivered,
-            outstanding: FxHashMap::default(),
-            paging: 0,
-            consumers: Consumers::default(),
-            had_consumer: false,
-            pending_confirms: Vec::new(),
-            syncing: false,
-            index_flushing: false,
-            unsynced: Vec::new(),
-            index_of,
-            index_trash: Vec::new(),
-            last_full_sync: Instant::now(),
-            paged: Default::default(),
-            dirty: false,
-            wake,
-            deleted: false,
-            consumer_timeout_ms,
-            dead_letter_exchange,
-            dead_letter_routing_key,
-            env,
-        }));
+        let q = Rc::new_cyclic(|me| {
+            RefCell::new(Queue {
+                qref,
+                def,
+                shard: Rc::new(shard),
+                index: index.map(Rc::new),
+                cursor: Cursor { committed: recovered.cursor, target: recovered.cursor, committing: false },
+                me: me.clone(),
+                ready,
+                ready_at,
+                requeued: BTreeSet::new(),
+                redelivered,
+                outstanding: FxHashMap::default(),
+                paging: 0,
+                consumers: Consumers::default(),
+                had_consumer: false,
+                pending_confirms: Vec::new(),
+                syncing: false,
+                index_flushing: false,
+                unsynced: Vec::new(),
+                index_of,
+                index_trash: Vec::new(),
+                last_full_sync: Instant::now(),
+                paged: Default::default(),
+                dirty: false,
+                wake,
+                deleted: false,
+                consumer_timeout_ms,
+                dead_letter_exchange,
+                dead_letter_routing_key,
+                env,
+            })
+        });
         let weak = Rc::downgrade(&q);
         glommio::spawn_local(dispatcher(weak, wake_rx)).detach();
         q
@@ -323,9 +324,7 @@ impl Queue {
                     return;
                 }
                 if consumer.send_consume_ok {
-                    let _ = consumer
-                        .tx
-                        .send(ClientEvent::ConsumeOk { channel: consumer.channel, consumer_tag: consumer.tag.clone() });
+                    let _ = consumer.tx.send(ClientEvent::ConsumeOk { channel: consumer.channel, consumer_tag: consumer.tag.clone() });
                 }
                 q.had_consumer = true;
                 q.consumers.add(consumer);
@@ -352,8 +351,7 @@ impl Queue {
             }
             QueueOp::ChannelClosed { chan_uid } => {
                 q.consumers.remove_channel(chan_uid);
-                let mut held: Vec<u64> =
-                    q.outstanding.iter().filter(|(_, o)| o.holder.chan_uid == chan_uid).map(|(off, _)| *off).collect();
+                let mut held: Vec<u64> = q.outstanding.iter().filter(|(_, o)| o.holder.chan_uid == chan_uid).map(|(off, _)| *off).collect();
                 held.sort_unstable();
                 q.requeue(&held);
                 q.maybe_auto_delete();
@@ -466,10 +464,16 @@ impl Queue {
     /// has ready messages (spec 1.7.2.9).
     pub fn check_delete(&self, if_unused: bool, if_empty: bool) -> Result<u32, AmqpError> {
         if if_unused && !self.consumers.is_empty() {
-            return Err(AmqpError::precondition_failed(format!("queue '{}' in vhost '{}' in use", self.qref.key.name, self.qref.key.vhost)));
+            return Err(AmqpError::precondition_failed(format!(
+                "queue '{}' in vhost '{}' in use",
+                self.qref.key.name, self.qref.key.vhost
+            )));
         }
         if if_empty && self.message_count() > 0 {
-            return Err(AmqpError::precondition_failed(format!("queue '{}' in vhost '{}' not empty", self.qref.key.name, self.qref.key.vhost)));
+            return Err(AmqpError::precondition_failed(format!(
+                "queue '{}' in vhost '{}' not empty",
+                self.qref.key.name, self.qref.key.vhost
+            )));
         }
         Ok(self.message_count())
     }

@@ -184,10 +184,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
 /// once (RabbitMQ docs, "Dead Letter Exchanges", "Dead-Lettered Messages").
 pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: &str, routing_key: &str) -> AMQPProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut deaths: Vec<AMQPValue> = match headers.inner().get("x-death") {
         Some(AMQPValue::FieldArray(a)) => a.as_slice().to_vec(),
         _ => Vec::new(),
