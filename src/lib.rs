@@ -40,3 +40,4 @@ pub mod config;
 pub mod core;
 pub mod meta;
 pub mod observe;
+pub mod server;

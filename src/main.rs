@@ -60,7 +60,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
             let _ = stop_tx.send(());
         }
     })?;
-    ringmq::core::start(Arc::new(config), meta, stop_rx)?;
+    ringmq::server::start(Arc::new(config), meta, stop_rx)?;
     Ok(())
 }
 

@@ -285,22 +285,10 @@ pub fn encode_heartbeat(out: &mut Vec<u8>) {
     out.extend_from_slice(&[FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END]);
 }
 
-/// Serializes `props` into the property flags + fields layout of a content header.
-pub fn encode_properties(props: &AMQPProperties) -> Vec<u8> {
-    cookie_factory::gen_simple(amq_protocol::protocol::basic::gen_properties(props), Vec::new()).expect("encoding properties into a Vec")
-}
-
-/// Parses property flags + fields (the inverse of [`encode_properties`]).
-pub fn decode_properties(raw: &[u8]) -> Option<AMQPProperties> {
-    match amq_protocol::protocol::basic::parse_properties(raw) {
-        Ok((rest, p)) if rest.is_empty() => Some(p),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::broker::message::encode_properties;
     use amq_protocol::protocol::{basic, queue};
 
     fn one(bytes: &[u8], frame_max: u32) -> Result<Option<Frame>, AmqpError> {

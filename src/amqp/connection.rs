@@ -29,8 +29,8 @@ use super::error::{AmqpError, Scope};
 use super::methods;
 use super::unacked::Unacked;
 use crate::broker::message::split_header;
+use crate::broker::node::Node;
 use crate::broker::{ClientEvent, ClientTx, ConnId, QueueOp, QueueRef};
-use crate::core::Core;
 use crate::observe::Stats;
 
 /// How long the server waits for connection.close-ok after sending connection.close.
@@ -75,7 +75,7 @@ pub struct ConnState {
 /// A connection: its core, id, event channel and state.
 pub struct Session {
     /// The core it lives on.
-    pub core: Rc<Core>,
+    pub core: Rc<Node>,
     /// Connection id.
     pub id: ConnId,
     /// Its event channel (queues send deliveries here).
@@ -102,7 +102,7 @@ struct Tuned {
 }
 
 /// Serves one accepted socket until it closes.
-pub async fn serve(core: Rc<Core>, mut stream: TcpStream) {
+pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok();
     Stats::add(&core.stats().connections_opened, 1);
@@ -252,7 +252,7 @@ fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
     }
 }
 
-async fn handshake(core: &Rc<Core>, stream: &mut TcpStream, peer: Option<SocketAddr>) -> Result<Tuned, AmqpError> {
+async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Option<SocketAddr>) -> Result<Tuned, AmqpError> {
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let mut header = [0u8; 8];
     stream.read_exact(&mut header).await.map_err(|e| AmqpError::connection_forced(format!("read header: {e}")))?;
@@ -566,7 +566,7 @@ impl Session {
 
     /// Closes every channel (requeueing what they hold) and deletes the connection's
     /// exclusive queues; returns the replies of those deletions.
-    fn close_all(&self) -> Vec<flume::Receiver<Result<u32, AmqpError>>> {
+    fn close_all(&self) -> Vec<flume::Receiver<Result<u32, crate::broker::QueueError>>> {
         let mut st = self.st.borrow_mut();
         let channels: Vec<Channel> = st.channels.drain().map(|(_, c)| c).collect();
         let exclusive = std::mem::take(&mut st.exclusive_queues);
@@ -905,7 +905,8 @@ impl Session {
                     );
                 }
             }
-            ClientEvent::Close(e) => {
+            ClientEvent::Shutdown => {
+                let e = AmqpError::connection_forced("broker shutdown");
                 let mut st = self.st.borrow_mut();
                 if st.closing.is_none() && !st.finish {
                     st.closing = Some(Instant::now() + CLOSE_WAIT);

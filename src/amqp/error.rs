@@ -153,3 +153,18 @@ impl fmt::Display for AmqpError {
 }
 
 impl std::error::Error for AmqpError {}
+
+impl From<crate::broker::QueueError> for AmqpError {
+    /// The reply code and scope of each refusal (spec 1.2 "Constants"): 404, 403 and 406
+    /// close the channel; 506 and 541 the connection.
+    fn from(e: crate::broker::QueueError) -> Self {
+        use crate::broker::QueueError as Q;
+        match e {
+            Q::NotFound(d) => AmqpError::not_found(d),
+            Q::AccessRefused(d) => AmqpError::access_refused(d),
+            Q::PreconditionFailed(d) => AmqpError::precondition_failed(d),
+            Q::ResourceError(d) => AmqpError::resource_error(d),
+            Q::InternalError(d) => AmqpError::internal_error(d),
+        }
+    }
+}

@@ -50,6 +50,8 @@ pub struct Alarms {
     pub connections_refused: AtomicU64,
     /// A store saw ENOSPC since the last check: check now.
     disk_full_seen: AtomicBool,
+    /// When a refused connection was last logged, ms since the Unix epoch (0 = never).
+    refusal_warned_ms: AtomicU64,
 }
 
 /// Descriptors kept free below the limit before new connections and queues are refused:
@@ -101,6 +103,26 @@ impl Alarms {
     pub fn refuse_connections(&self) -> bool {
         let max = self.max_fds.load(Ordering::Relaxed);
         max > 0 && self.open_fds.load(Ordering::Relaxed) + fd_headroom(max) / 2 > max
+    }
+
+    /// The accept threads' check (`core::accept::Admit`): false, with a warning at most once
+    /// a second and a count in `connections_refused`, when descriptors are nearly gone — they
+    /// are kept for the connections and queues there are (RabbitMQ's file-descriptor limit).
+    /// The client sees the socket closed before the protocol header.
+    pub fn admit(&self, peer: std::net::SocketAddr) -> bool {
+        if !self.refuse_connections() {
+            return true;
+        }
+        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64);
+        let last = self.refusal_warned_ms.load(Ordering::Relaxed);
+        if (last == 0 || now_ms >= last + 1000)
+            && self.refusal_warned_ms.compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            let (open, max) = (self.open_fds.load(Ordering::Relaxed), self.max_fds.load(Ordering::Relaxed));
+            tracing::warn!(%peer, open_fds = open, max_fds = max, "connection refused: file descriptors nearly exhausted");
+        }
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+        false
     }
 }
 

@@ -5,7 +5,11 @@
 //! `properties` are the content-header property flags and fields exactly as published
 //! (AMQP 0-9-1 spec 4.2.6.1), and `body` is the message body. Record flags: bit 0 =
 //! persistent (delivery_mode 2).
+//!
+//! [`encode_properties`] and [`decode_properties`] convert between the raw properties and
+//! their fields (for the headers a move adds, e.g. dead-lettering's `x-death`).
 
+use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::{BufMut, Bytes};
 
 /// Record flag: the message was published with delivery_mode 2.
@@ -59,6 +63,19 @@ pub fn split_header(h: &[u8]) -> (&str, &str, &[u8]) {
     match get(0).and_then(|(x, n)| get(n).map(|(rk, m)| (x, rk, m))) {
         Some((x, rk, m)) => (x, rk, &h[m..]),
         None => ("", "", &[]),
+    }
+}
+
+/// Serializes `props` into the property flags + fields layout of a content header.
+pub fn encode_properties(props: &AMQPProperties) -> Vec<u8> {
+    cookie_factory::gen_simple(amq_protocol::protocol::basic::gen_properties(props), Vec::new()).expect("encoding properties into a Vec")
+}
+
+/// Parses property flags + fields (the inverse of [`encode_properties`]).
+pub fn decode_properties(raw: &[u8]) -> Option<AMQPProperties> {
+    match amq_protocol::protocol::basic::parse_properties(raw) {
+        Ok((rest, p)) if rest.is_empty() => Some(p),
+        _ => None,
     }
 }
 

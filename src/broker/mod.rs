@@ -7,7 +7,11 @@
 //! - [`router`]: a core's read-only copy of the routing tables (from the Raft metadata).
 //! - [`queue`]: a queue on its owner core: ready set, consumers, prefetch, unacked offsets;
 //!   [`queue::settle`] holds every transition of a delivered message.
-//! - [`message`]: the stored form of a message.
+//! - [`message`]: the stored form of a message and its property codec.
+//! - [`node`]: each core's share of the broker (queue registry and lifecycle, routing-table
+//!   copy, connections, the 1 s tick) and the state all cores share.
+//! - [`alarms`]: disk and file-descriptor alarms.
+//! - [`error`]: [`QueueError`], mapped to reply codes by `amqp`.
 //!
 //! # Invariants
 //! - A queue's state is touched only by its owner core; everything else reaches it through a
@@ -17,14 +21,16 @@
 //!   cancel-ok follows its last.
 
 pub mod alarms;
+pub mod error;
 pub mod exchange;
 pub mod message;
+pub mod node;
 pub mod queue;
 pub mod router;
 
 use std::sync::Arc;
 
-use crate::amqp::error::AmqpError;
+pub use error::QueueError;
 use message::Message;
 
 /// Identifies a queue: (vhost, queue name). Cheap to clone and to send between cores.
@@ -111,8 +117,8 @@ pub enum ClientEvent {
         /// Timeout that was exceeded, in ms.
         timeout_ms: u64,
     },
-    /// Close the whole connection with this error (e.g. 320 on shutdown).
-    Close(AmqpError),
+    /// The broker is shutting down: close the connection (320 CONNECTION_FORCED).
+    Shutdown,
     /// The disk alarm was raised (true) or cleared: a connection that publishes is blocked
     /// (connection.blocked, not read) or unblocked.
     DiskAlarm(bool),
@@ -260,14 +266,14 @@ pub enum QueueOp {
         /// Who gets it (manual ack).
         holder: Holder,
         /// The answer (None = get-empty).
-        reply: Reply<Result<Option<GetReply>, AmqpError>>,
+        reply: Reply<Result<Option<GetReply>, QueueError>>,
     },
     /// basic.consume.
     Consume {
         /// The consumer.
         consumer: ConsumerSpec,
         /// Ok, or 403 for exclusivity conflicts.
-        reply: Reply<Result<(), AmqpError>>,
+        reply: Reply<Result<(), QueueError>>,
     },
     /// basic.cancel; the queue sends cancel-ok on the consumer's channel when `send_ok`.
     Cancel {
@@ -304,12 +310,12 @@ pub enum QueueOp {
     /// Ready and consumer counts (queue.declare-ok).
     Stats {
         /// (message_count, consumer_count)
-        reply: Reply<Result<(u32, u32), AmqpError>>,
+        reply: Reply<Result<(u32, u32), QueueError>>,
     },
     /// queue.purge: drop every ready message.
     Purge {
         /// Messages purged.
-        reply: Reply<Result<u32, AmqpError>>,
+        reply: Reply<Result<u32, QueueError>>,
     },
     /// queue.delete with its conditions (406 when violated).
     Delete {
@@ -318,11 +324,12 @@ pub enum QueueOp {
         /// Only if it has no ready messages.
         if_empty: bool,
         /// Messages deleted.
-        reply: Reply<Result<u32, AmqpError>>,
+        reply: Reply<Result<u32, QueueError>>,
     },
 }
 
-/// How the domain reaches queues on any core. Implemented by `core`.
+/// How the domain reaches queues on any core. Implemented by [`node::Node`] over the
+/// runtime's per-core inboxes.
 pub trait Mesh {
     /// Sends `op` to the owner core of `queue` (a local call when that is this core).
     fn send(&self, queue: &QueueRef, op: QueueOp);

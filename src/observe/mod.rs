@@ -1,14 +1,15 @@
 //! Observability: one [`Stats`] block of plain counters per core, summed on scrape into the
 //! Prometheus text exposition format at `GET /metrics` on `--metrics-listen`.
 //!
-//! The metrics server is a plain std thread (it never runs on an executor).
+//! It renders what it is given ([`render`]: the cores' [`Stats`], resource [`Gauges`] and
+//! [`RaftFigures`]) and imports nothing of the layers above it; the broker hands
+//! [`serve_metrics`] the function that gathers them. The metrics server is a plain std
+//! thread (it never runs on an executor).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-use crate::core::Shared;
 
 /// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
 /// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).
@@ -121,9 +122,42 @@ fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
     out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
 }
 
-/// Renders every core's counters and histograms (summed) and the metadata group's figures.
-pub fn render(shared: &Shared) -> String {
-    let sum = |f: fn(&Stats) -> &AtomicU64| shared.stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
+/// Resource gauges at scrape time (from the broker's alarms).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gauges {
+    /// Open file descriptors of the process.
+    pub open_fds: u64,
+    /// The open-files limit in force.
+    pub max_fds: u64,
+    /// Free bytes on the data directory's filesystem.
+    pub disk_free_bytes: u64,
+    /// The disk alarm threshold, bytes.
+    pub disk_free_limit: u64,
+    /// The free-disk alarm is raised.
+    pub disk_alarm: bool,
+    /// The file-descriptor alarm is raised.
+    pub fd_alarm: bool,
+    /// Connections closed at accept because descriptors ran low (a counter).
+    pub connections_refused: u64,
+}
+
+/// The metadata group's figures at scrape time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RaftFigures {
+    /// Raft entries appended by this node.
+    pub entries_appended: u64,
+    /// fdatasync calls of the Raft log.
+    pub fsyncs: u64,
+    /// Metadata commands applied.
+    pub commands_applied: u64,
+    /// This node leads the metadata group.
+    pub is_leader: bool,
+}
+
+/// Renders every core's counters and histograms (summed), the resource gauges and the
+/// metadata group's figures, in the Prometheus text format (version 0.0.4).
+pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
+    let sum = |f: fn(&Stats) -> &AtomicU64| stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
     let mut out = String::new();
     let o = &mut out;
     counter(o, "ringmq_connections_opened_total", "Connections accepted.", sum(|s| &s.connections_opened));
@@ -138,20 +172,13 @@ pub fn render(shared: &Shared) -> String {
     counter(o, "ringmq_messages_store_refused_total", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused));
     counter(o, "ringmq_queue_store_reopens_total", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens));
     // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
-    let a = &shared.alarms;
-    let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-    counter(o, "ringmq_connections_refused_total", "Connections closed at accept: file descriptors low.", load(&a.connections_refused));
-    gauge(o, "rabbitmq_process_open_fds", "Open file descriptors.", load(&a.open_fds));
-    gauge(o, "rabbitmq_process_max_fds", "Open file descriptors limit.", load(&a.max_fds));
-    gauge(o, "rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", load(&a.disk_free_bytes));
+    counter(o, "ringmq_connections_refused_total", "Connections closed at accept: file descriptors low.", a.connections_refused);
+    gauge(o, "rabbitmq_process_open_fds", "Open file descriptors.", a.open_fds);
+    gauge(o, "rabbitmq_process_max_fds", "Open file descriptors limit.", a.max_fds);
+    gauge(o, "rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", a.disk_free_bytes);
     gauge(o, "rabbitmq_disk_space_available_limit_bytes", "Free disk space low watermark in bytes.", a.disk_free_limit);
-    gauge(o, "rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm() as u64);
-    gauge(
-        o,
-        "rabbitmq_alarms_file_descriptor_limit",
-        "is 1 if file descriptor limit alarm is in effect",
-        a.fd_alarm.load(Ordering::Relaxed) as u64,
-    );
+    gauge(o, "rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm as u64);
+    gauge(o, "rabbitmq_alarms_file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", a.fd_alarm as u64);
     let name = "ringmq_stage_latency_seconds";
     o.push_str(&format!(
         "# HELP {name} Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.\n# TYPE {name} histogram\n"
@@ -162,16 +189,15 @@ pub fn render(shared: &Shared) -> String {
         ("delivered_to_acked", |s| &s.delivered_to_acked),
     ];
     for (stage, pick) in stages {
-        let parts: Vec<&Histogram> = shared.stats.iter().map(pick).collect();
+        let parts: Vec<&Histogram> = stats.iter().map(pick).collect();
         render_histogram(o, name, stage, &parts);
     }
-    let m = shared.meta.stats();
-    counter(o, "ringmq_raft_entries_total", "Raft entries appended by this node.", m.entries_appended);
-    counter(o, "ringmq_raft_fsyncs_total", "fdatasync calls of the Raft log.", m.fsyncs);
-    counter(o, "ringmq_raft_commands_total", "Metadata commands applied.", m.commands_applied);
+    counter(o, "ringmq_raft_entries_total", "Raft entries appended by this node.", raft.entries_appended);
+    counter(o, "ringmq_raft_fsyncs_total", "fdatasync calls of the Raft log.", raft.fsyncs);
+    counter(o, "ringmq_raft_commands_total", "Metadata commands applied.", raft.commands_applied);
     o.push_str(&format!(
         "# HELP ringmq_raft_is_leader 1 when this node leads the metadata group.\n# TYPE ringmq_raft_is_leader gauge\nringmq_raft_is_leader {}\n",
-        shared.meta.is_leader() as u8
+        raft.is_leader as u8
     ));
     out
 }
@@ -180,7 +206,7 @@ pub fn render(shared: &Shared) -> String {
 const MAX_SCRAPES: u64 = 16;
 
 /// Answers one HTTP request on `stream` (2 s read timeout).
-fn answer(mut stream: std::net::TcpStream, shared: &Shared) {
+fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
     let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
     let mut line = String::new();
     let Ok(clone) = stream.try_clone() else { return };
@@ -197,11 +223,8 @@ fn answer(mut stream: std::net::TcpStream, shared: &Shared) {
             Ok(_) => {}
         }
     }
-    let (status, body) = if line.starts_with("GET /metrics") {
-        ("200 OK", render(shared))
-    } else {
-        ("404 Not Found", "not found; try /metrics\n".to_string())
-    };
+    let (status, body) =
+        if line.starts_with("GET /metrics") { ("200 OK", render()) } else { ("404 Not Found", "not found; try /metrics\n".to_string()) };
     let _ = write!(
         stream,
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -209,9 +232,12 @@ fn answer(mut stream: std::net::TcpStream, shared: &Shared) {
     );
 }
 
-/// Serves `GET /metrics` on `addr` from a background thread. A bind failure is logged
-/// and metrics stay off (the broker still runs).
-pub fn serve_metrics(addr: SocketAddr, shared: Arc<Shared>) {
+/// The function a scrape calls for the exposition text.
+pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves `GET /metrics` on `addr` from a background thread, answering each scrape with
+/// `render()`. A bind failure is logged and metrics stay off (the broker still runs).
+pub fn serve_metrics(addr: SocketAddr, render: RenderFn) {
     let listener = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) => {
@@ -229,9 +255,9 @@ pub fn serve_metrics(addr: SocketAddr, shared: Arc<Shared>) {
                 continue;
             }
             busy.fetch_add(1, Ordering::Relaxed);
-            let (shared, busy) = (shared.clone(), busy.clone());
+            let (render, busy) = (render.clone(), busy.clone());
             let started = std::thread::Builder::new().name("ringmq-scrape".into()).spawn(move || {
-                answer(stream, &shared);
+                answer(stream, &*render);
                 busy.fetch_sub(1, Ordering::Relaxed);
             });
             if started.is_err() {

@@ -218,7 +218,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         if let Some(ch) = s.st.borrow_mut().channels.get_mut(&channel) {
             ch.consumers.remove(&tag);
         }
-        return Err(e);
+        return Err(e.into());
     }
     Ok(())
 }

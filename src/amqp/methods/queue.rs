@@ -60,7 +60,7 @@ fn check_equivalent(old: &QueueDef, new: &QueueDef) -> Result<(), AmqpError> {
 async fn stats(s: &Session, q: &QueueRef) -> Result<(u32, u32), AmqpError> {
     let (reply, rx) = reply_channel();
     s.queue_send(q, QueueOp::Stats { reply });
-    rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))?
+    Ok(rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??)
 }
 
 /// Dispatches a queue method.

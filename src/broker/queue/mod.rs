@@ -31,8 +31,7 @@ use ringmq_shards::{Record, Shard, Synced};
 
 use super::message::Message;
 use super::router::{int_arg, string_arg, Route};
-use super::{ClientEvent, ConfirmTo, ConsumerId, Delivery, GetReply, Holder, Mesh, QueueKey, QueueOp, QueueRef};
-use crate::amqp::error::AmqpError;
+use super::{ClientEvent, ConfirmTo, ConsumerId, Delivery, GetReply, Holder, Mesh, QueueError, QueueKey, QueueOp, QueueRef};
 use crate::meta::state::{Command, Outcome, QueueDef};
 use crate::meta::MetaHandle;
 use consumer::Consumers;
@@ -317,7 +316,7 @@ impl Queue {
             }
             QueueOp::Consume { consumer, reply } => {
                 if q.consumers.has_exclusive() || (consumer.exclusive && !q.consumers.is_empty()) {
-                    let _ = reply.send(Err(AmqpError::access_refused(format!(
+                    let _ = reply.send(Err(QueueError::AccessRefused(format!(
                         "queue '{}' in vhost '{}' in exclusive use",
                         q.qref.key.name, q.qref.key.vhost
                     ))));
@@ -368,7 +367,7 @@ impl Queue {
             QueueOp::Delete { reply, .. } => {
                 // Deletion is carried out by the core (it owns the registry); reaching here
                 // means the core already tore the queue down.
-                let _ = reply.send(Err(AmqpError::not_found(format!("no queue '{}'", q.qref.key.name))));
+                let _ = reply.send(Err(QueueError::NotFound(format!("no queue '{}'", q.qref.key.name))));
             }
         }
     }
@@ -462,15 +461,15 @@ impl Queue {
     /// # Errors
     /// 406 PRECONDITION_FAILED when `if_unused` and it has consumers, or `if_empty` and it
     /// has ready messages (spec 1.7.2.9).
-    pub fn check_delete(&self, if_unused: bool, if_empty: bool) -> Result<u32, AmqpError> {
+    pub fn check_delete(&self, if_unused: bool, if_empty: bool) -> Result<u32, QueueError> {
         if if_unused && !self.consumers.is_empty() {
-            return Err(AmqpError::precondition_failed(format!(
+            return Err(QueueError::PreconditionFailed(format!(
                 "queue '{}' in vhost '{}' in use",
                 self.qref.key.name, self.qref.key.vhost
             )));
         }
         if if_empty && self.message_count() > 0 {
-            return Err(AmqpError::precondition_failed(format!(
+            return Err(QueueError::PreconditionFailed(format!(
                 "queue '{}' in vhost '{}' not empty",
                 self.qref.key.name, self.qref.key.vhost
             )));
@@ -1017,7 +1016,7 @@ pub async fn read_index(index: &Shard) -> Result<Vec<(u64, IndexRecord)>, ringmq
 }
 
 /// basic.get: claims the next ready message for `holder`.
-fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply<Result<Option<GetReply>, AmqpError>>) {
+fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply<Result<Option<GetReply>, QueueError>>) {
     let mut q = cell.borrow_mut();
     let Some(offset) = q.take_next() else {
         let _ = reply.send(Ok(None));
@@ -1049,7 +1048,7 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
             }
             Err(e) => {
                 q.unclaim(offset);
-                let _ = reply.send(Err(AmqpError::internal_error(format!("read failed: {e}"))));
+                let _ = reply.send(Err(QueueError::InternalError(format!("read failed: {e}"))));
             }
         }
     })
@@ -1058,7 +1057,7 @@ fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: super::Reply
 
 /// Answers a basic.get, after syncing the unacked index when the delivery has a record
 /// there (the same rule as [`Queue::flush_unsynced`]).
-fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: super::Reply<Result<Option<GetReply>, AmqpError>>) {
+fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: super::Reply<Result<Option<GetReply>, QueueError>>) {
     match sync {
         None => drop(reply.send(Ok(Some(r)))),
         Some(index) => {

@@ -31,8 +31,7 @@ use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 
 use super::{Queue, QueueCell};
-use crate::amqp::codec::{decode_properties, encode_properties};
-use crate::broker::message::Message;
+use crate::broker::message::{decode_properties, encode_properties, Message};
 use crate::broker::{ClientEvent, ConfirmTo, QueueOp};
 
 impl Queue {

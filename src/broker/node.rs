@@ -1,0 +1,462 @@
+//! This core's share of the broker: its queue registry and the lifecycle of its queues
+//! (open on first use, delete, retire and reopen after a store failure), its copy of the
+//! routing tables, its connections' event channels and its once-a-second tick. One
+//! [`Node`] per core, on that core's executor only; [`Shared`] is what all cores share.
+//!
+//! # Invariants
+//! - A queue's state is only touched on its owner core (`owner_core` in its metadata modulo
+//!   the core count).
+//! - Operations a queue sends (dead-lettering, auto-delete) go through the owner's inbox,
+//!   even on the same core, so a queue never re-enters a queue that is being modified.
+//!   Connections call a queue on their own core directly ([`Node::send_from_connection`]);
+//!   a connection's operations on one queue run in the order it sent them either way.
+//! - An operation on a queue that is being opened waits in its registry slot and runs, in
+//!   order, once the store is open; one that finds the queue gone is answered as
+//!   [`refuse`] says (a publish is never confirmed for a store that did not open).
+//!
+//! # Assumptions
+//! A core never blocks: the only filesystem calls here run on glommio's blocking thread
+//! ([`writable`], [`remove_dir`]).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::alarms::Alarms;
+use super::queue::{read_index, Queue, QueueCell, QueueEnv, Recovered};
+use super::router::{Route, Router};
+use super::{ClientEvent, ClientTx, ConnId, Mesh, QueueError, QueueKey, QueueOp, QueueRef};
+use crate::config::Config;
+use crate::core::mesh::Inboxes;
+use crate::meta::state::{Command, QueueDef};
+use crate::meta::MetaHandle;
+use crate::observe::Stats;
+
+/// State shared by all cores (Send + Sync).
+pub struct Shared {
+    /// Effective configuration.
+    pub config: Arc<Config>,
+    /// The Raft metadata group.
+    pub meta: MetaHandle,
+    /// Inbox of each core, by core index.
+    pub inboxes: Inboxes<NodeMsg>,
+    /// Number of cores.
+    pub cores: u32,
+    next_id: AtomicU64,
+    /// Set when shutdown begins.
+    pub shutting_down: AtomicBool,
+    /// Counters for metrics, one block per core.
+    pub stats: Vec<Stats>,
+    /// Disk and file-descriptor alarms ([`super::alarms`]).
+    pub alarms: Arc<Alarms>,
+}
+
+impl Shared {
+    /// State for `inboxes.len()` cores.
+    pub fn new(config: Arc<Config>, meta: MetaHandle, inboxes: Inboxes<NodeMsg>, alarms: Arc<Alarms>) -> Shared {
+        let cores = inboxes.len() as u32;
+        Shared {
+            config,
+            meta,
+            inboxes,
+            cores,
+            next_id: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+            stats: (0..cores).map(|_| Stats::default()).collect(),
+            alarms,
+        }
+    }
+
+    /// A fresh id for a connection or consumer (unique within this run).
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The Prometheus text of every core's counters, the alarms and the metadata group
+    /// (`observe::render` does the formatting).
+    pub fn metrics_text(&self) -> String {
+        let a = &self.alarms;
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        let gauges = crate::observe::Gauges {
+            open_fds: load(&a.open_fds),
+            max_fds: load(&a.max_fds),
+            disk_free_bytes: load(&a.disk_free_bytes),
+            disk_free_limit: a.disk_free_limit,
+            disk_alarm: a.disk_alarm(),
+            fd_alarm: a.fd_alarm.load(Ordering::Relaxed),
+            connections_refused: load(&a.connections_refused),
+        };
+        let m = self.meta.stats();
+        let raft = crate::observe::RaftFigures {
+            entries_appended: m.entries_appended,
+            fsyncs: m.fsyncs,
+            commands_applied: m.commands_applied,
+            is_leader: self.meta.is_leader(),
+        };
+        crate::observe::render(&self.stats, &gauges, &raft)
+    }
+}
+
+/// A message from one core to another.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// An operation for a queue this core owns.
+    Queue {
+        /// Target queue.
+        queue: QueueRef,
+        /// What to do.
+        op: QueueOp,
+    },
+    /// The disk alarm was raised (true) or cleared: tell every connection of this core.
+    DiskAlarm(bool),
+    /// Stop: close connections with 320, sync and close shards, then reply.
+    Shutdown {
+        /// Answered when this core is done.
+        done: flume::Sender<()>,
+    },
+}
+
+enum Slot {
+    Open(QueueCell),
+    Opening(Vec<QueueOp>),
+    Deleting,
+}
+
+/// One core's broker state. Lives on its executor only (`Rc`).
+pub struct Node {
+    /// Core index.
+    pub id: u32,
+    /// Shared state.
+    pub shared: Arc<Shared>,
+    queues: RefCell<rustc_hash::FxHashMap<QueueKey, Slot>>,
+    router: RefCell<Rc<Router>>,
+    /// Open connections on this core and their event channels.
+    pub conns: RefCell<HashMap<ConnId, ClientTx>>,
+}
+
+impl Node {
+    /// Core `id`'s state, with a routing table built from the current metadata.
+    pub fn new(id: u32, shared: Arc<Shared>) -> Rc<Node> {
+        let router = Router::new(shared.meta.topology(), shared.meta.topology_version(), shared.cores);
+        Rc::new(Node {
+            id,
+            shared,
+            queues: RefCell::new(Default::default()),
+            router: RefCell::new(Rc::new(router)),
+            conns: RefCell::new(HashMap::new()),
+        })
+    }
+
+    /// This core's counters.
+    pub fn stats(&self) -> &Stats {
+        &self.shared.stats[self.id as usize]
+    }
+
+    /// The current routing table (refreshed when the metadata's topology moved).
+    pub fn router(&self) -> Rc<Router> {
+        let v = self.shared.meta.topology_version();
+        if self.router.borrow().version != v {
+            let r = Router::new(self.shared.meta.topology(), v, self.shared.cores);
+            *self.router.borrow_mut() = Rc::new(r);
+        }
+        self.router.borrow().clone()
+    }
+
+    /// Handles one inbox message; returns the reply channel of a shutdown request, which
+    /// the caller carries out with [`Node::shutdown`] once its inbox loop has ended.
+    pub fn handle(self: &Rc<Self>, msg: NodeMsg) -> Option<flume::Sender<()>> {
+        match msg {
+            NodeMsg::Queue { queue, op } => {
+                self.queue_op(queue, op);
+                None
+            }
+            NodeMsg::DiskAlarm(raised) => {
+                for tx in self.conns.borrow().values() {
+                    let _ = tx.send(ClientEvent::DiskAlarm(raised));
+                }
+                None
+            }
+            NodeMsg::Shutdown { done } => Some(done),
+        }
+    }
+
+    /// Sends `op` from a connection: a queue on this core gets it at once (no inbox hop),
+    /// a queue elsewhere through its core's inbox. A connection's operations on one queue
+    /// keep their order either way. Never call this from inside a queue (a queue that
+    /// dead-letters to itself would re-enter itself): queues use [`Mesh::send`].
+    pub fn send_from_connection(self: &Rc<Self>, queue: &QueueRef, op: QueueOp) {
+        if queue.owner_core % self.shared.cores == self.id {
+            self.queue_op(queue.clone(), op);
+        } else {
+            self.send(queue, op);
+        }
+    }
+
+    fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
+        let mut queues = self.queues.borrow_mut();
+        match queues.get_mut(&qref.key) {
+            Some(Slot::Open(cell)) => {
+                let cell = cell.clone();
+                drop(queues);
+                self.run_op(&cell, op);
+            }
+            Some(Slot::Opening(pending)) => pending.push(op),
+            Some(Slot::Deleting) => refuse(&qref.key, op),
+            None => {
+                let topo = self.router();
+                let Some(def) = topo.topology.queue(&qref.key.vhost, &qref.key.name).cloned() else {
+                    drop(queues);
+                    refuse(&qref.key, op);
+                    return;
+                };
+                queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
+                drop(queues);
+                let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or(qref);
+                glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
+            }
+        }
+    }
+
+    /// Opens a queue's store, starts the queue and runs the operations that waited for it;
+    /// if the store cannot open, answers them as [`refuse_unstored`] says.
+    async fn open_and_run(self: Rc<Self>, def: QueueDef, qref: QueueRef) {
+        let opened = self.open_queue(&def, &qref).await;
+        let pending = match self.queues.borrow_mut().remove(&qref.key) {
+            Some(Slot::Opening(p)) => p,
+            _ => Vec::new(),
+        };
+        match opened {
+            Ok((shard, index, recovered)) => {
+                let env: Rc<dyn QueueEnv> = self.clone();
+                let timeout = self.shared.config.consumer_timeout_ms;
+                let cell = Queue::start(def, qref.clone(), shard, index, recovered, timeout, env);
+                self.queues.borrow_mut().insert(qref.key.clone(), Slot::Open(cell.clone()));
+                for op in pending {
+                    self.run_op(&cell, op);
+                }
+            }
+            Err(e) => {
+                if e.is_disk_full() {
+                    self.shared.alarms.disk_full_seen();
+                }
+                tracing::error!(queue = %qref.key.name, error = %e, "cannot open queue store");
+                let detail = format!("cannot open the store of queue '{}': {e}", qref.key.name);
+                let err = if e.is_resource() { QueueError::ResourceError(detail) } else { QueueError::InternalError(detail) };
+                for op in pending {
+                    if matches!(op, QueueOp::Publish { .. }) {
+                        Stats::add(&self.stats().store_refused, 1);
+                    }
+                    refuse_unstored(op, err.clone());
+                }
+            }
+        }
+    }
+
+    /// Opens a queue's message shard and, for a durable queue, its unacked index, and
+    /// reads what recovery needs (the committed cursor and the index records).
+    async fn open_queue(
+        &self,
+        def: &QueueDef,
+        qref: &QueueRef,
+    ) -> Result<(ringmq_shards::Shard, Option<ringmq_shards::Shard>, Recovered), ringmq_shards::StoreError> {
+        let dir = self.shared.config.queue_dir(def);
+        let cfg = ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
+        let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg).await?;
+        shard.prepare().await?;
+        for (from, to, why) in &report.dropped {
+            tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
+        }
+        if !qref.durable {
+            return Ok((shard, None, Recovered::default()));
+        }
+        let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
+        let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
+        let held = read_index(&index).await?;
+        let cursor = self.shared.meta.cursor(&qref.key.vhost, &qref.key.name).unwrap_or(0);
+        Ok((shard, Some(index), Recovered { cursor, held }))
+    }
+
+    fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
+        match op {
+            QueueOp::Delete { if_unused, if_empty, reply } => match cell.borrow().check_delete(if_unused, if_empty) {
+                Err(e) => drop(reply.send(Err(e))),
+                Ok(n) => {
+                    let key = cell.borrow().qref.key.clone();
+                    let (shard, index) = cell.borrow_mut().tear_down();
+                    let dir = self.shared.config.queue_dir(&cell.borrow().def);
+                    self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
+                    let me = self.clone();
+                    glommio::spawn_local(async move {
+                        let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
+                        if let Err(e) = me.shared.meta.propose(cmd).await {
+                            tracing::error!(error = %e, "metadata delete of queue failed");
+                        }
+                        for shard in [Some(shard), index].into_iter().flatten() {
+                            if let Ok(shard) = Rc::try_unwrap(shard) {
+                                if let Err(e) = shard.destroy().await {
+                                    tracing::warn!(error = %e, "removing queue files failed");
+                                }
+                            }
+                        }
+                        remove_dir(dir).await;
+                        me.queues.borrow_mut().remove(&key);
+                        let _ = reply.send(Ok(n));
+                    })
+                    .detach();
+                }
+            },
+            op => Queue::handle(cell, op),
+        }
+    }
+
+    /// Closes this core's connections with 320 CONNECTION_FORCED (waiting up to 3 s for
+    /// them to go), then closes every open queue's shards (each syncs what it holds).
+    pub async fn shutdown(self: &Rc<Self>) {
+        for tx in self.conns.borrow().values() {
+            let _ = tx.send(ClientEvent::Shutdown);
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !self.conns.borrow().is_empty() && Instant::now() < deadline {
+            glommio::timer::sleep(Duration::from_millis(20)).await;
+        }
+        for c in self.open_queues() {
+            let (shard, index) = (c.borrow().shard.clone(), c.borrow().index.clone());
+            for s in [Some(shard), index].into_iter().flatten() {
+                if let Err(e) = s.close().await {
+                    tracing::error!(error = %e, "closing a shard failed");
+                }
+            }
+        }
+    }
+
+    /// Retires a queue whose store failed ([`Queue::retire`]) and closes its shards; the
+    /// next operation on it opens it again from disk (what was synced is there).
+    async fn reopen_failed(&self, cell: &QueueCell, why: &str) {
+        let key = cell.borrow().qref.key.clone();
+        tracing::warn!(queue = %key.name, vhost = %key.vhost, reason = why, "reopening a queue whose store failed");
+        let (shard, index) = cell.borrow_mut().retire();
+        self.queues.borrow_mut().remove(&key);
+        for s in [Some(shard), index].into_iter().flatten() {
+            let _ = s.close().await;
+        }
+        Stats::add(&self.stats().store_reopens, 1);
+    }
+
+    /// The queues of this core that are open (not opening or being deleted).
+    fn open_queues(&self) -> Vec<QueueCell> {
+        self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
+    }
+
+    /// The once-a-second tick, run for the life of the core: syncs queues with unsynced
+    /// deletes, sends every channel that holds a delivery past its queue's acknowledgement
+    /// timeout an [`ClientEvent::AckTimeout`], and reopens queues whose store failed once
+    /// the disk alarm is clear.
+    pub async fn tick(self: Rc<Self>) {
+        loop {
+            glommio::timer::sleep(Duration::from_secs(1)).await;
+            let now = Instant::now();
+            for c in self.open_queues() {
+                let failure = c.borrow().store_failure();
+                if let Some(why) = failure {
+                    // Reopened only once writing works again: until then the queue keeps
+                    // serving what it holds (a reopen would fail and leave nothing to read).
+                    let dir = self.shared.config.queue_dir(&c.borrow().def);
+                    if !self.shared.alarms.disk_alarm() && writable(dir).await {
+                        self.reopen_failed(&c, &why).await;
+                    }
+                    continue;
+                }
+                Queue::sync_if_dirty(&c);
+                let q = c.borrow();
+                let ms = q.consumer_timeout_ms;
+                for h in q.timed_out_holders(now) {
+                    let _ = h.tx.send(ClientEvent::AckTimeout { channel: h.channel, chan_uid: h.chan_uid, timeout_ms: ms });
+                }
+            }
+        }
+    }
+}
+
+/// True when a 4 KiB write and fdatasync of a probe file in `dir` succeed (on the blocking
+/// thread): the filesystem takes writes again.
+async fn writable(dir: PathBuf) -> bool {
+    glommio::executor()
+        .spawn_blocking(move || {
+            use std::io::Write;
+            let p = dir.join(".write-probe");
+            let ok = std::fs::File::create(&p).and_then(|mut f| f.write_all(&[0u8; 4096]).and_then(|_| f.sync_data())).is_ok();
+            let _ = std::fs::remove_file(&p);
+            ok
+        })
+        .await
+}
+
+/// Removes a deleted queue's (now empty) directory, on the blocking thread.
+async fn remove_dir(dir: PathBuf) {
+    glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir(&dir))).await
+}
+
+/// Answers an operation on a queue that does not exist (any more): 404, except that a
+/// confirm-mode publish is confirmed (RabbitMQ confirms a message whose queue vanished
+/// while it was routed).
+fn refuse(key: &QueueKey, op: QueueOp) {
+    match op {
+        QueueOp::Publish { confirm: Some(c), .. } => {
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+        }
+        op => refuse_unstored(op, QueueError::NotFound(format!("no queue '{}' in vhost '{}'", key.name, key.vhost))),
+    }
+}
+
+/// Answers an operation on a queue whose store cannot be opened: a publish is nacked
+/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
+fn refuse_unstored(op: QueueOp, err: QueueError) {
+    match op {
+        QueueOp::Publish { confirm: Some(c), .. } => {
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
+        }
+        QueueOp::Get { reply, .. } => drop(reply.send(Err(err))),
+        QueueOp::Consume { reply, .. } => drop(reply.send(Err(err))),
+        QueueOp::Stats { reply } => drop(reply.send(Err(err))),
+        QueueOp::Purge { reply } => drop(reply.send(Err(err))),
+        QueueOp::Delete { reply, .. } => drop(reply.send(Ok(0))),
+        _ => {}
+    }
+}
+
+impl Mesh for Node {
+    fn send(&self, queue: &QueueRef, op: QueueOp) {
+        let core = (queue.owner_core % self.shared.cores) as usize;
+        if self.shared.inboxes.send(core, NodeMsg::Queue { queue: queue.clone(), op }).is_err() {
+            tracing::warn!("core {core} inbox closed (shutting down)");
+        }
+    }
+}
+
+impl QueueEnv for Node {
+    fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&amq_protocol::types::FieldTable>) -> Route {
+        self.router().route(vhost, exchange, routing_key, headers)
+    }
+
+    fn meta(&self) -> &MetaHandle {
+        &self.shared.meta
+    }
+
+    fn stats(&self) -> &Stats {
+        Node::stats(self)
+    }
+
+    fn disk_full(&self) {
+        self.shared.alarms.disk_full_seen();
+    }
+
+    fn auto_delete(&self, key: &QueueKey) {
+        let qref = QueueRef { key: key.clone(), owner_core: self.id, durable: false };
+        let (reply, _rx) = super::reply_channel();
+        self.send(&qref, QueueOp::Delete { if_unused: true, if_empty: false, reply });
+    }
+}

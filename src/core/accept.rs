@@ -1,0 +1,89 @@
+//! Listening sockets and accept threads: each core binds the same address with
+//! SO_REUSEPORT, so the kernel spreads connections over the cores, and a small blocking
+//! thread per core accepts and hands each connection to its core through a channel.
+//!
+//! Accepting happens on a plain thread with accept(2), not through io_uring: a listening
+//! socket with an accept pending in an io_uring outlives a killed process until the kernel
+//! tears the ring down (seen here taking over 10 s after kill -9 under load), and with
+//! SO_REUSEPORT a restarted broker would share the port with it and see connections reset.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{FromRawFd, IntoRawFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Decides at accept whether a connection from `peer` is kept (true) or closed at once.
+pub type Admit = Arc<dyn Fn(SocketAddr) -> bool + Send + Sync>;
+
+/// Waits (up to 10 s) until no other socket listens on `addr`.
+///
+/// Every core binds with SO_REUSEPORT, which would also let us share the port with a
+/// listener that is still alive, for instance one of a killed ringmq whose io_uring the
+/// kernel has not torn down yet: the kernel would then hand part of the new connections
+/// to that dead listener, and they would be reset. A plain bind (SO_REUSEADDR only) fails
+/// while any listener exists, so it tells us when the port is really ours.
+///
+/// # Errors
+/// When the port stays taken for 10 s, or binding fails otherwise.
+pub fn wait_port_free(addr: SocketAddr) -> std::io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpListener::bind(addr) {
+            Ok(probe) => {
+                drop(probe);
+                return Ok(());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))),
+        }
+    }
+}
+
+/// Binds core `core`'s listening socket on `addr` (SO_REUSEADDR, SO_REUSEPORT, backlog
+/// 1,024) and starts its accept thread `ringmq-accept-{core}`, which hands each accepted,
+/// non-blocking connection that `admit` keeps to the returned channel.
+///
+/// # Errors
+/// When the socket cannot be bound or the thread cannot start.
+pub fn listen(core: u32, addr: SocketAddr, admit: Admit) -> std::io::Result<flume::Receiver<TcpStream>> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    let listener: TcpListener = socket.into();
+    let (tx, rx) = flume::unbounded();
+    std::thread::Builder::new().name(format!("ringmq-accept-{core}")).spawn(move || loop {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                if !admit(peer) {
+                    drop(stream);
+                    continue;
+                }
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                if tx.send(stream).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    })?;
+    Ok(rx)
+}
+
+/// Hands an accepted std stream to the current executor's io_uring.
+pub fn into_glommio(stream: TcpStream) -> glommio::net::TcpStream {
+    // SAFETY: the fd comes from a std TcpStream we own and give up here.
+    unsafe { glommio::net::TcpStream::from_raw_fd(stream.into_raw_fd()) }
+}

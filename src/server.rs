@@ -1,0 +1,129 @@
+//! The wiring: puts the broker's per-core state ([`broker::node::Node`]) and the protocol
+//! ([`amqp::connection::serve`]) on the thread-per-core runtime ([`crate::core`]), starts
+//! the alarm monitor and the metrics endpoint, and runs until a shutdown signal. The only
+//! module that names every layer; nothing imports it but `main.rs`.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::broker::alarms::{self, Alarms};
+use crate::broker::node::{Node, NodeMsg, Shared};
+use crate::config::Config;
+use crate::core::{accept, mesh, Runtime};
+use crate::meta::MetaHandle;
+use crate::{amqp, core, observe};
+
+/// Runs the broker: starts `config.cores` executors and blocks until they stop.
+///
+/// `shutdown` fires when the process should stop (SIGINT/SIGTERM): every core then closes
+/// its connections with 320 and its shards (up to 10 s per core), and the metadata group
+/// stops.
+///
+/// # Errors
+/// Fails when an executor cannot start, the AMQP port cannot be bound, or the alarm
+/// monitor cannot start.
+pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
+    let cores = config.cores.max(1);
+    accept::wait_port_free(config.listen)?;
+    let (inboxes, receivers) = mesh::Inboxes::<NodeMsg>::new(cores);
+    let alarms = Arc::new(Alarms::new(config.disk_free_limit));
+    let (soft_before, soft, hard) = alarms::raise_fd_limit();
+    alarms.max_fds.store(soft, Ordering::Relaxed);
+    if soft < 4096 {
+        tracing::warn!(
+            soft_before,
+            soft,
+            hard,
+            "open-files limit is low: each durable queue holds 2 descriptors or more; raise the hard limit (LimitNOFILE=) for many queues"
+        );
+    } else {
+        tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
+    }
+    let shared = Arc::new(Shared::new(config.clone(), meta, inboxes, alarms.clone()));
+    {
+        let inboxes = shared.inboxes.clone();
+        alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;
+    }
+    {
+        let shared = shared.clone();
+        observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text()));
+    }
+    // Each core takes its own inbox and accept channel out of these once.
+    let mut per_core = Vec::new();
+    for (i, rx) in receivers.into_iter().enumerate() {
+        let admit: accept::Admit = {
+            let alarms = shared.alarms.clone();
+            Arc::new(move |peer| alarms.admit(peer))
+        };
+        per_core.push(Some((rx, accept::listen(i as u32, config.listen, admit)?)));
+    }
+    let per_core = Mutex::new(per_core);
+    let rt = Runtime { cores, spin_before_park_us: config.spin_before_park_us };
+    let handles = {
+        let shared = shared.clone();
+        core::spawn_cores(rt, move |i| {
+            let taken = per_core.lock().ok().and_then(|mut v| v[i as usize].take());
+            let shared = shared.clone();
+            async move {
+                let Some((inbox, accepted)) = taken else { core::fatal::fatal("a core started twice") };
+                run_core(Node::new(i, shared), inbox, accepted).await
+            }
+        })?
+    };
+    tracing::info!(
+        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, metrics on http://{}/metrics",
+        config.listen,
+        cores,
+        if cores == 1 { "" } else { "s" },
+        config.data_dir.display(),
+        config.metrics_listen
+    );
+    let _ = shutdown.recv();
+    tracing::info!("shutting down");
+    shared.shutting_down.store(true, Ordering::Relaxed);
+    let (done_tx, done_rx) = flume::unbounded();
+    shared.inboxes.send_all(|| NodeMsg::Shutdown { done: done_tx.clone() });
+    for _ in 0..cores {
+        let _ = done_rx.recv_timeout(Duration::from_secs(10));
+    }
+    shared.meta.shutdown();
+    tracing::info!("ringmq stopped");
+    // Executors may still hold sockets of clients that ignored connection.close; the
+    // process exits right after this returns, which closes them.
+    drop(handles);
+    Ok(())
+}
+
+/// One core's life: its inbox loop, its tick, and a connection task per accepted socket,
+/// until a shutdown message; then the node's shutdown and the reply.
+async fn run_core(node: std::rc::Rc<Node>, inbox: flume::Receiver<NodeMsg>, accepted: flume::Receiver<std::net::TcpStream>) {
+    let inbox = {
+        let node = node.clone();
+        glommio::spawn_local(async move {
+            mesh::drain(inbox, |msg| match node.handle(msg) {
+                Some(done) => ControlFlow::Break(done),
+                None => ControlFlow::Continue(()),
+            })
+            .await
+        })
+    };
+    glommio::spawn_local(node.clone().tick()).detach();
+    let accept = {
+        let node = node.clone();
+        glommio::spawn_local(async move {
+            while let Ok(stream) = accepted.recv_async().await {
+                if node.shared.shutting_down.load(Ordering::Relaxed) {
+                    continue;
+                }
+                glommio::spawn_local(amqp::connection::serve(node.clone(), accept::into_glommio(stream))).detach();
+            }
+        })
+    };
+    if let Some(done) = inbox.await {
+        drop(accept);
+        node.shutdown().await;
+        let _ = done.send(());
+    }
+}
