@@ -282,33 +282,37 @@ impl Node {
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
         match op {
-            QueueOp::Delete { if_unused, if_empty, reply } => match cell.borrow().check_delete(if_unused, if_empty) {
-                Err(e) => drop(reply.send(Err(e))),
-                Ok(n) => {
-                    let key = cell.borrow().qref.key.clone();
-                    let (shard, index) = cell.borrow_mut().tear_down();
-                    let dir = self.shared.config.queue_dir(&cell.borrow().def);
-                    self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
-                    let me = self.clone();
-                    glommio::spawn_local(async move {
-                        let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
-                        if let Err(e) = me.shared.meta.propose(cmd).await {
-                            tracing::error!(error = %e, "metadata delete of queue failed");
-                        }
-                        for shard in [Some(shard), index].into_iter().flatten() {
-                            if let Ok(shard) = Rc::try_unwrap(shard) {
-                                if let Err(e) = shard.destroy().await {
-                                    tracing::warn!(error = %e, "removing queue files failed");
+            QueueOp::Delete { if_unused, if_empty, reply } => {
+                // Its own statement: the borrow ends before the arms borrow mutably.
+                let checked = cell.borrow().check_delete(if_unused, if_empty);
+                match checked {
+                    Err(e) => drop(reply.send(Err(e))),
+                    Ok(n) => {
+                        let key = cell.borrow().qref.key.clone();
+                        let (shard, index) = cell.borrow_mut().tear_down();
+                        let dir = self.shared.config.queue_dir(&cell.borrow().def);
+                        self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
+                        let me = self.clone();
+                        glommio::spawn_local(async move {
+                            let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
+                            if let Err(e) = me.shared.meta.propose(cmd).await {
+                                tracing::error!(error = %e, "metadata delete of queue failed");
+                            }
+                            for shard in [Some(shard), index].into_iter().flatten() {
+                                if let Ok(shard) = Rc::try_unwrap(shard) {
+                                    if let Err(e) = shard.destroy().await {
+                                        tracing::warn!(error = %e, "removing queue files failed");
+                                    }
                                 }
                             }
-                        }
-                        remove_dir(dir).await;
-                        me.queues.borrow_mut().remove(&key);
-                        let _ = reply.send(Ok(n));
-                    })
-                    .detach();
+                            remove_dir(dir).await;
+                            me.queues.borrow_mut().remove(&key);
+                            let _ = reply.send(Ok(n));
+                        })
+                        .detach();
+                    }
                 }
-            },
+            }
             op => Queue::handle(cell, op),
         }
     }

@@ -78,6 +78,23 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Reads every live unacked-index record of a queue (at open, before any delivery).
+///
+/// # Errors
+/// The store's error when a record cannot be read.
+pub async fn read_index(index: &ringmq_shards::Shard) -> Result<Vec<(u64, IndexRecord)>, ringmq_shards::StoreError> {
+    let mut out = Vec::new();
+    for i in index.live_offsets() {
+        if let Some(r) = index.read(i).await? {
+            match IndexRecord::decode(&r.header) {
+                Some(rec) => out.push((i, rec)),
+                None => tracing::warn!(index_offset = i, "undecodable unacked-index record skipped"),
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

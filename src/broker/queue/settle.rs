@@ -1,46 +1,192 @@
-//! Every transition of a delivered message, on its queue's owner core.
+//! The ack path: every transition of a delivered message, on its queue's owner core.
 //!
-//! A message is *ready*, *outstanding* (delivered to exactly one channel, unsettled) or
-//! *deleted*. The rules (DESIGN.md, "The ack path"), in the order each function runs them:
+//! A message is *ready* ([`super::ready::ReadySet`]), *outstanding* (delivered to exactly
+//! one channel, unsettled: [`Held`]) or *deleted*. The rules are DESIGN.md's, "The ack path
+//! — invariants", with its numbers; every other doc refers to these numbers:
 //!
 //! 1. **One consumer at a time.** Only the owner core moves an offset out of the ready set,
-//!    and it records the holder before the delivery leaves the core ([`Queue::step`]).
+//!    and [`Held::hold`] records its one holder before the delivery leaves the core. A
+//!    settlement names its channel's incarnation and touches only offsets that channel
+//!    holds ([`Held::settle`]).
 //! 2. **Index before cursor.** A tracked delivery of a persistent message in a durable
-//!    queue appends an unacked-index record ([`super::index`]); the cursor commit that
-//!    passes it needs the index's `Synced` token ([`super::Queue`]'s `commit_cursor`).
-//! 3. **New copy before old delete.** [`reject`] dead-letters by publishing the new copy
-//!    with a confirm ticket, and deletes the original only after every target queue has
-//!    stored (and, for durable targets, synced) it.
-//! 4. **Ack is two deletes**: the message's offset in its shard ([`Queue::ack`]) and its
-//!    unacked-index record — the latter only after the message shard's next sync
-//!    (`Queue::trash_index`), so a record never goes before its message: a requeued
-//!    message keeps its record, and after any crash a delivered message comes back flagged.
-//! 5. **One requeue primitive**, [`Queue::requeue`], behind basic.nack(requeue),
-//!    basic.reject(requeue), basic.recover(requeue), channel/connection close and the
-//!    acknowledgement timeout. A requeued offset is delivered again with redelivered=true,
-//!    before never-delivered messages (original position).
-//! 6. Settling an offset the queue does not hold outstanding is a no-op: the channel's
-//!    ledger has already answered 406 for unknown tags, so a repeat here can only be a
-//!    race with a close, and must not delete or duplicate anything.
+//!    queue appends an unacked-index record (`Queue::index_delivery`), and the delivery
+//!    leaves only once that record is synced; the cursor commit consumes the index's
+//!    [`super::durability::IndexSynced`] proof ([`super::durability::cursor_cas`]).
+//! 3. **New copy before old delete.** [`dead_letter`] publishes the new copy with a
+//!    confirm ticket and deletes the original only after every target queue stored (and,
+//!    for durable targets, synced) it.
+//! 4. **Ack is two deletes**: [`Queue::delete`] removes the offset from the message shard
+//!    and queues its unacked-index record, which [`super::durability::release_index_records`]
+//!    deletes only with the proof that the message shard's deletes are synced
+//!    ([`super::durability::MessagesSynced`]): a record never goes before its message.
+//! 5. **One requeue primitive**, [`Queue::requeue`], behind basic.nack(requeue) and
+//!    basic.reject(requeue) and basic.recover(requeue) ([`Queue::settle`]), channel and
+//!    connection close and the acknowledgement timeout ([`Queue::channel_closed`]), and the
+//!    recovery scanner ([`scan`]). A requeued offset is delivered again with
+//!    redelivered=true, before never-delivered messages (original position).
+//!    basic.cancel does not requeue.
+//! 6. **Index coverage equals durability.** Only persistent messages of durable queues get
+//!    index records (`Queue::index_delivery`).
+//! 7. **Crash recovery.** [`scan`] (on the metadata leader only) requeues the deliveries of
+//!    earlier boot epochs at open; [`Queue::timed_out_holders`] finds live holders past the
+//!    acknowledgement timeout, whose channel the connection closes with 406.
+//! 8. **Errors as the protocol says.** Unknown or settled delivery tags are answered 406 by
+//!    the channel's ledger (`amqp::unacked`) before anything reaches the queue; settling an
+//!    offset the channel does not hold here is a no-op (a race with a close), never a
+//!    delete or a duplicate.
+//! 9. **Confirms** go out only after the message is stored and, when persistent in a
+//!    durable queue, synced ([`super::durability::group_commit`]); a store failure nacks.
+//! 10. **Prefetch.** [`Queue::release`] gives back the consumer's and the channel's credit
+//!    of every settled delivery; nothing is claimed that cannot be delivered at once
+//!    (the dispatcher asks for a consumer with credit first).
 //!
-//! [`Queue::step`]: super::Queue
+//! The decisions ([`Held`], [`Actions`]) are pure and property-tested; the `Queue` methods
+//! below carry them out top to bottom.
 
 use std::rc::Rc;
+use std::time::Instant;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::index::IndexRecord;
 use super::{Queue, QueueCell};
 use crate::broker::message::{decode_properties, encode_properties, Message};
-use crate::broker::{ClientEvent, ConfirmTo, QueueOp};
+use crate::broker::{ChannelCredit, ClientEvent, ConfirmTo, ConsumerId, Holder, QueueOp};
+
+/// Who holds an outstanding delivery.
+#[derive(Debug)]
+pub struct Outstanding {
+    /// The consumer it was delivered to (None for basic.get).
+    pub consumer: Option<ConsumerId>,
+    /// Where the holder lives.
+    pub holder: Holder,
+    /// When it was delivered.
+    pub since: Instant,
+    /// The holder channel's shared prefetch window (consumer deliveries only).
+    pub credit: Option<std::sync::Arc<ChannelCredit>>,
+}
+
+/// Settled offsets with their former holders, by what happens to them next.
+#[derive(Debug, Default)]
+pub struct Actions {
+    /// Acknowledged: deleted (rule 4).
+    pub ack: Vec<(u64, Outstanding)>,
+    /// Rejected with no dead-letter exchange: deleted.
+    pub drop: Vec<(u64, Outstanding)>,
+    /// Rejected with a dead-letter exchange: moved (rule 3).
+    pub dead_letter: Vec<(u64, Outstanding)>,
+    /// Given back: ready again, redelivered (rule 5).
+    pub requeue: Vec<(u64, Outstanding)>,
+}
+
+impl Actions {
+    /// Nothing was settled.
+    pub fn is_empty(&self) -> bool {
+        self.ack.is_empty() && self.drop.is_empty() && self.dead_letter.is_empty() && self.requeue.is_empty()
+    }
+}
+
+/// The outstanding deliveries of one queue: offset → its one holder (rule 1).
+#[derive(Debug, Default)]
+pub struct Held {
+    map: FxHashMap<u64, Outstanding>,
+}
+
+impl Held {
+    /// Records `o` as the holder of `offset`, before the delivery leaves the core.
+    pub fn hold(&mut self, offset: u64, o: Outstanding) {
+        let before = self.map.insert(offset, o);
+        debug_assert!(before.is_none(), "offset {offset} delivered while outstanding");
+    }
+
+    /// Outstanding deliveries.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Nothing is outstanding.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The holder of `offset`, if it is outstanding.
+    pub fn get(&self, offset: u64) -> Option<&Outstanding> {
+        self.map.get(&offset)
+    }
+
+    /// Takes `offset` out, whoever holds it.
+    pub fn release(&mut self, offset: u64) -> Option<Outstanding> {
+        self.map.remove(&offset)
+    }
+
+    /// Takes out each of `offsets` that channel incarnation `chan_uid` holds, in the order
+    /// given; others are skipped (rules 1 and 8).
+    fn take_mine(&mut self, chan_uid: u64, offsets: &[u64]) -> Vec<(u64, Outstanding)> {
+        let mut out = Vec::with_capacity(offsets.len());
+        for &off in offsets {
+            if self.map.get(&off).is_some_and(|o| o.holder.chan_uid == chan_uid) {
+                out.push((off, self.map.remove(&off).expect("present")));
+            }
+        }
+        out
+    }
+
+    /// basic.ack, basic.nack, basic.reject and basic.recover(requeue=true) of channel
+    /// `chan_uid`: acked offsets are deleted, requeued ones come back, rejected ones are
+    /// dead-lettered when `dead_letters`, else dropped. Offsets the channel does not hold
+    /// are skipped; an offset named twice is settled by its first mention (ack, then
+    /// requeue, then reject).
+    pub fn settle(&mut self, chan_uid: u64, ack: &[u64], requeue: &[u64], reject: &[u64], dead_letters: bool) -> Actions {
+        let ack = self.take_mine(chan_uid, ack);
+        let requeue = self.take_mine(chan_uid, requeue);
+        let reject = self.take_mine(chan_uid, reject);
+        let (dead_letter, drop) = if dead_letters { (reject, Vec::new()) } else { (Vec::new(), reject) };
+        Actions { ack, drop, dead_letter, requeue }
+    }
+
+    /// A channel closed (or its connection died, or its acknowledgement timeout closed it):
+    /// every offset it holds comes back, in offset order (rule 5).
+    pub fn close_channel(&mut self, chan_uid: u64) -> Actions {
+        let mut mine: Vec<u64> = self.map.iter().filter(|(_, o)| o.holder.chan_uid == chan_uid).map(|(off, _)| *off).collect();
+        mine.sort_unstable();
+        Actions { requeue: self.take_mine(chan_uid, &mine), ..Default::default() }
+    }
+
+    /// Holders whose oldest delivery is older than `limit` at `now`, each channel
+    /// incarnation once (rule 7: the acknowledgement timeout).
+    pub fn timed_out(&self, now: Instant, limit: std::time::Duration) -> Vec<Holder> {
+        let mut seen = FxHashSet::default();
+        self.map
+            .values()
+            .filter(|o| now.duration_since(o.since) > limit && seen.insert(o.holder.chan_uid))
+            .map(|o| o.holder.clone())
+            .collect()
+    }
+}
+
+/// The recovery scanner's decision at open (rule 7), on the metadata leader only: of the
+/// unacked-index records of earlier runs, `(index offset, record)`, the first record of
+/// each message still live stays as that message's record (the message is ready again and
+/// comes back flagged redelivered); the others are stale and go. Returns (message offset →
+/// kept record, stale records).
+pub fn scan(held: &[(u64, IndexRecord)], is_live: impl Fn(u64) -> bool) -> (FxHashMap<u64, u64>, Vec<u64>) {
+    let mut index_of = FxHashMap::default();
+    let mut stale = Vec::new();
+    for (i, r) in held {
+        if is_live(r.offset) && !index_of.contains_key(&r.offset) {
+            index_of.insert(r.offset, *i);
+        } else {
+            stale.push(*i);
+        }
+    }
+    (index_of, stale)
+}
 
 impl Queue {
-    /// Takes an offset out of the outstanding set and returns its holder's prefetch credit.
-    /// Every transition of a delivered message starts here; its unacked-index record stays
-    /// until the message itself is deleted durably (`Queue::trash_index`, rule 4's second
-    /// delete).
-    pub(super) fn settle_one(&mut self, offset: u64) -> Option<super::Outstanding> {
-        let o = self.outstanding.remove(&offset)?;
+    /// Gives back the prefetch credit a settled delivery held (rule 10).
+    pub(super) fn release(&mut self, o: &Outstanding) {
         if let Some(credit) = &o.credit {
             credit.give();
         }
@@ -49,75 +195,128 @@ impl Queue {
                 c.in_flight = c.in_flight.saturating_sub(1);
             }
         }
-        Some(o)
     }
 
-    /// basic.ack: rule 4, delete each settled offset from the shard.
-    pub fn ack(&mut self, offsets: &[u64]) {
-        let mut done = Vec::with_capacity(offsets.len());
-        let now = std::time::Instant::now();
+    /// The delete primitive (rule 4): `offsets` leave the message shard now; their
+    /// unacked-index records go once that delete is synced (`index_trash`, released by
+    /// [`super::durability::release_index_records`]). Used by ack, reject without a dead-letter
+    /// exchange, a dead-letter move once the copy is stored, auto-ack and purge.
+    pub(super) fn delete(&mut self, offsets: &[u64]) {
+        if offsets.is_empty() {
+            return;
+        }
         for &off in offsets {
-            if let Some(o) = self.settle_one(off) {
-                self.env.stats().delivered_to_acked.record(now.duration_since(o.since));
-                self.redelivered.remove(&off);
-                self.trash_index(off);
-                done.push(off);
+            self.ready.forget(off);
+            if let Some(i) = self.index_of.remove(&off) {
+                self.index_trash.push(i);
             }
         }
-        if !done.is_empty() {
-            self.dirty = true;
-            if let Err(e) = self.shard.delete_by_offsets(&done) {
-                tracing::error!(queue = %self.qref.key.name, error = %e, "ack delete failed");
+        self.dirty = true;
+        if let Err(e) = self.shard.delete_by_offsets(offsets) {
+            tracing::error!(queue = %self.qref.key.name, error = %e, "delete failed");
+        }
+    }
+
+    /// The requeue primitive (rule 5): settled deliveries go back to the ready set at their
+    /// original position, flagged redelivered; their holders' credit is given back. Their
+    /// index records stay (the messages were delivered: after a crash they come back
+    /// flagged).
+    pub(super) fn requeue(&mut self, settled: Vec<(u64, Outstanding)>) {
+        if settled.is_empty() {
+            return;
+        }
+        for (off, o) in settled {
+            self.release(&o);
+            self.ready.requeue(off);
+        }
+        self.wake();
+    }
+
+    /// Requeues those of `offsets` that are outstanding, whoever holds them.
+    pub(super) fn requeue_offsets(&mut self, offsets: &[u64]) {
+        let settled = offsets.iter().filter_map(|&off| self.held.release(off).map(|o| (off, o))).collect();
+        self.requeue(settled);
+    }
+
+    /// Entry point: basic.ack, basic.nack, basic.reject and basic.recover(requeue=true)
+    /// from channel incarnation `chan_uid` ([`QueueOp::Settle`]).
+    pub fn settle(cell: &QueueCell, chan_uid: u64, ack: &[u64], requeue: &[u64], reject: &[u64]) {
+        let mut q = cell.borrow_mut();
+        // Rules 1 and 8: only what this channel holds.
+        let dead_letters = q.dead_letter_exchange.is_some();
+        let actions = q.held.settle(chan_uid, ack, requeue, reject, dead_letters);
+        if actions.is_empty() {
+            return;
+        }
+        let Actions { ack, drop: dropped, dead_letter: moved, requeue } = actions;
+        // Rule 10: credit back for every settled delivery.
+        let now = Instant::now();
+        for (_, o) in ack.iter().chain(&dropped).chain(&moved) {
+            q.release(o);
+        }
+        for (_, o) in &ack {
+            q.env.stats().delivered_to_acked.record(now.duration_since(o.since));
+        }
+        // Rule 4: acked and dropped messages are deleted.
+        let deleted: Vec<u64> = ack.iter().chain(&dropped).map(|(off, _)| *off).collect();
+        q.delete(&deleted);
+        // Rule 5.
+        q.requeue(requeue);
+        q.wake();
+        drop(q);
+        // Rule 3.
+        dead_letter(cell, moved.into_iter().map(|(off, _)| off).collect());
+    }
+
+    /// Entry point: a channel closed, gracefully or with its connection, or by its
+    /// acknowledgement timeout ([`QueueOp::ChannelClosed`]): its consumers go and every
+    /// offset it holds is requeued (rule 5).
+    pub fn channel_closed(&mut self, chan_uid: u64) {
+        self.consumers.remove_channel(chan_uid);
+        let actions = self.held.close_channel(chan_uid);
+        self.requeue(actions.requeue);
+        self.maybe_auto_delete();
+    }
+
+    /// Entry point: basic.recover(requeue=false) ([`QueueOp::Redeliver`]): the given
+    /// outstanding offsets go again, flagged redelivered, to the consumers holding them; a
+    /// basic.get holding one, or a record no longer in memory, is requeued instead.
+    pub fn redeliver(&mut self, offsets: &[u64]) {
+        for &off in offsets {
+            let Some(o) = self.held.release(off) else { continue };
+            let Some(cid) = o.consumer else {
+                // Held by basic.get: no consumer to send it to again.
+                self.requeue(vec![(off, o)]);
+                continue;
+            };
+            self.release(&o);
+            self.ready.mark_redelivered(off);
+            match self.shard.read_cached(off) {
+                Some(rec) => self.deliver(cid, rec),
+                None => self.ready.requeue(off),
             }
             self.wake();
         }
     }
 
-    /// The requeue primitive (rule 5): back to the ready set at the original position,
-    /// flagged redelivered.
-    pub fn requeue(&mut self, offsets: &[u64]) {
-        let mut any = false;
-        for &off in offsets {
-            if self.settle_one(off).is_some() {
-                self.redelivered.insert(off);
-                self.requeued.insert(off);
-                any = true;
-            }
-        }
-        if any {
-            self.wake();
-        }
+    /// Rule 7, live half: holders whose oldest delivery exceeds the acknowledgement timeout
+    /// at `now`, each channel incarnation once. The core tells each one's connection, which
+    /// closes the channel with 406 (and so requeues through [`Queue::channel_closed`]).
+    pub fn timed_out_holders(&self, now: Instant) -> Vec<Holder> {
+        self.held.timed_out(now, std::time::Duration::from_millis(self.consumer_timeout_ms))
     }
 }
 
-/// basic.reject / basic.nack with requeue=false: dead-letter through the queue's
-/// `x-dead-letter-exchange` when it has one, else drop (delete).
-pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
+/// Rule 3: dead-letters rejected offsets through the queue's `x-dead-letter-exchange`
+/// (with an `x-death` entry, reason `rejected`), deleting each original only after every
+/// target queue has stored its copy. A copy that is not stored everywhere leaves the
+/// original in place (logged).
+fn dead_letter(cell: &QueueCell, offsets: Vec<u64>) {
     if offsets.is_empty() {
         return;
     }
-    let mut q = cell.borrow_mut();
-    let mut mine = Vec::with_capacity(offsets.len());
-    for off in offsets {
-        if q.settle_one(off).is_some() {
-            mine.push(off);
-        }
-    }
-    if mine.is_empty() {
-        return;
-    }
-    q.wake();
-    let Some(dlx) = q.dead_letter_exchange.clone() else {
-        for &off in &mine {
-            q.redelivered.remove(&off);
-            q.trash_index(off);
-        }
-        q.dirty = true;
-        if let Err(e) = q.shard.delete_by_offsets(&mine) {
-            tracing::error!(queue = %q.qref.key.name, error = %e, "reject delete failed");
-        }
-        return;
-    };
+    let q = cell.borrow();
+    let Some(dlx) = q.dead_letter_exchange.clone() else { return };
     let dlrk = q.dead_letter_routing_key.clone();
     let shard = q.shard.clone();
     let source = q.qref.key.clone();
@@ -126,7 +325,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
     let weak = Rc::downgrade(cell);
     glommio::spawn_local(async move {
         futures_lite::future::yield_now().await;
-        for off in mine {
+        for off in offsets {
             let rec = match shard.read(off).await {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
@@ -138,14 +337,13 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
             let original = Message { header: rec.header, body: rec.body, flags: rec.flags };
             let (exchange, rk, raw) = original.parts();
             let props = decode_properties(raw).unwrap_or_default();
-            let (new_rk, props) = (dlrk.clone().unwrap_or_else(|| rk.to_owned()), props);
+            let new_rk = dlrk.clone().unwrap_or_else(|| rk.to_owned());
             let props = with_x_death(props, &source.name, "rejected", exchange, rk);
             let copy = Message::new(&dlx, &new_rk, &encode_properties(&props), original.body.clone(), original.persistent());
             let route = env.route(&source.vhost, &dlx, &new_rk, props.headers().as_ref());
-            // Rule 3: the new copy is stored in every target before the original goes.
             let (tx, rx) = flume::unbounded();
             let n = route.queues.len();
-            let published = crate::observe::sample().then(std::time::Instant::now);
+            let published = crate::observe::sample().then(Instant::now);
             for target in &route.queues {
                 let confirm = ConfirmTo { tx: tx.clone(), channel: 0, seq: off };
                 env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
@@ -164,13 +362,7 @@ pub fn reject(cell: &QueueCell, offsets: Vec<u64>) {
                 continue;
             }
             if let Some(cell) = weak.upgrade() {
-                let mut q = cell.borrow_mut();
-                q.redelivered.remove(&off);
-                q.trash_index(off);
-                q.dirty = true;
-                if let Err(e) = q.shard.delete_by_offsets(&[off]) {
-                    tracing::error!(error = %e, "dead-letter delete failed");
-                }
+                cell.borrow_mut().delete(&[off]);
             }
         }
     })
@@ -229,6 +421,8 @@ pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn x_death_counts_per_queue_and_reason() {
@@ -244,5 +438,108 @@ mod tests {
         let h = p.headers().clone().unwrap();
         let AMQPValue::FieldArray(a) = h.inner().get("x-death").unwrap() else { panic!() };
         assert_eq!(a.as_slice().len(), 2);
+    }
+
+    fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
+        let holder = Holder { conn: 1, channel: chan_uid as u16, chan_uid, tx: tx.clone() };
+        Outstanding { consumer: None, holder, since: Instant::now(), credit: None }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Deliver the next offset to channel incarnation c.
+        Deliver(u64),
+        /// Channel c settles these offsets (by index into all offsets so far) as ack,
+        /// requeue and reject.
+        Settle(u64, Vec<usize>, Vec<usize>, Vec<usize>),
+        Close(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let offs = || proptest::collection::vec(any::<usize>(), 0..6);
+        prop_oneof![
+            4 => (0u64..4).prop_map(Op::Deliver),
+            4 => (0u64..4, offs(), offs(), offs()).prop_map(|(c, a, r, j)| Op::Settle(c, a, r, j)),
+            1 => (0u64..4).prop_map(Op::Close),
+        ]
+    }
+
+    proptest! {
+        /// Rules 1, 5 and 8 as a user sees them: a delivery is settled at most once, only by
+        /// the channel holding it; a settlement from any other channel changes nothing;
+        /// closing a channel requeues exactly what it holds; nothing settled is lost or
+        /// appears in two actions.
+        #[test]
+        fn settlement_belongs_to_the_holder(ops in proptest::collection::vec(op(), 1..120), dlx in any::<bool>()) {
+            let (tx, _rx) = flume::unbounded();
+            let mut held = Held::default();
+            let mut model: BTreeMap<u64, u64> = BTreeMap::new(); // offset → holder chan_uid
+            let mut next = 0u64;
+            for op in ops {
+                match op {
+                    Op::Deliver(c) => {
+                        held.hold(next, holder(c, &tx));
+                        model.insert(next, c);
+                        next += 1;
+                    }
+                    Op::Settle(c, a, r, j) => {
+                        let pick = |v: &[usize]| -> Vec<u64> { v.iter().map(|i| (*i as u64) % next.max(1)).collect() };
+                        let (a, r, j) = (pick(&a), pick(&r), pick(&j));
+                        let act = held.settle(c, &a, &r, &j, dlx);
+                        let mut seen = std::collections::BTreeSet::new();
+                        for (list, from) in [(&act.ack, &a), (&act.requeue, &r), (&act.drop, &j), (&act.dead_letter, &j)] {
+                            for (off, o) in list.iter() {
+                                prop_assert!(seen.insert(*off), "offset {} settled twice", off);
+                                prop_assert_eq!(o.holder.chan_uid, c);
+                                prop_assert!(from.contains(off));
+                                prop_assert_eq!(model.remove(off), Some(c));
+                            }
+                        }
+                        let unused_kind_empty = if dlx { act.drop.is_empty() } else { act.dead_letter.is_empty() };
+                        prop_assert!(unused_kind_empty, "rejects go to one place");
+                        // Whatever this channel named and held is settled now.
+                        for off in a.iter().chain(&r).chain(&j) {
+                            prop_assert!(model.get(off) != Some(&c));
+                        }
+                    }
+                    Op::Close(c) => {
+                        let act = held.close_channel(c);
+                        let want: Vec<u64> = model.iter().filter(|(_, h)| **h == c).map(|(o, _)| *o).collect();
+                        let got: Vec<u64> = act.requeue.iter().map(|(o, _)| *o).collect();
+                        prop_assert_eq!(&got, &want);
+                        prop_assert!(act.ack.is_empty() && act.drop.is_empty() && act.dead_letter.is_empty());
+                        model.retain(|_, h| *h != c);
+                    }
+                }
+                prop_assert_eq!(held.len(), model.len());
+                for (off, c) in &model {
+                    prop_assert_eq!(held.get(*off).map(|o| o.holder.chan_uid), Some(*c));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scan_keeps_one_record_per_live_message() {
+        let rec = |offset| IndexRecord { node: 1, epoch: 1, conn: 1, channel: 1, time_ms: 0, offset, vhost: "/".into(), queue: "q".into() };
+        let held = vec![(10, rec(5)), (11, rec(6)), (12, rec(5)), (13, rec(7))];
+        let (index_of, stale) = scan(&held, |o| o != 6);
+        assert_eq!(index_of.get(&5), Some(&10), "the first record of a live message stays");
+        assert_eq!(index_of.get(&7), Some(&13));
+        assert_eq!(stale, vec![11, 12], "a dead message's record and a second record go");
+    }
+
+    #[test]
+    fn timed_out_names_each_channel_once() {
+        let (tx, _rx) = flume::unbounded();
+        let mut held = Held::default();
+        for off in 0..3 {
+            held.hold(off, holder(off % 2, &tx));
+        }
+        let later = Instant::now() + std::time::Duration::from_secs(5);
+        let mut chans: Vec<u64> = held.timed_out(later, std::time::Duration::from_secs(1)).iter().map(|h| h.chan_uid).collect();
+        chans.sort_unstable();
+        assert_eq!(chans, vec![0, 1]);
+        assert!(held.timed_out(Instant::now(), std::time::Duration::from_secs(60)).is_empty());
     }
 }

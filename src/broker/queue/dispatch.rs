@@ -1,0 +1,349 @@
+//! Dispatch: the queue's dispatcher task and everything that hands a message out —
+//! consumer deliveries ([`Queue::deliver`]), basic.get ([`basic_get`]), reading a backlog
+//! back from disk ([`read_ahead`]), the unacked-index record a tracked delivery gets
+//! (rule 2's first half, [`Queue::index_delivery`]) and the cursor's target.
+//!
+//! Rule numbers are DESIGN.md's, listed in [`super::settle`].
+//!
+//! # Invariants
+//! - An offset is claimed from the ready set only when a consumer with credit exists
+//!   (rule 10) or a basic.get asked; it is recorded in [`super::settle::Held`] before the
+//!   delivery leaves the core (rule 1).
+//! - A delivery with an index record leaves only after that record is synced
+//!   ([`super::durability`]).
+
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
+use std::time::Instant;
+
+use bytes::Bytes;
+use ringmq_shards::{Record, Shard};
+
+use super::consumer;
+use super::durability::{commit_cursor, reply_get};
+use super::index::{now_ms, IndexRecord};
+use super::settle::Outstanding;
+use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
+use crate::broker::message::Message;
+use crate::broker::{ClientEvent, ConsumerId, Delivery, GetReply, Holder, QueueError};
+
+/// What the dispatcher does next.
+enum Step {
+    Idle,
+    /// Messages wait, and a consumer's connection is behind on writing (see
+    /// [`consumer::MAX_PENDING_EVENTS`]): try again shortly.
+    Backlogged,
+    Sent,
+    Read {
+        offset: u64,
+        consumer: ConsumerId,
+    },
+}
+
+/// The dispatcher task of one queue: delivers while consumers have credit and messages
+/// are ready; sleeps until woken by a publish, a settle, or a consumer change.
+pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
+    futures_lite::future::yield_now().await;
+    while wake.recv_async().await.is_ok() {
+        let mut sent = 0u32;
+        loop {
+            let Some(cell) = weak.upgrade() else { return };
+            let step = cell.borrow_mut().step();
+            match step {
+                Step::Idle => break,
+                Step::Backlogged => {
+                    drop(cell);
+                    Queue::flush_unsynced_soon(&weak);
+                    glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                Step::Sent => {
+                    sent += 1;
+                    if sent.is_multiple_of(256) {
+                        drop(cell);
+                        Queue::flush_unsynced_soon(&weak);
+                        glommio::yield_if_needed().await;
+                    }
+                }
+                Step::Read { offset, consumer } => {
+                    let shard = cell.borrow().shard.clone();
+                    drop(cell);
+                    let run = read_ahead(&shard, offset).await;
+                    let Some(cell) = weak.upgrade() else { return };
+                    let mut q = cell.borrow_mut();
+                    q.paging -= 1;
+                    match run {
+                        Ok(recs) if !q.deleted => {
+                            if q.paged.len() > 4 * READ_AHEAD_RECORDS {
+                                // Entries nobody took (settled elsewhere): start over.
+                                q.paged.clear();
+                            }
+                            let mut first = None;
+                            for r in recs {
+                                if r.offset == offset {
+                                    first = Some(r);
+                                } else if r.offset > offset {
+                                    q.paged.insert(r.offset, r);
+                                }
+                            }
+                            // None: deleted meanwhile (purge), nothing to deliver.
+                            if let Some(rec) = first {
+                                q.deliver(consumer, rec);
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::error!(queue = %q.qref.key.name, error = %e, "read failed; message left in place");
+                            q.unclaim(offset);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        Queue::flush_unsynced_soon(&weak);
+    }
+}
+
+/// Most records one read-ahead brings into a queue's page buffer.
+pub const READ_AHEAD_RECORDS: usize = 1024;
+/// Most body bytes one read-ahead brings in.
+pub const READ_AHEAD_BYTES: usize = 4 << 20;
+
+/// Reads the live records from `offset` on, up to [`READ_AHEAD_RECORDS`] or
+/// [`READ_AHEAD_BYTES`], with the shard's sequential reader (a few large disk reads instead
+/// of one read per message) — for a consumer draining a backlog that left the cache.
+pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringmq_shards::StoreError> {
+    let mut reader = shard.reader(offset);
+    let mut out = Vec::new();
+    let mut bytes = 0;
+    while out.len() < READ_AHEAD_RECORDS && bytes < READ_AHEAD_BYTES {
+        match reader.next().await? {
+            Some(r) => {
+                bytes += r.body.len() + r.header.len();
+                out.push(r);
+            }
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
+/// basic.get: claims the next ready message for `holder`.
+pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
+    let mut q = cell.borrow_mut();
+    let Some(offset) = q.take_next() else {
+        let _ = reply.send(Ok(None));
+        return;
+    };
+    if let Some(rec) = q.paged.remove(&offset).or_else(|| q.shard.read_cached(offset)) {
+        let (r, sync) = q.finish_get(rec, no_ack, holder);
+        drop(q);
+        reply_get(r, sync, reply);
+        return;
+    }
+    q.paging += 1;
+    let shard = q.shard.clone();
+    drop(q);
+    let weak = Rc::downgrade(cell);
+    glommio::spawn_local(async move {
+        let rec = shard.read(offset).await;
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        q.paging -= 1;
+        match rec {
+            Ok(Some(rec)) => {
+                let (r, sync) = q.finish_get(rec, no_ack, holder);
+                drop(q);
+                reply_get(r, sync, reply);
+            }
+            Ok(None) => {
+                let _ = reply.send(Ok(None));
+            }
+            Err(e) => {
+                q.unclaim(offset);
+                let _ = reply.send(Err(QueueError::InternalError(format!("read failed: {e}"))));
+            }
+        }
+    })
+    .detach();
+}
+
+impl Queue {
+    /// Claims the next ready offset (the lowest: rule 5's order), recording its
+    /// stored→delivered time when it was sampled.
+    fn take_next(&mut self) -> Option<u64> {
+        let (offset, stored_at) = self.ready.take_next()?;
+        if let Some(at) = stored_at {
+            self.env.stats().stored_to_delivered.record(at.elapsed());
+        }
+        Some(offset)
+    }
+
+    /// Puts a claimed but undelivered offset back at its original position (not redelivered).
+    pub(super) fn unclaim(&mut self, offset: u64) {
+        self.ready.unclaim(offset);
+    }
+
+    /// One dispatcher step: deliver one cached message, or claim one that must be read.
+    fn step(&mut self) -> Step {
+        if self.deleted || self.consumers.is_empty() || self.message_count() == 0 {
+            return Step::Idle;
+        }
+        let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else {
+            return if self.consumers.any_backlogged() { Step::Backlogged } else { Step::Idle };
+        };
+        let offset = self.take_next().expect("message_count > 0");
+        match self.paged.remove(&offset).or_else(|| self.shard.read_cached(offset)) {
+            Some(rec) => {
+                self.deliver(consumer, rec);
+                Step::Sent
+            }
+            None => {
+                self.paging += 1;
+                Step::Read { offset, consumer }
+            }
+        }
+    }
+
+    /// Hands `rec` to `consumer`; on a vanished consumer the offset goes back.
+    ///
+    /// A tracked delivery of a persistent message in a durable queue is recorded in the
+    /// unacked index first and leaves the core only once that record is synced
+    /// ([`Queue::flush_unsynced`]): after any crash, a message that reached a client is
+    /// known to have been delivered (redelivered=true), never silently handed out again.
+    pub(super) fn deliver(&mut self, consumer: ConsumerId, rec: Record) {
+        let offset = rec.offset;
+        let flags = rec.flags;
+        let redelivered = self.ready.is_redelivered(offset);
+        let qref = self.qref.clone();
+        let Some(c) = self.consumers.get_mut(consumer) else {
+            self.unclaim(offset);
+            return;
+        };
+        let track = !c.spec.no_ack;
+        let d = Delivery {
+            channel: c.spec.channel,
+            chan_uid: c.spec.chan_uid,
+            consumer_tag: c.spec.tag.clone(),
+            queue: qref,
+            offset,
+            redelivered,
+            message: Message { header: rec.header, body: rec.body, flags },
+            track,
+        };
+        let tx = c.spec.tx.clone();
+        let pending = c.spec.pending_bytes.clone();
+        let weight = consumer::pending_weight(d.message.body.len());
+        pending.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
+        let mut index_offset = None;
+        if track {
+            c.in_flight += 1;
+            c.spec.channel_credit.take();
+            let credit = Some(c.spec.channel_credit.clone());
+            let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
+            index_offset = self.index_delivery(offset, flags, &holder);
+            self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit });
+        }
+        self.passed(offset);
+        if index_offset.is_some() {
+            self.unsynced.push((consumer, d, pending));
+            return;
+        }
+        if tx.send(ClientEvent::Deliver(d)).is_err() {
+            pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
+            // The connection is gone; its close will settle the rest.
+            self.consumers.remove(consumer);
+            if let Some(o) = self.held.release(offset) {
+                self.release(&o);
+                self.unclaim(offset);
+            } else if !track {
+                self.unclaim(offset);
+            }
+            return;
+        }
+        if !track {
+            // Auto-ack: settled on delivery (rule 4).
+            self.delete(&[offset]);
+        }
+    }
+
+    /// Rule 2, first half: a tracked delivery of a persistent message in a durable queue
+    /// gets an unacked-index record (appended now, synced before the cursor passes it).
+    fn index_delivery(&mut self, offset: u64, flags: u8, holder: &Holder) -> Option<u64> {
+        let index = self.index.clone()?;
+        if flags & crate::broker::message::FLAG_PERSISTENT == 0 {
+            return None;
+        }
+        let meta = self.env.meta();
+        let rec = IndexRecord {
+            node: meta.node_id(),
+            epoch: meta.boot_epoch(),
+            conn: holder.conn,
+            channel: holder.channel,
+            time_ms: now_ms(),
+            offset,
+            vhost: self.qref.key.vhost.to_string(),
+            queue: self.qref.key.name.to_string(),
+        };
+        match index.append(0, &rec.encode(), &Bytes::new()) {
+            Ok(i) => {
+                // A record from an earlier delivery (requeued since) is replaced; the new
+                // one is synced before this delivery leaves, the old one may go any time.
+                if let Some(old) = self.index_of.insert(offset, i) {
+                    let _ = index.delete_by_offsets(&[old]);
+                }
+                Some(i)
+            }
+            Err(e) => {
+                // Delivered all the same (the message is stored): after a crash it may come
+                // back without redelivered=true, a duplicate and never a loss. A full disk
+                // makes this happen for every delivery: logged at most once a second.
+                if e.is_disk_full() {
+                    self.env.disk_full();
+                }
+                if once_a_second(&INDEX_FAILURE_LOGGED) {
+                    tracing::error!(queue = %self.qref.key.name, error = %e, "unacked index append failed; delivering without an index record");
+                }
+                None
+            }
+        }
+    }
+
+    /// The cursor moves past a delivered offset; a commit task carries it to the metadata.
+    fn passed(&mut self, offset: u64) {
+        if self.index.is_none() || offset < self.cursor.target {
+            return;
+        }
+        self.cursor.target = offset + 1;
+        if !self.cursor.committing {
+            self.cursor.committing = true;
+            glommio::spawn_local(commit_cursor(self.me.clone())).detach();
+        }
+    }
+
+    /// Claims `rec` for a basic.get; returns the reply and, when the delivery got an
+    /// unacked-index record, the index to sync before answering.
+    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<Rc<Shard>>) {
+        let offset = rec.offset;
+        let redelivered = self.ready.is_redelivered(offset);
+        let mut sync = None;
+        if no_ack {
+            // Auto-ack: settled on delivery (rule 4).
+            self.delete(&[offset]);
+        } else {
+            let index_offset = self.index_delivery(offset, rec.flags, &holder);
+            if index_offset.is_some() {
+                sync = self.index.clone();
+            }
+            self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None });
+        }
+        self.passed(offset);
+        let r = GetReply {
+            offset,
+            redelivered,
+            message: Message { header: rec.header, body: rec.body, flags: rec.flags },
+            message_count: self.message_count(),
+        };
+        (r, sync)
+    }
+}

@@ -1,0 +1,318 @@
+//! Durability: everything on the ack path that waits for an fdatasync, and the proofs
+//! that order it. Rule numbers are DESIGN.md's, listed in [`super::settle`].
+//!
+//! - Publisher confirms: [`group_commit`] syncs a batch of appends and only then sends
+//!   their confirms (rule 9); a failed sync nacks them.
+//! - Unacked-index flush: deliveries that got an index record wait in `unsynced` until
+//!   [`IndexSynced`] says the record is durable ([`Queue::flush_unsynced`]; basic.get:
+//!   [`reply_get`]) — rule 2's first half.
+//! - Index-record release: an acked message's index record is deleted only with the
+//!   [`MessagesSynced`] proof that the message shard's deletes are durable
+//!   ([`release_index_records`]) — rule 4's second delete after the first.
+//! - Cursor commit: [`cursor_cas`] consumes an [`IndexSynced`] — rule 2: the shared
+//!   cursor never passes a delivery whose index record is not durable.
+//!
+//! The proofs can only be made by the sync functions here ([`IndexSynced::appends`],
+//! [`IndexSynced::all`], [`MessagesSynced::all`]): their fields are private.
+
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
+use std::time::Instant;
+
+use ringmq_shards::{Shard, StoreError, Synced};
+
+use super::consumer;
+use super::{Queue, QueueCell};
+use crate::broker::{ClientEvent, GetReply, QueueError, QueueKey};
+use crate::meta::state::{Command, Outcome};
+
+/// Proof that a queue's unacked index is synced: every record appended before the sync is
+/// durable. Made only by [`IndexSynced::appends`] and [`IndexSynced::all`].
+#[derive(Debug)]
+#[must_use]
+pub struct IndexSynced(#[allow(dead_code)] Synced);
+
+impl IndexSynced {
+    /// Syncs the index's appends (its records; not its deletion bitmaps).
+    ///
+    /// # Errors
+    /// The store's error; then nothing is proven.
+    pub async fn appends(index: &Shard) -> Result<IndexSynced, StoreError> {
+        index.sync_appends().await.map(IndexSynced)
+    }
+
+    /// Syncs the index fully (records and deletions).
+    ///
+    /// # Errors
+    /// The store's error; then nothing is proven.
+    pub async fn all(index: &Shard) -> Result<IndexSynced, StoreError> {
+        index.sync().await.map(IndexSynced)
+    }
+}
+
+/// Proof that a queue's message shard is fully synced: every append and every delete made
+/// before the sync is durable. Made only by [`MessagesSynced::all`].
+#[derive(Debug)]
+#[must_use]
+pub struct MessagesSynced(#[allow(dead_code)] Synced);
+
+impl MessagesSynced {
+    /// Syncs the message shard fully (appends and deletion bitmaps).
+    ///
+    /// # Errors
+    /// The store's error; then nothing is proven.
+    pub async fn all(shard: &Shard) -> Result<MessagesSynced, StoreError> {
+        shard.sync().await.map(MessagesSynced)
+    }
+}
+
+/// Rule 4's second delete: removes the index records of messages whose deletion
+/// `_proof` shows durable. Records of a failed sync are never released this way: they stay
+/// (a later open finds them stale, or the message redelivered), never the other way round.
+pub fn release_index_records(index: &Shard, records: &[u64], _proof: &MessagesSynced) {
+    if records.is_empty() {
+        return;
+    }
+    if let Err(e) = index.delete_by_offsets(records) {
+        tracing::error!(error = %e, "unacked index delete failed");
+    }
+}
+
+/// Longest time deletes (acks) wait for a full sync while publisher confirms keep the
+/// group commit busy with append-only syncs.
+pub const FULL_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Group commit for publisher confirms of persistent messages in a durable queue: one
+/// `sync` covers every append made before it; confirms go out only after it returns
+/// (DESIGN.md ack-path rule 9). While confirms wait, a round syncs appends only (one
+/// fdatasync, not one more for the deletion bitmaps the acks dirtied); deletes get a full
+/// sync at least every [`FULL_SYNC_INTERVAL`] and when no confirm waits, and only then do
+/// the index records of deleted messages go (`index_trash`).
+pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
+    // glommio may run a spawned task at once: let the spawner release its borrow first.
+    futures_lite::future::yield_now().await;
+    loop {
+        let Some(cell) = weak.upgrade() else { return };
+        let (shard, batch, full, env) = {
+            let mut q = cell.borrow_mut();
+            if q.pending_confirms.is_empty() && !q.dirty {
+                q.syncing = false;
+                return;
+            }
+            let now = Instant::now();
+            let full = q.pending_confirms.is_empty() || now.duration_since(q.last_full_sync) >= FULL_SYNC_INTERVAL;
+            let trash = if full {
+                q.dirty = false;
+                q.last_full_sync = now;
+                std::mem::take(&mut q.index_trash)
+            } else {
+                Vec::new()
+            };
+            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), trash, q.index.clone()), full, q.env.clone())
+        };
+        drop(cell);
+        let (batch, trash, index) = batch;
+        crate::observe::Stats::add(&env.stats().queue_syncs, 1);
+        // A full sync proves the deletes durable too (rule 4's first delete); an
+        // append-only one proves only the appends.
+        let synced = if full { MessagesSynced::all(&shard).await.map(Some) } else { shard.sync_appends().await.map(|_| None) };
+        let (ok, proof) = match synced {
+            Ok(proof) => (true, proof),
+            Err(e) => {
+                // Nothing of this batch is known durable: its publishes are nacked. The shard
+                // is read-only now (reads and acks go on); the core reopens the queue from
+                // disk once the disk alarm is clear (`Queue::store_failure`).
+                // Whatever the error says, the disk is worth a look at once.
+                env.disk_full();
+                tracing::error!(error = %e, confirms = batch.len(), "queue store sync failed; its publishes are nacked");
+                crate::observe::Stats::add(&env.stats().store_refused, batch.len() as u64);
+                (false, None)
+            }
+        };
+        // Rule 4's second delete: the messages' deletions are durable now, their index
+        // records may go. (Without the proof they stay: harmless, see the function.)
+        if let (Some(index), Some(proof)) = (&index, &proof) {
+            release_index_records(index, &trash, proof);
+        }
+        let now = Instant::now();
+        for (c, published) in batch {
+            if let Some(p) = published {
+                env.stats().publish_to_stored.record(now.duration_since(p));
+            }
+            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok });
+        }
+    }
+}
+
+/// Shortest time between two cursor commits of one queue.
+pub const CURSOR_COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Builds the cursor commit. Taking the index's [`IndexSynced`] proof is the type-level form of
+/// rule 2: no cursor moves past a delivery whose index record is not yet durable.
+pub fn cursor_cas(key: &QueueKey, expected: u64, new: u64, _index_synced: IndexSynced) -> Command {
+    Command::CursorCas { vhost: key.vhost.to_string(), queue: key.name.to_string(), expected, new }
+}
+
+/// Commits the queue's cursor through the Raft group by compare-and-set, one proposal in
+/// flight per queue (the metadata group batches proposals of all queues into one entry).
+/// A rejected CAS re-reads the stored value and retries; nothing is locked or leased.
+pub(super) async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
+    loop {
+        // Let deliveries accumulate: the cursor is a recovery aid (the unacked index already
+        // covers every outstanding delivery), so one commit per interval per queue is enough
+        // and keeps Raft entries off the per-message path.
+        glommio::timer::sleep(CURSOR_COMMIT_INTERVAL).await;
+        let Some(cell) = weak.upgrade() else { return };
+        let (shard, index, key, expected, target, env) = {
+            let mut q = cell.borrow_mut();
+            let Some(index) = q.index.clone() else {
+                q.cursor.committing = false;
+                return;
+            };
+            if q.deleted || q.cursor.target <= q.cursor.committed {
+                q.cursor.committing = false;
+                return;
+            }
+            (q.shard.clone(), index, q.qref.key.clone(), q.cursor.committed, q.cursor.target, q.env.clone())
+        };
+        drop(cell);
+        crate::observe::Stats::add(&env.stats().queue_syncs, 2);
+        let synced = match (shard.sync().await, IndexSynced::all(&index).await) {
+            (Ok(_), Ok(s)) => s,
+            (Err(e), _) | (_, Err(e)) => {
+                // The cursor stays where it is (a recovery aid: the index covers the rest).
+                tracing::error!(queue = %key.name, error = %e, "sync before a cursor commit failed; cursor not moved");
+                if let Some(cell) = weak.upgrade() {
+                    cell.borrow_mut().cursor.committing = false;
+                }
+                return;
+            }
+        };
+        let outcome = env.meta().propose(cursor_cas(&key, expected, target, synced)).await;
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        match outcome {
+            Ok(Outcome::CasApplied) => q.cursor.committed = target,
+            Ok(Outcome::CasRejected { current }) => {
+                // Someone else moved it (or our view was stale): take the stored value.
+                q.cursor.committed = current.unwrap_or(0);
+                q.cursor.target = q.cursor.target.max(q.cursor.committed);
+            }
+            Ok(other) => {
+                tracing::warn!(queue = %key.name, ?other, "unexpected cursor commit outcome");
+                q.cursor.committing = false;
+                return;
+            }
+            Err(e) => {
+                tracing::error!(queue = %key.name, error = %e, "cursor commit failed");
+                q.cursor.committing = false;
+                return;
+            }
+        }
+    }
+}
+
+/// Answers a basic.get, after syncing the unacked index when the delivery has a record
+/// there (the same rule as [`Queue::flush_unsynced`]).
+pub(super) fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
+    match sync {
+        None => drop(reply.send(Ok(Some(r)))),
+        Some(index) => {
+            glommio::spawn_local(async move {
+                if let Err(e) = IndexSynced::appends(&index).await {
+                    // As in `Queue::flush_unsynced`: answered all the same.
+                    tracing::error!(error = %e, "unacked index sync failed; basic.get answered without a durable index record");
+                }
+                let _ = reply.send(Ok(Some(r)));
+            })
+            .detach();
+        }
+    }
+}
+
+impl Queue {
+    /// Starts the group-commit task unless one is running.
+    pub(super) fn start_sync(&mut self, cell: &QueueCell) {
+        if !self.syncing {
+            self.syncing = true;
+            glommio::spawn_local(group_commit(Rc::downgrade(cell))).detach();
+        }
+    }
+
+    /// Syncs deletes (acks, purges) that no publish has synced yet; called periodically by
+    /// the core, so an ack is durable within about a second (a lost ack only duplicates).
+    pub fn sync_if_dirty(cell: &QueueCell) {
+        let mut q = cell.borrow_mut();
+        if q.dirty && q.qref.durable && !q.deleted {
+            q.start_sync(cell);
+        }
+    }
+
+    /// Starts the index flusher unless it runs: it syncs the unacked index and sends the
+    /// deliveries that waited for it, round after round while more wait, so the dispatcher
+    /// goes on delivering (into the next round) during an fdatasync instead of waiting.
+    pub(super) fn flush_unsynced_soon(weak: &Weak<RefCell<Queue>>) {
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        if q.unsynced.is_empty() || q.index_flushing {
+            return;
+        }
+        q.index_flushing = true;
+        let weak = weak.clone();
+        glommio::spawn_local(async move {
+            // glommio may run a spawned task at once: let the spawner release its borrow.
+            futures_lite::future::yield_now().await;
+            for _ in 0..u32::MAX {
+                Queue::flush_unsynced(&weak).await;
+                let Some(cell) = weak.upgrade() else { return };
+                let mut q = cell.borrow_mut();
+                if q.unsynced.is_empty() || q.deleted {
+                    q.index_flushing = false;
+                    return;
+                }
+            }
+        })
+        .detach();
+    }
+
+    /// Sends the deliveries that waited for their unacked-index records, once the index is
+    /// synced. A delivery whose consumer went away meanwhile is requeued.
+    async fn flush_unsynced(weak: &Weak<RefCell<Queue>>) {
+        let Some(cell) = weak.upgrade() else { return };
+        let (batch, index) = {
+            let mut q = cell.borrow_mut();
+            if q.unsynced.is_empty() {
+                return;
+            }
+            crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
+            (std::mem::take(&mut q.unsynced), q.index.clone())
+        };
+        drop(cell);
+        if let Some(index) = index {
+            if let Err(e) = IndexSynced::appends(&index).await {
+                // The deliveries go out all the same (the messages themselves are stored):
+                // after a crash they may come back without redelivered=true, a duplicate
+                // and never a loss. The queue reopens its store (see `Queue::store_failure`).
+                tracing::error!(error = %e, "unacked index sync failed; deliveries sent without a durable index record");
+            }
+        }
+        let Some(cell) = weak.upgrade() else { return };
+        let mut q = cell.borrow_mut();
+        let mut back = Vec::new();
+        for (consumer, d, pending) in batch {
+            let offset = d.offset;
+            let weight = consumer::pending_weight(d.message.body.len());
+            let still_held = q.held.get(offset).is_some_and(|o| o.consumer == Some(consumer));
+            let sent = still_held && q.consumers.get_mut(consumer).is_some_and(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());
+            if !sent {
+                pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
+                if still_held {
+                    back.push(offset);
+                }
+            }
+        }
+        if !back.is_empty() {
+            q.requeue_offsets(&back);
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! A queue's ready set: the offsets waiting for delivery, in the order they are handed out.
+//! Pure data (no I/O, no tasks): the queue moves offsets in and out of it.
+//!
+//! # Invariants
+//! - `requeued` holds offsets delivered before and given back (and claimed offsets put
+//!   back in front of `ready`); every one of them is lower than every offset in `ready`, so
+//!   [`ReadySet::take_next`] always hands out the lowest ready offset: a requeued message
+//!   returns at its original position, before messages never delivered (DESIGN.md rule 5,
+//!   RabbitMQ's order).
+//! - `ready` is in offset order (appends only grow offsets).
+//! - `redelivered` flags every offset that was delivered before and is not deleted, wherever
+//!   it is now (ready again or outstanding).
+//! - `ready_at` holds (offset, stored at) of the sampled offsets among `ready`, in offset
+//!   order (entries behind the head are dropped as it passes them).
+
+use std::collections::{BTreeSet, VecDeque};
+use std::time::Instant;
+
+use rustc_hash::FxHashSet;
+
+/// See the module doc. Memory: 8 bytes per ready offset (`VecDeque<u64>`), more for the
+/// requeued (B-tree) and flagged (hash set) ones.
+#[derive(Debug, Default)]
+pub struct ReadySet {
+    ready: VecDeque<u64>,
+    ready_at: VecDeque<(u64, Instant)>,
+    requeued: BTreeSet<u64>,
+    redelivered: FxHashSet<u64>,
+}
+
+impl ReadySet {
+    /// The ready set of a queue that opens with `live` offsets (ascending), of which those
+    /// in `delivered_before` were delivered in an earlier run (DESIGN.md rule 7).
+    pub fn recovered(live: Vec<u64>, delivered_before: impl IntoIterator<Item = u64>) -> ReadySet {
+        let ready: VecDeque<u64> = live.into();
+        let redelivered = delivered_before.into_iter().collect();
+        ReadySet { ready, redelivered, ..Default::default() }
+    }
+
+    /// Messages ready for delivery.
+    pub fn len(&self) -> usize {
+        self.ready.len() + self.requeued.len()
+    }
+
+    /// No message is ready.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A new message was appended at `offset` (higher than any before); `stored_at` when
+    /// its stored→delivered time is sampled.
+    pub fn push(&mut self, offset: u64, stored_at: Option<Instant>) {
+        self.ready.push_back(offset);
+        if let Some(at) = stored_at {
+            self.ready_at.push_back((offset, at));
+        }
+    }
+
+    /// Claims the lowest ready offset; with it, when it was sampled and is delivered for
+    /// the first time, the instant it was stored.
+    pub fn take_next(&mut self) -> Option<(u64, Option<Instant>)> {
+        if let Some(o) = self.requeued.pop_first() {
+            return Some((o, None));
+        }
+        let o = self.ready.pop_front()?;
+        let mut stored_at = None;
+        while let Some(&(sampled, at)) = self.ready_at.front() {
+            if sampled > o {
+                break;
+            }
+            self.ready_at.pop_front();
+            if sampled == o {
+                stored_at = Some(at);
+            }
+        }
+        Some((o, stored_at))
+    }
+
+    /// Puts a claimed but undelivered offset back at its original position; its
+    /// redelivered flag does not change.
+    pub fn unclaim(&mut self, offset: u64) {
+        if self.ready.front().is_none_or(|f| offset < *f) {
+            self.requeued.insert(offset);
+        } else {
+            self.ready.push_front(offset);
+        }
+    }
+
+    /// A delivered offset comes back (rule 5): ready at its original position, flagged
+    /// redelivered.
+    pub fn requeue(&mut self, offset: u64) {
+        self.redelivered.insert(offset);
+        self.requeued.insert(offset);
+    }
+
+    /// Flags an outstanding offset as delivered again (basic.recover with requeue=false).
+    pub fn mark_redelivered(&mut self, offset: u64) {
+        self.redelivered.insert(offset);
+    }
+
+    /// Whether `offset` was delivered before.
+    pub fn is_redelivered(&self, offset: u64) -> bool {
+        self.redelivered.contains(&offset)
+    }
+
+    /// `offset` is deleted: its flag goes.
+    pub fn forget(&mut self, offset: u64) {
+        self.redelivered.remove(&offset);
+    }
+
+    /// queue.purge: takes every ready offset out (ascending order not guaranteed) and drops
+    /// their flags.
+    pub fn drain(&mut self) -> Vec<u64> {
+        let mut offs: Vec<u64> = self.ready.drain(..).collect();
+        self.ready_at.clear();
+        offs.extend(std::mem::take(&mut self.requeued));
+        for o in &offs {
+            self.redelivered.remove(o);
+        }
+        offs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Push,
+        Take,
+        /// Give back the i-th claimed offset (mod count) as delivered (requeue) or not (unclaim).
+        GiveBack(usize, bool),
+        /// Delete the i-th claimed offset (ack).
+        Ack(usize),
+        Purge,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::Push),
+            3 => Just(Op::Take),
+            2 => (any::<usize>(), any::<bool>()).prop_map(|(i, r)| Op::GiveBack(i, r)),
+            1 => any::<usize>().prop_map(Op::Ack),
+            1 => Just(Op::Purge),
+        ]
+    }
+
+    proptest! {
+        /// Whatever happens, the next message handed out is the lowest ready offset (original
+        /// position), each offset is ready or claimed, never both, and exactly the offsets
+        /// given back as delivered carry the redelivered flag.
+        #[test]
+        fn lowest_first_and_flags_follow_requeues(ops in proptest::collection::vec(op(), 1..200)) {
+            let mut s = ReadySet::default();
+            let mut next = 0u64;
+            // Model: offset → delivered before; and the claimed offsets.
+            let mut model: BTreeMap<u64, bool> = BTreeMap::new();
+            let mut claimed: Vec<(u64, bool)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Push => {
+                        s.push(next, None);
+                        model.insert(next, false);
+                        next += 1;
+                    }
+                    Op::Take => {
+                        let got = s.take_next().map(|(o, _)| o);
+                        let want = model.keys().next().copied();
+                        prop_assert_eq!(got, want);
+                        if let Some(o) = got {
+                            prop_assert_eq!(s.is_redelivered(o), model.remove(&o).unwrap());
+                            claimed.push((o, s.is_redelivered(o)));
+                        }
+                    }
+                    Op::GiveBack(i, delivered) if !claimed.is_empty() => {
+                        let (o, flagged) = claimed.remove(i % claimed.len());
+                        if delivered { s.requeue(o) } else { s.unclaim(o) }
+                        model.insert(o, delivered || flagged);
+                    }
+                    Op::Ack(i) if !claimed.is_empty() => {
+                        let (o, _) = claimed.remove(i % claimed.len());
+                        s.forget(o);
+                        prop_assert!(!s.is_redelivered(o));
+                    }
+                    Op::Purge => {
+                        let mut got = s.drain();
+                        got.sort_unstable();
+                        prop_assert_eq!(got, model.keys().copied().collect::<Vec<_>>());
+                        model.clear();
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(s.len(), model.len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_sampled_offset_reports_its_store_time_once() {
+        let mut s = ReadySet::default();
+        let t = Instant::now();
+        s.push(0, None);
+        s.push(1, Some(t));
+        assert_eq!(s.take_next(), Some((0, None)));
+        assert_eq!(s.take_next(), Some((1, Some(t))));
+        s.requeue(1);
+        assert_eq!(s.take_next(), Some((1, None)), "a redelivery is not a first delivery");
+        assert!(s.is_redelivered(1));
+    }
+}
