@@ -4,35 +4,59 @@
 //! append-only segment files (`ringmq-shards`), metadata and queue cursors in an embedded
 //! Raft group. Existing AMQP clients connect to it as they would to RabbitMQ.
 //!
-//! # Layout
+//! # Layout (arrows point down only)
+//! `main.rs → server → amqp → broker → {meta, observe, core, shards, config}`
+//! - [`server`]: the wiring — puts [`broker::node::Node`] and [`amqp::connection::serve`] on
+//!   the runtime; the only module naming every layer.
 //! - [`amqp`]: the protocol (codec, connection, channels, unacked ledger, one handler per
-//!   class). Never touches a file.
-//! - [`broker`]: the domain (exchanges, routing, queues, consumers, settlement,
-//!   dead-lettering). Never touches a socket.
-//! - [`core`]: executors, per-core queue registries, cross-core inboxes, placement,
-//!   fatal errors. The only module that knows there are several cores.
+//!   class). Never touches a file; maps [`broker::QueueError`] to reply codes.
+//! - [`broker`]: the domain (each core's queue registry and tick, exchanges, routing,
+//!   queues, consumers, the ack path, dead-lettering, alarms). Never touches a socket and
+//!   names nothing of `amqp`.
+//! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
+//!   placement, fatal errors). Names no protocol and no queue.
 //! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs).
-//! - [`observe`]: counters and the Prometheus endpoint.
+//! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
 //! - [`config`]: flags, TOML file, defaults.
 //!
-//! # Request flow
-//! A connection lives on the core that accepted it. A basic.publish is routed there
-//! with that core's copy of the routing tables, then each target queue's owner core
-//! appends it to the queue's shard and wakes the queue's dispatcher, which sends
-//! deliveries to consumers' connections (possibly on other cores). Acks travel back to
-//! the owner core as offsets and delete the message from its shard.
+//! # Publish → deliver → ack, step by step
+//! 1. A client's socket is accepted on some core (`core/accept.rs`) and served there
+//!    (`amqp/connection.rs`: handshake, then a reader and a writer half).
+//! 2. basic.publish + header + body frames are decoded (`amqp/codec.rs`) and completed
+//!    (`amqp/methods/basic.rs`, `publish`); the route comes from that core's copy of the
+//!    routing tables (`broker/router.rs`, `broker/exchange/`).
+//! 3. The message (`broker/message.rs`, shared `Bytes`) goes to each target queue's owner
+//!    core as a `QueueOp::Publish` (`broker/node.rs`: directly on this core, else through
+//!    the owner's inbox, `core/mesh.rs`).
+//! 4. The queue appends it to its shard (`broker/queue/mod.rs`, `Queue::publish` →
+//!    `ringmq-shards`) and puts the offset in its ready set (`broker/queue/ready.rs`); a
+//!    persistent message in a durable queue is confirmed after the group commit's sync
+//!    (`broker/queue/durability.rs`, `group_commit`), others at once.
+//! 5. The dispatcher (`broker/queue/dispatch.rs`) claims the lowest ready offset for a
+//!    consumer with credit, records its holder (`settle::Held`), appends an unacked-index
+//!    record when the delivery is tracked and durable, and sends the delivery once that
+//!    record is synced (`durability`, `Queue::flush_unsynced`).
+//! 6. The consumer's connection assigns the delivery tag and records it in the channel's
+//!    ledger (`amqp/unacked.rs`) as it writes basic.deliver.
+//! 7. basic.ack/nack/reject resolves tags to offsets in the ledger (406 for unknown ones)
+//!    and sends `QueueOp::Settle` to the queue, which settles them
+//!    (`broker/queue/settle.rs`, `Queue::settle`): delete, requeue or dead-letter.
 //!
-//! # Invariants (DESIGN.md, "The ack path"; see `broker::queue::settle` for where each holds)
-//! 1. A message is outstanding to at most one channel at a time.
-//! 2. Index before cursor (see docs/ARCHITECTURE.md for its status).
-//! 3. A moved message (dead-letter) is stored in its new place before the old copy goes.
-//! 4. An ack deletes the message from its shard.
-//! 5. One requeue primitive behind nack, reject, recover, channel/connection close and the
-//!    acknowledgement timeout; requeued messages come back first, flagged redelivered.
-//! 8. Unknown or settled delivery tags are 406 PRECONDITION_FAILED.
-//! 9. Publisher confirms go out only after every target queue stored (and, when
-//!    persistent and durable, synced) the message; basic.return precedes the confirm.
-//! 10. prefetch_count bounds each consumer's unacked deliveries.
+//! # Invariants (DESIGN.md, "The ack path", with its numbers; each holds in `broker::queue`)
+//! 1. One consumer at a time: `settle::Held::hold`, `Held::settle` (only the holder settles).
+//! 2. Index before cursor: `dispatch` `Queue::index_delivery`, `durability::cursor_cas`
+//!    (consumes an `IndexSynced`).
+//! 3. New copy before old delete: `settle::dead_letter`.
+//! 4. Ack is two deletes: `Queue::delete`, then `durability::release_index_records`
+//!    (needs a `MessagesSynced`).
+//! 5. One requeue primitive: `Queue::requeue`, behind `Queue::settle`,
+//!    `Queue::channel_closed`, `Queue::redeliver` and `settle::scan`; order:
+//!    `ready::ReadySet::take_next`.
+//! 6. Index coverage equals durability: `Queue::index_delivery`.
+//! 7. Crash recovery: `settle::scan` (leader only, at open), `Queue::timed_out_holders`.
+//! 8. Errors as the protocol says: `amqp::unacked` (406 for unknown or settled tags).
+//! 9. Confirms after store (and sync): `durability::group_commit`; nack on failure.
+//! 10. Prefetch: `Queue::release`, `consumer::Consumers::next_with_credit`.
 
 pub mod amqp;
 pub mod broker;
