@@ -629,7 +629,7 @@ async fn competing_consumers_and_getters_never_share_a_message() {
                 let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
                 record(id, &format!("consumer {w}"), &out, &vio);
                 n += 1;
-                let requeue = n % 13 == 0 && !d.redelivered;
+                let requeue = n.is_multiple_of(13) && !d.redelivered;
                 out.lock().unwrap().remove(&id);
                 if requeue {
                     d.nack(BasicNackOptions { multiple: false, requeue: true }).await.unwrap();
@@ -688,13 +688,15 @@ async fn competing_consumers_and_getters_never_share_a_message() {
     for task in tasks {
         tt("workers", Duration::from_secs(60), task).await.unwrap();
     }
-    let v = violations.lock().unwrap();
-    assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), v.iter().take(5).collect::<Vec<_>>());
-    let acked = acked.lock().unwrap();
-    let missing: Vec<u32> = (0..N).filter(|i| !acked.contains_key(i)).take(10).collect();
-    assert!(missing.is_empty(), "{} messages never delivered, e.g. {missing:?}", N as usize - acked.len());
-    let dup: Vec<(&u32, &u32)> = acked.iter().filter(|(_, n)| **n != 1).take(10).collect();
-    assert!(dup.is_empty(), "messages acked more than once: {dup:?}");
+    {
+        let v = violations.lock().unwrap();
+        assert!(v.is_empty(), "{} violations, first: {:?}", v.len(), v.iter().take(5).collect::<Vec<_>>());
+        let acked = acked.lock().unwrap();
+        let missing: Vec<u32> = (0..N).filter(|i| !acked.contains_key(i)).take(10).collect();
+        assert!(missing.is_empty(), "{} messages never delivered, e.g. {missing:?}", N as usize - acked.len());
+        let dup: Vec<(&u32, &u32)> = acked.iter().filter(|(_, n)| **n != 1).take(10).collect();
+        assert!(dup.is_empty(), "messages acked more than once: {dup:?}");
+    }
     assert_eq!(ready_count(&admin, &q).await, 0);
     t("close", c.close(200, "".into())).await.unwrap();
 }

@@ -74,7 +74,7 @@ pub fn encode_properties(props: &AMQPProperties) -> Vec<u8> {
 /// Parses property flags + fields (the inverse of [`encode_properties`]).
 pub fn decode_properties(raw: &[u8]) -> Option<AMQPProperties> {
     match amq_protocol::protocol::basic::parse_properties(raw) {
-        Ok((rest, p)) if rest.is_empty() => Some(p),
+        Ok((&[], p)) => Some(p),
         _ => None,
     }
 }

@@ -183,7 +183,8 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
     o.push_str(&format!(
         "# HELP {name} Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.\n# TYPE {name} histogram\n"
     ));
-    let stages: [(&str, fn(&Stats) -> &Histogram); 3] = [
+    type Pick = fn(&Stats) -> &Histogram;
+    let stages: [(&str, Pick); 3] = [
         ("publish_to_stored", |s| &s.publish_to_stored),
         ("stored_to_delivered", |s| &s.stored_to_delivered),
         ("delivered_to_acked", |s| &s.delivered_to_acked),

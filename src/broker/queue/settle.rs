@@ -37,8 +37,8 @@
 //! 9. **Confirms** go out only after the message is stored and, when persistent in a
 //!    durable queue, synced ([`super::durability::group_commit`]); a store failure nacks.
 //! 10. **Prefetch.** [`Queue::release`] gives back the consumer's and the channel's credit
-//!    of every settled delivery; nothing is claimed that cannot be delivered at once
-//!    (the dispatcher asks for a consumer with credit first).
+//!     of every settled delivery; nothing is claimed that cannot be delivered at once
+//!     (the dispatcher asks for a consumer with credit first).
 //!
 //! The decisions ([`Held`], [`Actions`]) are pure and property-tested; the `Queue` methods
 //! below carry them out top to bottom.
