@@ -10,8 +10,6 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
-use crate::meta::state::QueueDef;
-
 /// Command-line flags. Every flag can also be set in the TOML file given by `--config`
 /// (same names with `_` for `-`); a flag given on the command line wins.
 #[derive(Parser, Debug, Default)]
@@ -224,12 +222,13 @@ impl Config {
         self.data_dir.join("transient")
     }
 
-    /// The directory of a queue: `queues/` or `transient/`, then `<hex(vhost)>.<hex(name)>`
-    /// (names may hold any byte). It holds the `messages/` shard and, for a durable queue,
-    /// the `unacked/` index shard.
-    pub fn queue_dir(&self, def: &QueueDef) -> PathBuf {
-        let base = if def.durable && def.exclusive_owner.is_none() { self.durable_dir() } else { self.transient_dir() };
-        base.join(queue_dir_name(&def.vhost, &def.name))
+    /// The directory of queue `name` in `vhost`: `queues/` when its files outlive the run
+    /// (`durable`), else `transient/`, then `<hex(vhost)>.<hex(name)>` (names may hold any
+    /// byte). It holds the `messages/` shard and, for a durable queue, the `unacked/` index
+    /// shard.
+    pub fn queue_dir(&self, vhost: &str, name: &str, durable: bool) -> PathBuf {
+        let base = if durable { self.durable_dir() } else { self.transient_dir() };
+        base.join(queue_dir_name(vhost, name))
     }
 }
 

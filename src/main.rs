@@ -70,15 +70,16 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
 /// # Errors
 /// When another process holds the lock, or the file cannot be opened.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, Box<dyn std::error::Error>> {
-    use std::os::fd::AsRawFd;
     let path = dir.join("LOCK");
     let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r != 0 {
-        return Err(format!("data directory {} is in use by another ringmq (lock {} is held)", dir.display(), path.display()).into());
+    // flock(LOCK_EX | LOCK_NB) through std: released when the process ends, however it ends.
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err(format!("data directory {} is in use by another ringmq (lock {} is held)", dir.display(), path.display()).into())
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(format!("cannot lock {}: {e}", path.display()).into()),
     }
-    Ok(f)
 }
 
 /// Removes shard directories of durable queues the metadata no longer has (a delete that

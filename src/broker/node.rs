@@ -263,7 +263,7 @@ impl Node {
         def: &QueueDef,
         qref: &QueueRef,
     ) -> Result<(ringmq_shards::Shard, Option<ringmq_shards::Shard>, Recovered), ringmq_shards::StoreError> {
-        let dir = self.shared.config.queue_dir(def);
+        let dir = queue_dir(&self.shared.config, def);
         let cfg = ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
         let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg).await?;
         shard.prepare().await?;
@@ -290,7 +290,7 @@ impl Node {
                     Ok(n) => {
                         let key = cell.borrow().qref.key.clone();
                         let (shard, index) = cell.borrow_mut().tear_down();
-                        let dir = self.shared.config.queue_dir(&cell.borrow().def);
+                        let dir = queue_dir(&self.shared.config, &cell.borrow().def);
                         self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
                         let me = self.clone();
                         glommio::spawn_local(async move {
@@ -315,6 +315,18 @@ impl Node {
             }
             op => Queue::handle(cell, op),
         }
+    }
+
+    /// Takes back a declare whose store could not be opened: the queue leaves the metadata
+    /// and its directory goes (on the blocking thread), so the client's error is the whole
+    /// story (no queue half there).
+    pub async fn undeclare(&self, def: &QueueDef) {
+        let cmd = Command::DeleteQueue { vhost: def.vhost.clone(), name: def.name.clone() };
+        if let Err(e) = self.shared.meta.propose(cmd).await {
+            tracing::error!(queue = %def.name, error = %e, "taking back a failed declare failed");
+        }
+        let dir = queue_dir(&self.shared.config, def);
+        let _ = glommio::executor().spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
     }
 
     /// Closes this core's connections with 320 CONNECTION_FORCED (waiting up to 3 s for
@@ -368,7 +380,7 @@ impl Node {
                 if let Some(why) = failure {
                     // Reopened only once writing works again: until then the queue keeps
                     // serving what it holds (a reopen would fail and leave nothing to read).
-                    let dir = self.shared.config.queue_dir(&c.borrow().def);
+                    let dir = queue_dir(&self.shared.config, &c.borrow().def);
                     if !self.shared.alarms.disk_alarm() && writable(dir).await {
                         self.reopen_failed(&c, &why).await;
                     }
@@ -383,6 +395,12 @@ impl Node {
             }
         }
     }
+}
+
+/// The directory of a queue's shards: durable queues (not exclusive) under `queues/`, the
+/// others under `transient/` (emptied at every start); see [`Config::queue_dir`].
+pub fn queue_dir(config: &Config, def: &QueueDef) -> PathBuf {
+    config.queue_dir(&def.vhost, &def.name, def.durable && def.exclusive_owner.is_none())
 }
 
 /// True when a 4 KiB write and fdatasync of a probe file in `dir` succeed (on the blocking

@@ -121,7 +121,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                         // Open its store now: declare-ok means the queue can take messages.
                         let q = s.core.router().queue_ref(&vhost, &name).expect("just declared");
                         if let Err(e) = stats(s, &q).await {
-                            undeclare(s, &q, &def).await;
+                            s.core.undeclare(&def).await;
                             return Err(e);
                         }
                         if d.exclusive {
@@ -181,17 +181,6 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }
-}
-
-/// Takes back a declare whose store could not be opened: the queue leaves the metadata and
-/// its directory goes, so the client's error is the whole story (no queue half there).
-async fn undeclare(s: &Session, q: &QueueRef, def: &QueueDef) {
-    let cmd = Command::DeleteQueue { vhost: q.key.vhost.to_string(), name: q.key.name.to_string() };
-    if let Err(e) = s.core.shared.meta.propose(cmd).await {
-        tracing::error!(queue = %q.key.name, error = %e, "taking back a failed declare failed");
-    }
-    let dir = s.core.shared.config.queue_dir(def);
-    let _ = glommio::executor().spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
 }
 
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {
