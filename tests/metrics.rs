@@ -53,7 +53,7 @@ async fn metrics_count_messages_and_stage_latencies() {
     for (stage, least) in [("publish_to_stored", 2.0), ("stored_to_delivered", 2.0), ("delivered_to_acked", 64.0)] {
         let n = value(&text, &format!("ringmq_stage_latency_seconds_count{{stage=\"{stage}\"}}"));
         assert!(n >= least, "stage {stage}: {n} samples");
-        let inf = value(&text, &format!("ringmq_stage_latency_seconds_bucket{{stage=\"{stage}\",le=\"+Inf\"}}"));
+        let inf = value(&text, &format!("ringmq_stage_latency_seconds_bucket{{le=\"+Inf\",stage=\"{stage}\"}}"));
         assert_eq!(inf, n, "+Inf bucket equals the count");
     }
     assert_eq!(value(&text, "ringmq_raft_is_leader"), 1.0);

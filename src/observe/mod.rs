@@ -57,22 +57,6 @@ pub fn sample() -> bool {
 /// One message in this many gets its publish→stored and stored→delivered times recorded.
 pub const SAMPLE_EVERY: u32 = 16;
 
-/// Renders the per-core histograms of one stage, summed, as a Prometheus histogram in
-/// seconds with label `stage`.
-fn render_histogram(out: &mut String, name: &str, stage: &str, parts: &[&Histogram]) {
-    let mut cumulative = 0u64;
-    for i in 0..Histogram::BUCKETS {
-        cumulative += parts.iter().map(|h| h.buckets[i].load(Ordering::Relaxed)).sum::<u64>();
-        let le = (1u64 << i) as f64 / 1e6;
-        out.push_str(&format!("{name}_bucket{{stage=\"{stage}\",le=\"{le}\"}} {cumulative}\n"));
-    }
-    let count: u64 = parts.iter().map(|h| h.count.load(Ordering::Relaxed)).sum();
-    let sum: u64 = parts.iter().map(|h| h.sum_ns.load(Ordering::Relaxed)).sum();
-    out.push_str(&format!("{name}_bucket{{stage=\"{stage}\",le=\"+Inf\"}} {count}\n"));
-    out.push_str(&format!("{name}_sum{{stage=\"{stage}\"}} {}\n", sum as f64 / 1e9));
-    out.push_str(&format!("{name}_count{{stage=\"{stage}\"}} {count}\n"));
-}
-
 /// Counters of one core. Relaxed atomics: written by their core only, read on scrape.
 #[derive(Debug, Default)]
 pub struct Stats {
@@ -114,14 +98,6 @@ impl Stats {
     }
 }
 
-fn counter(out: &mut String, name: &str, help: &str, v: u64) {
-    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
-}
-
-fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
-    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
-}
-
 /// Resource gauges at scrape time (from the broker's alarms).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Gauges {
@@ -154,54 +130,114 @@ pub struct RaftFigures {
     pub is_leader: bool,
 }
 
+/// A latency histogram summed over the cores at scrape time.
+#[derive(Debug, Clone)]
+struct HistogramSnapshot {
+    /// Non-cumulative count per bucket, by upper bound in seconds (2^i µs).
+    buckets: Vec<(f64, u64)>,
+    sum_seconds: f64,
+    count: u64,
+}
+
+impl HistogramSnapshot {
+    fn sum_of(parts: &[&Histogram]) -> HistogramSnapshot {
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        let mut buckets: Vec<(f64, u64)> =
+            (0..Histogram::BUCKETS).map(|i| ((1u64 << i) as f64 / 1e6, parts.iter().map(|h| load(&h.buckets[i])).sum::<u64>())).collect();
+        // The last bucket already takes everything larger: +Inf adds nothing to it.
+        buckets.push((f64::MAX, 0));
+        let sum_ns: u64 = parts.iter().map(|h| load(&h.sum_ns)).sum();
+        let count = parts.iter().map(|h| load(&h.count)).sum();
+        HistogramSnapshot { buckets, sum_seconds: sum_ns as f64 / 1e9, count }
+    }
+}
+
+/// Everything one scrape reports, read once (relaxed loads) and handed to the encoder.
+#[derive(Debug)]
+struct Snapshot {
+    /// (name without `_total`, help, value); the encoder appends `_total`.
+    counters: Vec<(&'static str, &'static str, u64)>,
+    /// (name, help, value).
+    gauges: Vec<(&'static str, &'static str, i64)>,
+    /// (stage label, histogram) of `ringmq_stage_latency_seconds`.
+    stages: Vec<(&'static str, HistogramSnapshot)>,
+}
+
+impl prometheus_client::collector::Collector for Snapshot {
+    fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::{EncodeMetric, NoLabelSet};
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        for &(name, help, v) in &self.counters {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        for &(name, help, v) in &self.gauges {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let help = "Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.";
+        let mut family = encoder.encode_descriptor("ringmq_stage_latency_seconds", help, None, MetricType::Histogram)?;
+        for (stage, h) in &self.stages {
+            let labels = [("stage", *stage)];
+            family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &h.buckets, None)?;
+        }
+        Ok(())
+    }
+}
+
 /// Renders every core's counters and histograms (summed), the resource gauges and the
-/// metadata group's figures, in the Prometheus text format (version 0.0.4).
+/// metadata group's figures in the OpenMetrics text format (prometheus-client's encoder;
+/// Prometheus reads it as it reads its own text format).
 pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
     let sum = |f: fn(&Stats) -> &AtomicU64| stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
-    let mut out = String::new();
-    let o = &mut out;
-    counter(o, "ringmq_connections_opened_total", "Connections accepted.", sum(|s| &s.connections_opened));
-    counter(o, "ringmq_connections_closed_total", "Connections closed.", sum(|s| &s.connections_closed));
-    counter(o, "ringmq_messages_published_total", "Messages received by basic.publish.", sum(|s| &s.published));
-    counter(o, "ringmq_messages_delivered_total", "Messages sent by basic.deliver or basic.get-ok.", sum(|s| &s.delivered));
-    counter(o, "ringmq_messages_acked_total", "Deliveries acknowledged.", sum(|s| &s.acked));
-    counter(o, "ringmq_messages_requeued_total", "Deliveries requeued.", sum(|s| &s.requeued));
-    counter(o, "ringmq_messages_confirmed_total", "Publisher confirms sent.", sum(|s| &s.confirmed));
-    counter(o, "ringmq_messages_returned_total", "Unroutable mandatory messages returned.", sum(|s| &s.returned));
-    counter(o, "ringmq_queue_syncs_total", "Group commits (fdatasync) of queue shards and unacked indexes.", sum(|s| &s.queue_syncs));
-    counter(o, "ringmq_messages_store_refused_total", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused));
-    counter(o, "ringmq_queue_store_reopens_total", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens));
+    let counters = vec![
+        ("ringmq_connections_opened", "Connections accepted.", sum(|s| &s.connections_opened)),
+        ("ringmq_connections_closed", "Connections closed.", sum(|s| &s.connections_closed)),
+        ("ringmq_messages_published", "Messages received by basic.publish.", sum(|s| &s.published)),
+        ("ringmq_messages_delivered", "Messages sent by basic.deliver or basic.get-ok.", sum(|s| &s.delivered)),
+        ("ringmq_messages_acked", "Deliveries acknowledged.", sum(|s| &s.acked)),
+        ("ringmq_messages_requeued", "Deliveries requeued.", sum(|s| &s.requeued)),
+        ("ringmq_messages_confirmed", "Publisher confirms sent.", sum(|s| &s.confirmed)),
+        ("ringmq_messages_returned", "Unroutable mandatory messages returned.", sum(|s| &s.returned)),
+        ("ringmq_queue_syncs", "Group commits (fdatasync) of queue shards and unacked indexes.", sum(|s| &s.queue_syncs)),
+        ("ringmq_messages_store_refused", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused)),
+        ("ringmq_queue_store_reopens", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens)),
+        ("ringmq_connections_refused", "Connections closed at accept: file descriptors low.", a.connections_refused),
+        ("ringmq_raft_entries", "Raft entries appended by this node.", raft.entries_appended),
+        ("ringmq_raft_fsyncs", "fdatasync calls of the Raft log.", raft.fsyncs),
+        ("ringmq_raft_commands", "Metadata commands applied.", raft.commands_applied),
+    ];
     // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
-    counter(o, "ringmq_connections_refused_total", "Connections closed at accept: file descriptors low.", a.connections_refused);
-    gauge(o, "rabbitmq_process_open_fds", "Open file descriptors.", a.open_fds);
-    gauge(o, "rabbitmq_process_max_fds", "Open file descriptors limit.", a.max_fds);
-    gauge(o, "rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", a.disk_free_bytes);
-    gauge(o, "rabbitmq_disk_space_available_limit_bytes", "Free disk space low watermark in bytes.", a.disk_free_limit);
-    gauge(o, "rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm as u64);
-    gauge(o, "rabbitmq_alarms_file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", a.fd_alarm as u64);
-    let name = "ringmq_stage_latency_seconds";
-    o.push_str(&format!(
-        "# HELP {name} Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.\n# TYPE {name} histogram\n"
-    ));
+    let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let gauges = vec![
+        ("rabbitmq_process_open_fds", "Open file descriptors.", g(a.open_fds)),
+        ("rabbitmq_process_max_fds", "Open file descriptors limit.", g(a.max_fds)),
+        ("rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", g(a.disk_free_bytes)),
+        ("rabbitmq_disk_space_available_limit_bytes", "Free disk space low watermark in bytes.", g(a.disk_free_limit)),
+        ("rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm as i64),
+        ("rabbitmq_alarms_file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", a.fd_alarm as i64),
+        ("ringmq_raft_is_leader", "1 when this node leads the metadata group.", raft.is_leader as i64),
+    ];
     type Pick = fn(&Stats) -> &Histogram;
-    let stages: [(&str, Pick); 3] = [
+    let picks: [(&str, Pick); 3] = [
         ("publish_to_stored", |s| &s.publish_to_stored),
         ("stored_to_delivered", |s| &s.stored_to_delivered),
         ("delivered_to_acked", |s| &s.delivered_to_acked),
     ];
-    for (stage, pick) in stages {
-        let parts: Vec<&Histogram> = stats.iter().map(pick).collect();
-        render_histogram(o, name, stage, &parts);
-    }
-    counter(o, "ringmq_raft_entries_total", "Raft entries appended by this node.", raft.entries_appended);
-    counter(o, "ringmq_raft_fsyncs_total", "fdatasync calls of the Raft log.", raft.fsyncs);
-    counter(o, "ringmq_raft_commands_total", "Metadata commands applied.", raft.commands_applied);
-    o.push_str(&format!(
-        "# HELP ringmq_raft_is_leader 1 when this node leads the metadata group.\n# TYPE ringmq_raft_is_leader gauge\nringmq_raft_is_leader {}\n",
-        raft.is_leader as u8
-    ));
+    let stages =
+        picks.iter().map(|(stage, pick)| (*stage, HistogramSnapshot::sum_of(&stats.iter().map(pick).collect::<Vec<_>>()))).collect();
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Snapshot { counters, gauges, stages }));
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
     out
 }
+
+/// The Content-Type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Most scrapes served at once.
 const MAX_SCRAPES: u64 = 16;
@@ -228,7 +264,7 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send +
         if line.starts_with("GET /metrics") { ("200 OK", render()) } else { ("404 Not Found", "not found; try /metrics\n".to_string()) };
     let _ = write!(
         stream,
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
 }
@@ -278,17 +314,24 @@ mod tests {
 
     #[test]
     fn buckets_are_cumulative_powers_of_two() {
-        let h = Histogram::default();
-        h.record(Duration::from_nanos(500)); // ≤ 1 µs
-        h.record(Duration::from_micros(3)); // ≤ 4 µs
-        h.record(Duration::from_micros(4)); // ≤ 4 µs
-        h.record(Duration::from_secs(100_000)); // last bucket
-        let mut out = String::new();
-        render_histogram(&mut out, "x", "s", &[&h]);
-        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000001\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000002\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{stage=\"s\",le=\"0.000004\"} 3\n"), "{out}");
-        assert!(out.contains("x_bucket{stage=\"s\",le=\"+Inf\"} 4\n"), "{out}");
-        assert!(out.contains("x_count{stage=\"s\"} 4\n"), "{out}");
+        let s = Stats::default();
+        s.delivered_to_acked.record(Duration::from_nanos(500)); // ≤ 1 µs
+        s.delivered_to_acked.record(Duration::from_micros(3)); // ≤ 4 µs
+        s.delivered_to_acked.record(Duration::from_micros(4)); // ≤ 4 µs
+        s.delivered_to_acked.record(Duration::from_secs(100_000)); // last bucket
+        Stats::add(&s.published, 7);
+        let out = render(&[s], &Gauges { disk_alarm: true, ..Default::default() }, &RaftFigures::default());
+        let series = |name: &str| -> Option<f64> {
+            out.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.parse().ok()))
+        };
+        let bucket = |le: &str| series(&format!("ringmq_stage_latency_seconds_bucket{{le=\"{le}\",stage=\"delivered_to_acked\"}}"));
+        assert_eq!(bucket("1e-6").or(bucket("0.000001")), Some(1.0), "{out}");
+        assert_eq!(bucket("4e-6").or(bucket("0.000004")), Some(3.0), "{out}");
+        assert_eq!(bucket("+Inf"), Some(4.0), "{out}");
+        assert_eq!(series("ringmq_stage_latency_seconds_count{stage=\"delivered_to_acked\"}"), Some(4.0), "{out}");
+        assert_eq!(series("ringmq_messages_published_total"), Some(7.0), "{out}");
+        assert_eq!(series("rabbitmq_alarms_free_disk_space_watermark"), Some(1.0), "{out}");
+        assert!(out.contains("# TYPE ringmq_messages_published counter"), "{out}");
+        assert!(out.trim_end().ends_with("# EOF"), "{out}");
     }
 }
