@@ -9,7 +9,12 @@
 //! # Layout
 //! - `format.rs`: on-disk framing (pure functions, unit-tested).
 //! - `side.rs`: the memory-mapped `.idx` (offset index) and `.del` (deletion bitmap) files.
-//! - `shard.rs`: [`Shard`]: append, group-commit sync, reads, deletes, the background writer.
+//! - `shard.rs`: [`Shard`]: the public API (open, append, sync, reads, deletes, close).
+//! - `state.rs`: the shard's shared state (`State`, `Inner`): lookups, failure, delete bookkeeping.
+//! - `segment.rs`: a segment's files and counters, the roll that starts one, room and preallocation.
+//! - `writer.rs`: the chunk stream, write jobs and the background writer.
+//! - `commit.rs`: group-commit sync (fdatasync), sealing and removal of segments.
+//! - `reader.rs`: the sequential [`Reader`] and batched disk reads.
 //! - `recover.rs`: open and crash recovery.
 //! - `cache.rs`: the memory cache of recent records.
 //! - `fault.rs`: fault injection at named points (crash tests; ENOSPC/EMFILE).
@@ -125,7 +130,7 @@
 //! with std::fs and opens it with direct I/O before any segment.
 //!
 //! # Invariants
-//! See `shard.rs`. In short: dense offsets; one owner executor; no `RefCell`
+//! See `shard.rs` (and each module's own). In short: dense offsets; one owner executor; no `RefCell`
 //! borrow across an `.await`; a `Synced(n)` is only made after the data and
 //! bitmaps below `n` are fdatasync'ed.
 //!
@@ -136,14 +141,19 @@
 //! - glommio executors need the default memlock limit (8 MiB).
 
 mod cache;
+mod commit;
 mod error;
 mod event;
 pub mod fault;
 pub mod format;
+mod reader;
 mod recover;
+mod segment;
 mod shard;
 mod side;
 mod space;
+mod state;
+mod writer;
 
 use std::path::Path;
 
@@ -152,7 +162,9 @@ use cache::Cache;
 pub use error::StoreError;
 pub use fault::{FaultAction, FaultPoint, Faults};
 pub use format::Offset;
-pub use shard::{Reader, Shard, CHUNK_BYTES, MAX_INFLIGHT, MAX_PENDING_CHUNKS, READ_WINDOW};
+pub use reader::{Reader, READ_WINDOW};
+pub use shard::{Shard, MAX_PENDING_CHUNKS};
+pub use writer::{CHUNK_BYTES, MAX_INFLIGHT};
 
 /// Shard settings.
 #[derive(Clone, Debug)]

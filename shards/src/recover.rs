@@ -14,8 +14,11 @@ use crate::{
     error::{gio, StoreError},
     fault::Faults,
     format::{self, align_down, align_up, FileKind, Offset, Parse, ALIGN, FORMAT_FILE, RECORD_HEAD_BYTES, SEG_HEADER_BYTES},
-    shard::{capacity_for, new_inner, Chunk, Segment, State},
-    side, RecoveryReport, Shard, ShardConfig,
+    segment::{capacity_for, Segment},
+    side,
+    state::{new_inner, State},
+    writer::Chunk,
+    RecoveryReport, Shard, ShardConfig,
 };
 
 /// Bytes read per disk access while scanning a segment.
