@@ -26,6 +26,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 pub mod python;
 pub mod raw;
+pub mod script;
 
 /// How long the broker gets to accept its first connection after being spawned.
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);
