@@ -169,7 +169,7 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
                 );
             }
             match parse_class(&payload[..]) {
-                Ok((rest, method)) if rest.is_empty() => {
+                Ok(([], method)) => {
                     if method_tables(&method).is_some_and(|t| !table_depth_ok(t)) {
                         return Err(AmqpError::syntax_error(format!("field table nested deeper than {MAX_TABLE_DEPTH} levels"))
                             .on_method(class_id, method_id));
@@ -188,7 +188,7 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
             Ok((_, header)) if header.properties.headers().as_ref().is_some_and(|h| !table_depth_ok(h)) => {
                 return Err(AmqpError::syntax_error(format!("message headers nested deeper than {MAX_TABLE_DEPTH} levels")))
             }
-            Ok((rest, header)) if rest.is_empty() => Frame::Header {
+            Ok(([], header)) => Frame::Header {
                 channel,
                 class_id: header.class_id,
                 body_size: header.body_size,
@@ -293,7 +293,7 @@ pub fn encode_properties(props: &AMQPProperties) -> Vec<u8> {
 /// Parses property flags + fields (the inverse of [`encode_properties`]).
 pub fn decode_properties(raw: &[u8]) -> Option<AMQPProperties> {
     match amq_protocol::protocol::basic::parse_properties(raw) {
-        Ok((rest, p)) if rest.is_empty() => Some(p),
+        Ok(([], p)) => Some(p),
         _ => None,
     }
 }
