@@ -3,7 +3,9 @@
 //!
 //! # Layout
 //! - [`codec`]: frame splitting and writing (amq-protocol for method fields).
-//! - [`connection`]: handshake, the reader/writer pair of a connection, error reporting.
+//! - [`connection`]: handshake, the reader/writer pair of a connection, error reporting;
+//!   its submodules hold the handshake, the session and reader, frame dispatch, the writer,
+//!   and the pure delivery-tag assignment and publisher-confirm coalescing.
 //! - [`channel`]: per-channel state (delivery tags, ledger, consumers, confirms).
 //! - [`unacked`]: the pure ledger of unsettled deliveries.
 //! - [`methods`]: one file per AMQP class.

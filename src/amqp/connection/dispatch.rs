@@ -1,0 +1,214 @@
+//! Frame dispatch on the reader side: each frame to its handler.
+//!
+//! Channel 0 carries connection methods only (spec 4.2.3); any other channel is
+//! routed by its state: not open (only channel.open, or a stray close-ok), closing (only
+//! close-ok or close, spec 1.5.2.5), assembling content (a method frame there is 505
+//! UNEXPECTED_FRAME, spec 4.2.6), or open (the class's handler in `methods`).
+//!
+//! Content assembly (spec 4.2.6): basic.publish, then one content header of class 60,
+//! then body frames until the declared size; a body larger than declared is 501
+//! FRAME_ERROR, a declared size above [`MAX_MESSAGE_BYTES`] is 406 on the channel.
+//!
+//! Invariant: an error carries the class and method it answers (filled in here when the
+//! handler left it empty) and goes to the scope the spec gives it: a channel error
+//! closes the channel, a connection error the connection.
+
+use std::rc::Rc;
+
+use amq_protocol::protocol::{channel as chan, connection as conn, AMQPClass};
+
+use super::{Session, MAX_MESSAGE_BYTES};
+use crate::amqp::channel::ChannelState;
+use crate::amqp::codec::Frame;
+use crate::amqp::error::{AmqpError, Scope};
+use crate::amqp::methods;
+
+impl Session {
+    /// Carries out one frame read from the socket.
+    pub(super) async fn on_frame(self: &Rc<Self>, frame: Frame) -> Result<(), AmqpError> {
+        let closing = self.st.borrow().closing.is_some();
+        match frame {
+            Frame::Heartbeat { channel: 0 } => Ok(()),
+            Frame::Heartbeat { channel } => Err(AmqpError::frame_error(format!("heartbeat frame on channel {channel}"))),
+            Frame::Method { channel: 0, method } => {
+                let m = *method;
+                match m {
+                    AMQPClass::Connection(conn::AMQPMethod::Close(c)) => {
+                        tracing::debug!(conn = self.id, code = c.reply_code, text = %c.reply_text, "client closed connection");
+                        // As RabbitMQ: by close-ok, the channels are closed (their deliveries
+                        // requeued) and the exclusive queues are gone.
+                        self.release().await;
+                        self.send_method(0, &AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})));
+                        self.finish();
+                        Ok(())
+                    }
+                    AMQPClass::Connection(conn::AMQPMethod::CloseOk(_)) => {
+                        self.finish();
+                        Ok(())
+                    }
+                    _ if closing => Ok(()),
+                    AMQPClass::Connection(conn::AMQPMethod::Blocked(_) | conn::AMQPMethod::Unblocked(_)) => Ok(()),
+                    AMQPClass::Connection(m) => {
+                        let id = AMQPClass::Connection(m.clone()).get_amqp_method_id();
+                        Err(AmqpError::command_invalid("connection method not valid after the handshake").on_method(10, id))
+                    }
+                    other => {
+                        let (c, mth) = (other.get_amqp_class_id(), other.get_amqp_method_id());
+                        Err(AmqpError::channel_error("non-connection method on channel 0").on_method(c, mth))
+                    }
+                }
+            }
+            _ if closing => Ok(()),
+            Frame::Method { channel, method } => self.on_method(channel, *method).await,
+            Frame::Header { channel, class_id, body_size, properties, raw_properties } => {
+                let mut st = self.st.borrow_mut();
+                let Some(c) = st.channels.get_mut(&channel) else {
+                    return Err(AmqpError::channel_error(format!("content header on channel {channel}, which is not open")));
+                };
+                if c.state == ChannelState::Closing {
+                    return Ok(());
+                }
+                let Some(p) = c.publish.as_mut().filter(|p| p.body_size.is_none()) else {
+                    return Err(AmqpError::unexpected_frame(format!("content header on channel {channel} without basic.publish")));
+                };
+                if class_id != 60 {
+                    return Err(AmqpError::unexpected_frame(format!("content header of class {class_id}, expected 60")));
+                }
+                p.body_size = Some(body_size);
+                p.properties = Some(properties);
+                p.raw_properties = raw_properties;
+                if body_size > MAX_MESSAGE_BYTES {
+                    c.publish = None;
+                    drop(st);
+                    // Later body frames of this message land on a closing channel and are dropped.
+                    self.fail_channel(
+                        channel,
+                        AmqpError::precondition_failed(format!("message size {body_size} is larger than the maximum {MAX_MESSAGE_BYTES}"))
+                            .on_method(60, 40),
+                        None,
+                    );
+                    return Ok(());
+                }
+                if body_size == 0 {
+                    drop(st);
+                    return self.publish_complete(channel);
+                }
+                Ok(())
+            }
+            Frame::Body { channel, payload } => {
+                let mut st = self.st.borrow_mut();
+                let Some(c) = st.channels.get_mut(&channel) else {
+                    return Err(AmqpError::channel_error(format!("content body on channel {channel}, which is not open")));
+                };
+                if c.state == ChannelState::Closing {
+                    return Ok(());
+                }
+                let Some(p) = c.publish.as_mut().filter(|p| p.body_size.is_some()) else {
+                    return Err(AmqpError::unexpected_frame(format!("content body on channel {channel} without a content header")));
+                };
+                let size = p.body_size.unwrap_or(0);
+                if p.received + payload.len() as u64 > size {
+                    return Err(AmqpError::frame_error(format!("content body larger than the declared {size} bytes")));
+                }
+                p.push_body(payload);
+                if p.received == size {
+                    drop(st);
+                    return self.publish_complete(channel);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn publish_complete(self: &Rc<Self>, channel: u16) -> Result<(), AmqpError> {
+        let p = {
+            let mut st = self.st.borrow_mut();
+            st.channels.get_mut(&channel).and_then(|c| c.publish.take())
+        };
+        let Some(p) = p else { return Ok(()) };
+        let first = !std::mem::replace(&mut self.st.borrow_mut().published, true);
+        if first && self.core.shared.alarms.disk_alarm() {
+            self.set_blocked(true, None);
+        }
+        if let Err(e) = methods::basic::publish(self, channel, p) {
+            return self.on_error(channel, e.on_method(60, 40));
+        }
+        Ok(())
+    }
+
+    fn on_error(&self, channel: u16, e: AmqpError) -> Result<(), AmqpError> {
+        match e.scope {
+            Scope::Connection => Err(e),
+            Scope::Channel => {
+                self.fail_channel(channel, e, None);
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_method(self: &Rc<Self>, channel: u16, method: AMQPClass) -> Result<(), AmqpError> {
+        let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
+        {
+            let st = self.st.borrow();
+            match st.channels.get(&channel) {
+                None => {
+                    drop(st);
+                    return match method {
+                        AMQPClass::Channel(chan::AMQPMethod::Open(_)) => methods::channel::open(self, channel),
+                        // A close-ok for a channel we already forgot is harmless.
+                        AMQPClass::Channel(chan::AMQPMethod::CloseOk(_)) => Ok(()),
+                        _ => Err(AmqpError::channel_error(format!("expecting 'channel.open' for channel {channel}"))
+                            .on_method(class_id, method_id)),
+                    };
+                }
+                Some(c) if c.state == ChannelState::Closing => {
+                    drop(st);
+                    return match method {
+                        AMQPClass::Channel(chan::AMQPMethod::CloseOk(_)) => {
+                            self.st.borrow_mut().channels.remove(&channel);
+                            Ok(())
+                        }
+                        AMQPClass::Channel(chan::AMQPMethod::Close(_)) => {
+                            self.st.borrow_mut().channels.remove(&channel);
+                            self.send_method(channel, &AMQPClass::Channel(chan::AMQPMethod::CloseOk(chan::CloseOk {})));
+                            Ok(())
+                        }
+                        _ => Ok(()),
+                    };
+                }
+                Some(c) if c.publish.is_some() => {
+                    return Err(AmqpError::unexpected_frame(format!(
+                        "method frame on channel {channel} while content of basic.publish was expected"
+                    ))
+                    .on_method(class_id, method_id));
+                }
+                Some(_) => {}
+            }
+        }
+        let r = match method {
+            AMQPClass::Channel(m) => methods::channel::handle(self, channel, m).await,
+            AMQPClass::Exchange(m) => methods::exchange::handle(self, channel, m).await,
+            AMQPClass::Queue(m) => methods::queue::handle(self, channel, m).await,
+            AMQPClass::Basic(m) => methods::basic::handle(self, channel, m).await,
+            AMQPClass::Confirm(m) => methods::confirm::handle(self, channel, m),
+            AMQPClass::Tx(m) => methods::tx::handle(self, channel, m),
+            AMQPClass::Access(_) => {
+                self.send_method(
+                    channel,
+                    &AMQPClass::Access(amq_protocol::protocol::access::AMQPMethod::RequestOk(amq_protocol::protocol::access::RequestOk {})),
+                );
+                Ok(())
+            }
+            AMQPClass::Connection(_) => Err(AmqpError::command_invalid("connection method on a non-zero channel")),
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err(mut e) => {
+                if e.class_id == 0 {
+                    e = e.on_method(class_id, method_id);
+                }
+                self.on_error(channel, e)
+            }
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! The connection handshake (AMQP 0-9-1 spec 2.2.4, 4.2.2; methods of class
+//! `connection`, spec 1.4.2): protocol header → connection.start / start-ok (PLAIN,
+//! AMQPLAIN) → connection.tune / tune-ok → connection.open / open-ok.
+//!
+//! Invariants:
+//! - A wrong protocol header is answered with the header we support, then the socket is
+//!   closed (spec 4.2.2); nothing else is written.
+//! - Every refusal after the header (wrong method, failed login, frame_max below 4096,
+//!   unknown vhost) is a connection.close with the spec's reply code, after which the
+//!   server waits at most [`CLOSE_WAIT`] for close-ok.
+//! - Negotiated limits never exceed the configured ones: a client's 0 means "the
+//!   server's value", anything else is capped by it (spec 1.4.2.6 tune-ok).
+//! - Only the capabilities the server announces in `server_properties` are honoured
+//!   from the client's (`consumer_cancel_notify`, `connection.blocked`).
+//!
+//! [`credentials`] and [`server_properties`] are pure; the rest reads and writes the
+//! socket and is bounded by [`HANDSHAKE_TIMEOUT`] (set in `serve`).
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+
+use amq_protocol::protocol::{connection as conn, AMQPClass};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString};
+use bytes::BytesMut;
+use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::TcpStream;
+
+use super::{CLOSE_WAIT, HANDSHAKE_TIMEOUT};
+use crate::amqp::codec::{decode_frame, encode_method, Frame, PROTOCOL_HEADER};
+use crate::amqp::error::AmqpError;
+use crate::broker::node::Node;
+
+/// What the handshake settled: who logged in, to which vhost, with which limits and
+/// capabilities, and the bytes read past connection.open.
+pub(super) struct Tuned {
+    pub(super) vhost: String,
+    pub(super) user: String,
+    pub(super) frame_max: u32,
+    pub(super) channel_max: u16,
+    pub(super) heartbeat: u16,
+    pub(super) cancel_notify: bool,
+    pub(super) blocked_notify: bool,
+    pub(super) leftover: BytesMut,
+}
+
+/// Reads one frame during the handshake.
+async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<Frame, AmqpError> {
+    let mut tmp = [0u8; 4096];
+    loop {
+        if let Some(f) = decode_frame(buf, frame_max)? {
+            return Ok(f);
+        }
+        let n = stream.read(&mut tmp).await.map_err(|e| AmqpError::connection_forced(format!("read: {e}")))?;
+        if n == 0 {
+            return Err(AmqpError::connection_forced("peer closed during handshake"));
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    }
+}
+
+/// Reads the next method frame during the handshake, skipping heartbeats.
+async fn read_method(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<AMQPClass, AmqpError> {
+    loop {
+        match read_frame(stream, buf, frame_max).await? {
+            Frame::Heartbeat { .. } => continue,
+            Frame::Method { channel: 0, method } => return Ok(*method),
+            _ => return Err(AmqpError::unexpected_frame("expected a connection method on channel 0 during the handshake")),
+        }
+    }
+}
+
+async fn write_close(stream: &mut TcpStream, buf: &mut BytesMut, e: &AmqpError) {
+    let mut out = Vec::new();
+    encode_method(&mut out, 0, &close_method(e));
+    if stream.write_all(&out).await.is_ok() {
+        // Wait briefly for close-ok, then drop the socket.
+        let _ = stream.set_read_timeout(Some(CLOSE_WAIT));
+        let _ = read_frame(stream, buf, 131_072).await;
+    }
+}
+
+pub(super) fn close_method(e: &AmqpError) -> AMQPClass {
+    AMQPClass::Connection(conn::AMQPMethod::Close(conn::Close {
+        reply_code: e.code,
+        reply_text: e.text.as_str().into(),
+        class_id: e.class_id,
+        method_id: e.method_id,
+    }))
+}
+
+fn server_properties() -> FieldTable {
+    let mut caps = FieldTable::default();
+    for c in [
+        "publisher_confirms",
+        "exchange_exchange_bindings",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "authentication_failure_close",
+        "per_consumer_qos",
+        "connection.blocked",
+    ] {
+        caps.insert(c.into(), AMQPValue::Boolean(true));
+    }
+    let mut p = FieldTable::default();
+    p.insert("product".into(), AMQPValue::LongString("ringmq".into()));
+    p.insert("version".into(), AMQPValue::LongString(env!("CARGO_PKG_VERSION").into()));
+    p.insert("platform".into(), AMQPValue::LongString("Rust / Linux io_uring".into()));
+    p.insert("information".into(), AMQPValue::LongString("AMQP 0-9-1 broker, thread-per-core".into()));
+    p.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+    p
+}
+
+/// Extracts (user, password) from a start-ok response (PLAIN: `authzid \0 user \0 pass`;
+/// AMQPLAIN: a field table without its length prefix holding LOGIN and PASSWORD).
+fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
+    match mechanism {
+        "PLAIN" => {
+            let mut parts = response.split(|b| *b == 0);
+            let _authzid = parts.next()?;
+            let user = String::from_utf8(parts.next()?.to_vec()).ok()?;
+            let pass = String::from_utf8(parts.next()?.to_vec()).ok()?;
+            Some((user, pass))
+        }
+        "AMQPLAIN" => {
+            let mut framed = (response.len() as u32).to_be_bytes().to_vec();
+            framed.extend_from_slice(response);
+            let (_, t) = amq_protocol::types::parsing::parse_field_table(&framed[..]).ok()?;
+            let get = |k: &str| match t.inner().get(k)? {
+                AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+                _ => None,
+            };
+            Some((get("LOGIN")?, get("PASSWORD")?))
+        }
+        _ => None,
+    }
+}
+
+/// Runs the handshake on a fresh socket; on success the connection is open.
+pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Option<SocketAddr>) -> Result<Tuned, AmqpError> {
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut header = [0u8; 8];
+    stream.read_exact(&mut header).await.map_err(|e| AmqpError::connection_forced(format!("read header: {e}")))?;
+    if &header != PROTOCOL_HEADER {
+        // Spec 4.2.2: answer with the protocol header we support, then close.
+        let _ = stream.write_all(PROTOCOL_HEADER).await;
+        return Err(AmqpError::connection_forced("bad protocol header"));
+    }
+    let cfg = core.shared.config.clone();
+    let mut buf = BytesMut::with_capacity(4096);
+    let mut out = Vec::new();
+    encode_method(
+        &mut out,
+        0,
+        &AMQPClass::Connection(conn::AMQPMethod::Start(conn::Start {
+            version_major: 0,
+            version_minor: 9,
+            server_properties: server_properties(),
+            mechanisms: LongString::from("PLAIN AMQPLAIN"),
+            locales: LongString::from("en_US"),
+        })),
+    );
+    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    let start_ok = match read_method(stream, &mut buf, cfg.frame_max).await? {
+        AMQPClass::Connection(conn::AMQPMethod::StartOk(s)) => s,
+        _ => {
+            let e = AmqpError::command_invalid("expected connection.start-ok");
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
+    };
+    let capability = |name: &str| match start_ok.client_properties.inner().get("capabilities") {
+        Some(AMQPValue::FieldTable(c)) => matches!(c.inner().get(name), Some(AMQPValue::Boolean(true))),
+        _ => false,
+    };
+    let (cancel_notify, blocked_notify) = (capability("consumer_cancel_notify"), capability("connection.blocked"));
+    let mechanism = start_ok.mechanism.as_str().to_owned();
+    let creds = credentials(&mechanism, start_ok.response.as_bytes());
+    let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
+    let user = match creds {
+        Some((u, p)) => match cfg.users.iter().find(|x| x.name == u && x.password == p) {
+            Some(x) if x.loopback_only && !loopback => {
+                let e = AmqpError::login_refused(format!("user '{u}' can only connect via localhost"));
+                write_close(stream, &mut buf, &e).await;
+                return Err(e);
+            }
+            Some(x) => x.name.clone(),
+            None => {
+                let e = AmqpError::login_refused(format!(
+                    "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+                ));
+                write_close(stream, &mut buf, &e).await;
+                return Err(e);
+            }
+        },
+        None => {
+            let e = AmqpError::login_refused(format!("unsupported authentication mechanism or malformed response ({mechanism})"));
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
+    };
+    out.clear();
+    encode_method(
+        &mut out,
+        0,
+        &AMQPClass::Connection(conn::AMQPMethod::Tune(conn::Tune {
+            channel_max: cfg.channel_max,
+            frame_max: cfg.frame_max,
+            heartbeat: cfg.heartbeat,
+        })),
+    );
+    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    let tune_ok = match read_method(stream, &mut buf, cfg.frame_max).await? {
+        AMQPClass::Connection(conn::AMQPMethod::TuneOk(t)) => t,
+        _ => {
+            let e = AmqpError::command_invalid("expected connection.tune-ok");
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
+    };
+    let frame_max = match tune_ok.frame_max {
+        0 => cfg.frame_max,
+        f if f < 4096 => {
+            let e = AmqpError::syntax_error(format!("frame_max {f} is below the minimum 4096"));
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
+        f => f.min(cfg.frame_max),
+    };
+    let channel_max = match tune_ok.channel_max {
+        0 => cfg.channel_max,
+        c => c.min(cfg.channel_max),
+    };
+    let heartbeat = tune_ok.heartbeat;
+    let open = match read_method(stream, &mut buf, frame_max).await? {
+        AMQPClass::Connection(conn::AMQPMethod::Open(o)) => o,
+        _ => {
+            let e = AmqpError::command_invalid("expected connection.open");
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
+    };
+    let vhost = open.virtual_host.as_str().to_owned();
+    if !core.shared.meta.topology().vhosts.contains(&vhost) {
+        let e = AmqpError::not_allowed(format!("vhost {vhost} not found"));
+        write_close(stream, &mut buf, &e).await;
+        return Err(e);
+    }
+    out.clear();
+    encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
+    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, leftover: buf })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_response_is_authzid_user_password() {
+        assert_eq!(credentials("PLAIN", b"\0guest\0secret"), Some(("guest".into(), "secret".into())));
+        assert_eq!(credentials("PLAIN", b"admin\0guest\0secret"), Some(("guest".into(), "secret".into())));
+        assert_eq!(credentials("PLAIN", b"\0guest"), None);
+        assert_eq!(credentials("PLAIN", b"\0gu\xffest\0secret"), None);
+    }
+
+    /// A field table's wire form without its 4-byte length, as AMQPLAIN sends it.
+    fn unframed(t: &FieldTable) -> Vec<u8> {
+        let framed = amq_protocol::types::generation::gen_field_table(t)(Vec::new().into()).expect("table").write;
+        framed[4..].to_vec()
+    }
+
+    #[test]
+    fn amqplain_response_is_a_table_without_its_length() {
+        let mut t = FieldTable::default();
+        t.insert("LOGIN".into(), AMQPValue::LongString("guest".into()));
+        t.insert("PASSWORD".into(), AMQPValue::LongString("secret".into()));
+        assert_eq!(credentials("AMQPLAIN", &unframed(&t)), Some(("guest".into(), "secret".into())));
+        let mut only_login = FieldTable::default();
+        only_login.insert("LOGIN".into(), AMQPValue::LongString("guest".into()));
+        assert_eq!(credentials("AMQPLAIN", &unframed(&only_login)), None);
+    }
+
+    #[test]
+    fn unknown_mechanism_has_no_credentials() {
+        assert_eq!(credentials("EXTERNAL", b"\0guest\0guest"), None);
+    }
+
+    #[test]
+    fn server_announces_the_capabilities_it_implements() {
+        let p = server_properties();
+        let Some(AMQPValue::FieldTable(caps)) = p.inner().get("capabilities") else { panic!("no capabilities") };
+        for c in [
+            "publisher_confirms",
+            "exchange_exchange_bindings",
+            "basic.nack",
+            "consumer_cancel_notify",
+            "authentication_failure_close",
+            "per_consumer_qos",
+            "connection.blocked",
+        ] {
+            assert_eq!(caps.inner().get(c), Some(&AMQPValue::Boolean(true)), "{c}");
+        }
+        assert_eq!(caps.inner().len(), 7);
+        assert!(matches!(p.inner().get("product"), Some(AMQPValue::LongString(s)) if s.as_bytes() == b"ringmq"));
+    }
+
+    #[test]
+    fn close_method_carries_the_error() {
+        let e = AmqpError::not_allowed("vhost x not found");
+        let AMQPClass::Connection(conn::AMQPMethod::Close(c)) = close_method(&e) else { panic!("not connection.close") };
+        assert_eq!((c.reply_code, c.reply_text.as_str(), c.class_id, c.method_id), (e.code, e.text.as_str(), e.class_id, e.method_id));
+    }
+}

@@ -1,0 +1,216 @@
+//! The writer half of a connection: [`ClientEvent`]s (from the reader and from queues on
+//! any core) become frames, written once per batch.
+//!
+//! Each batch is one blocking receive plus up to `crate::core::BATCH` more, then the
+//! batch's publisher confirms, then one socket write. Heartbeats (spec 4.2.7) go out when
+//! nothing was written for half the negotiated interval.
+//!
+//! Invariants:
+//! - Events are written in arrival order; a delivery gets its tag here, as it is encoded
+//!   (`tags`, spec 1.8.3.9), so tags reach the client in the order they were assigned
+//!   among deliveries.
+//! - Frames for a channel that is closing or gone are dropped (spec 1.5.2.5); a dropped
+//!   delivery is requeued by its queue on `ChannelClosed`.
+//! - Confirms completed in a batch are written in that batch, after its other frames
+//!   (`confirms`), so a basic.return always precedes its publish's confirm.
+//! - A delivery's bytes leave `Session::pending_bytes` once written or dropped.
+
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{basic, AMQPClass};
+use futures_lite::io::AsyncWriteExt;
+
+use super::handshake::close_method;
+use super::{confirms, tags, Session, CLOSE_WAIT};
+use crate::amqp::channel::ChannelState;
+use crate::amqp::codec::{self, encode_heartbeat, encode_method};
+use crate::amqp::error::AmqpError;
+use crate::amqp::unacked::Unacked;
+use crate::broker::message::split_header;
+use crate::broker::ClientEvent;
+use crate::observe::Stats;
+
+/// The writer half: drains the event channel into the socket until the connection ends.
+pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::Receiver<ClientEvent>, mut w: W) {
+    let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let hb = s.st.borrow().heartbeat;
+    let mut last_write = Instant::now();
+    loop {
+        let closing = s.st.borrow().closing;
+        let mut wait: Option<Duration> = None;
+        if hb > 0 {
+            wait = Some((last_write + Duration::from_millis(hb as u64 * 500)).saturating_duration_since(Instant::now()));
+        }
+        if let Some(deadline) = closing {
+            let d = deadline.saturating_duration_since(Instant::now());
+            wait = Some(wait.map_or(d, |w| w.min(d)));
+        }
+        let ev = match wait {
+            None => rx.recv_async().await.ok(),
+            Some(d) => {
+                futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
+                    glommio::timer::sleep(d).await;
+                    None
+                })
+                .await
+            }
+        };
+        let mut delivered_bytes = 0usize;
+        if let Some(ev) = ev {
+            delivered_bytes += delivery_bytes(&ev);
+            s.on_event(ev, &mut out);
+            for _ in 0..crate::core::BATCH {
+                match rx.try_recv() {
+                    Ok(ev) => {
+                        delivered_bytes += delivery_bytes(&ev);
+                        s.on_event(ev, &mut out)
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        s.flush_confirms(&mut out);
+        let closing = s.st.borrow().closing;
+        if closing.is_some_and(|deadline| Instant::now() >= deadline) {
+            s.finish();
+        }
+        if out.is_empty() && hb > 0 && last_write.elapsed() >= Duration::from_millis(hb as u64 * 500) {
+            encode_heartbeat(&mut out);
+        }
+        if !out.is_empty() {
+            if w.write_all(&out).await.is_err() {
+                return;
+            }
+            last_write = Instant::now();
+            out.clear();
+            if out.capacity() > 4 << 20 {
+                out.shrink_to(64 * 1024);
+            }
+        }
+        if delivered_bytes > 0 {
+            // Written, or dropped for a closed channel: no longer pending either way.
+            s.pending_bytes.fetch_sub(delivered_bytes, std::sync::atomic::Ordering::Relaxed);
+        }
+        if s.st.borrow().finish {
+            let _ = w.flush().await;
+            let _ = w.close().await;
+            return;
+        }
+    }
+}
+
+/// What a delivery event weighs in `Session::pending_bytes` (added by its queue).
+fn delivery_bytes(ev: &ClientEvent) -> usize {
+    match ev {
+        ClientEvent::Deliver(d) => crate::broker::queue::consumer::pending_weight(d.message.body.len()),
+        _ => 0,
+    }
+}
+
+impl Session {
+    /// Writer side: turns one event into frames.
+    fn on_event(&self, ev: ClientEvent, out: &mut Vec<u8>) {
+        match ev {
+            ClientEvent::Frames(f) => out.extend_from_slice(&f),
+            ClientEvent::Deliver(d) => {
+                let mut st = self.st.borrow_mut();
+                let frame_max = st.frame_max;
+                let unacked = d.track.then_some(Unacked { queue: d.queue, offset: d.offset });
+                let Some(tag) = tags::assign_delivery_tag(&mut st.channels, d.channel, d.chan_uid, unacked) else {
+                    // The channel is gone; its ChannelClosed requeues this delivery.
+                    return;
+                };
+                let (exchange, rk, props) = split_header(&d.message.header);
+                codec::encode_deliver(out, d.channel, &d.consumer_tag, tag, d.redelivered, exchange, rk);
+                codec::encode_content(out, d.channel, props, &d.message.body, frame_max);
+                Stats::add(&self.core.stats().delivered, 1);
+            }
+            ClientEvent::ConsumeOk { channel, consumer_tag } => {
+                if self.channel_open(channel) {
+                    encode_method(
+                        out,
+                        channel,
+                        &AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: consumer_tag.as_ref().into() })),
+                    );
+                }
+            }
+            ClientEvent::CancelOk { channel, consumer_tag } => {
+                if self.channel_open(channel) {
+                    encode_method(
+                        out,
+                        channel,
+                        &AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: consumer_tag.as_ref().into() })),
+                    );
+                }
+            }
+            ClientEvent::Cancelled { channel, consumer_tag } => {
+                let mut st = self.st.borrow_mut();
+                if let Some(c) = st.channels.get_mut(&channel).filter(|c| c.state == ChannelState::Open) {
+                    if c.consumers.remove(&consumer_tag).is_some() {
+                        encode_method(
+                            out,
+                            channel,
+                            &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                                consumer_tag: consumer_tag.as_ref().into(),
+                                nowait: true,
+                            })),
+                        );
+                    }
+                }
+            }
+            ClientEvent::Stored { channel, seq, ok } => {
+                let mut st = self.st.borrow_mut();
+                let done = st.channels.get_mut(&channel).and_then(|c| c.confirms.stored(seq, ok));
+                if let Some(ok) = done {
+                    st.confirms_ready.push((channel, seq, ok));
+                }
+            }
+            ClientEvent::AckTimeout { channel, chan_uid, timeout_ms } => {
+                let matches = self.st.borrow().channels.get(&channel).is_some_and(|c| c.uid == chan_uid);
+                if matches {
+                    self.fail_channel(
+                        channel,
+                        AmqpError::precondition_failed(format!(
+                            "delivery acknowledgement on channel {channel} timed out. Timeout value used: {timeout_ms} ms"
+                        )),
+                        Some(out),
+                    );
+                }
+            }
+            ClientEvent::Shutdown => {
+                let e = AmqpError::connection_forced("broker shutdown");
+                let mut st = self.st.borrow_mut();
+                if st.closing.is_none() && !st.finish {
+                    st.closing = Some(Instant::now() + CLOSE_WAIT);
+                    drop(st);
+                    encode_method(out, 0, &close_method(&e));
+                    // A blocked reader must see the close-ok.
+                    let _ = self.unblocked.try_send(());
+                }
+            }
+            ClientEvent::DiskAlarm(raised) => self.set_blocked(raised, Some(out)),
+        }
+    }
+
+    fn channel_open(&self, channel: u16) -> bool {
+        self.st.borrow().channels.get(&channel).is_some_and(|c| c.state == ChannelState::Open)
+    }
+
+    /// Writes the publisher confirms completed in this batch: one basic.ack with
+    /// multiple=true for every completed publish below the lowest one still pending,
+    /// single acks above it, and single nacks.
+    fn flush_confirms(&self, out: &mut Vec<u8>) {
+        let mut st = self.st.borrow_mut();
+        if st.confirms_ready.is_empty() {
+            return;
+        }
+        let ready = std::mem::take(&mut st.confirms_ready);
+        let n = ready.len() as u64;
+        let channels = &st.channels;
+        for c in confirms::coalesce(ready, |ch| channels.get(&ch).and_then(|c| c.confirms.lowest_pending())) {
+            encode_method(out, c.channel, &c.method());
+        }
+        Stats::add(&self.core.stats().confirmed, n);
+    }
+}

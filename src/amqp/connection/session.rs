@@ -1,0 +1,297 @@
+//! A connection's state and its reader half.
+//!
+//! Holds [`Session`] (what methods and queues see of a connection) with its mutable
+//! [`ConnState`], the reader loop, the disk-alarm blocked/unblocked state, error
+//! reporting, and channel/connection teardown.
+//!
+//! Invariants:
+//! - `Session::st` is never borrowed across an `.await`.
+//! - A connection error is reported once: after connection.close only close-ok (or
+//!   close) is acted upon, for at most [`CLOSE_WAIT`] (spec 1.4.2.9, 2.2.4).
+//! - A channel error closes only that channel (spec 1.5.2.5): its deliveries are
+//!   requeued and its consumers cancelled at once, and frames for it are dropped until
+//!   channel.close-ok.
+//! - While blocked by the disk alarm the reader takes no frame, not even from its buffer,
+//!   and does not read the socket (RabbitMQ's `connection.blocked` extension); closing
+//!   always wakes it.
+//! - Every channel still open when the connection ends is closed for its queues, and the
+//!   connection's exclusive queues are deleted (spec 1.7.2.1 `exclusive`).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{channel as chan, connection as conn, AMQPClass};
+use bytes::BytesMut;
+use futures_lite::io::AsyncReadExt;
+
+use super::handshake::close_method;
+use super::CLOSE_WAIT;
+use crate::amqp::channel::{Channel, ChannelState};
+use crate::amqp::codec::{decode_frame, encode_method};
+use crate::amqp::error::AmqpError;
+use crate::broker::node::Node;
+use crate::broker::{ClientEvent, ClientTx, ConnId, QueueOp, QueueRef};
+
+/// Mutable state of a connection.
+pub struct ConnState {
+    /// Virtual host opened.
+    pub vhost: Rc<str>,
+    /// Logged-in user.
+    pub user: String,
+    /// Negotiated frame_max, bytes.
+    pub frame_max: u32,
+    /// Negotiated channel_max.
+    pub channel_max: u16,
+    /// Negotiated heartbeat, seconds (0 = off).
+    pub heartbeat: u16,
+    /// Open channels.
+    pub channels: rustc_hash::FxHashMap<u16, Channel>,
+    /// The client announced consumer_cancel_notify.
+    pub cancel_notify: bool,
+    /// The server sent connection.close and waits for close-ok (until this instant).
+    pub closing: Option<Instant>,
+    /// The writer should flush what it has and end the connection.
+    pub finish: bool,
+    /// Exclusive queues declared by this connection.
+    pub exclusive_queues: Vec<QueueRef>,
+    /// Completed publisher confirms to send: (channel, seq, ok).
+    pub confirms_ready: Vec<(u16, u64, bool)>,
+    /// The client announced the `connection.blocked` capability.
+    pub blocked_notify: bool,
+    /// This connection has sent basic.publish: the disk alarm blocks it.
+    pub published: bool,
+    /// Blocked by the disk alarm: the reader takes no more frames until it clears.
+    pub blocked: bool,
+}
+
+/// A connection: its core, id, event channel and state.
+pub struct Session {
+    /// The core it lives on.
+    pub core: Rc<Node>,
+    /// Connection id.
+    pub id: ConnId,
+    /// Its event channel (queues send deliveries here).
+    pub tx: ClientTx,
+    /// Body bytes queues handed to this connection and the writer has not yet written
+    /// (backpressure for its consumers, see `broker::queue::consumer::MAX_PENDING_BYTES`).
+    pub pending_bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Mutable state (never borrowed across an `.await`).
+    pub st: RefCell<ConnState>,
+    /// Wakes the reader when the connection is unblocked (or closing).
+    pub(super) unblocked: flume::Sender<()>,
+    pub(super) unblocked_rx: flume::Receiver<()>,
+}
+
+/// The reader half: frames from the socket, carried out one by one.
+pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, mut r: R, mut buf: BytesMut) {
+    let mut tmp = vec![0u8; 64 * 1024];
+    loop {
+        loop {
+            // Blocked by the disk alarm: take no frame, not even from the buffer, until
+            // unblocked (the socket is not read either, so the client's TCP window closes).
+            s.wait_unblocked().await;
+            let frame_max = s.st.borrow().frame_max;
+            match decode_frame(&mut buf, frame_max) {
+                Ok(Some(frame)) => {
+                    if let Err(e) = s.on_frame(frame).await {
+                        s.fail(e);
+                    }
+                    if s.st.borrow().finish {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // The stream can no longer be framed: report and end (spec 4.2.3).
+                    s.fail(e);
+                    s.finish();
+                    break;
+                }
+            }
+        }
+        if s.st.borrow().finish {
+            // The writer flushes and ends the connection.
+            std::future::pending::<()>().await;
+        }
+        s.wait_unblocked().await;
+        match r.read(&mut tmp).await {
+            Ok(0) => return,
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    tracing::info!(conn = s.id, "missed heartbeats from client, closing TCP connection");
+                }
+                return;
+            }
+        }
+    }
+}
+
+impl Session {
+    /// Queues already-encoded frames for the writer.
+    pub fn send_frames(&self, frames: Vec<u8>) {
+        let _ = self.tx.send(ClientEvent::Frames(frames));
+    }
+
+    /// Queues one method frame.
+    pub fn send_method(&self, channel: u16, method: &AMQPClass) {
+        let mut out = Vec::with_capacity(64);
+        encode_method(&mut out, channel, method);
+        self.send_frames(out);
+    }
+
+    /// Asks the writer to flush and end the connection.
+    pub fn finish(&self) {
+        self.st.borrow_mut().finish = true;
+        self.send_frames(Vec::new());
+    }
+
+    /// The vhost of this connection.
+    pub fn vhost(&self) -> Rc<str> {
+        self.st.borrow().vhost.clone()
+    }
+
+    /// Sends an operation to a queue's owner core.
+    pub fn queue_send(&self, queue: &QueueRef, op: QueueOp) {
+        self.core.send_from_connection(queue, op);
+    }
+
+    /// Reports a connection error: connection.close, then only close-ok (or close) is read
+    /// for [`CLOSE_WAIT`]. Channel errors go through [`Session::fail_channel`]; one that
+    /// reached here anyway closes the connection rather than the process.
+    pub fn fail(&self, e: AmqpError) {
+        let mut st = self.st.borrow_mut();
+        if st.closing.is_some() || st.finish {
+            return;
+        }
+        tracing::debug!(conn = self.id, error = %e, "connection error");
+        st.closing = Some(Instant::now() + CLOSE_WAIT);
+        drop(st);
+        self.send_method(0, &close_method(&e));
+    }
+
+    /// Closes channel `ch` with a soft error: channel.close, then its deliveries are
+    /// requeued and its consumers cancelled at once (RabbitMQ behaviour).
+    pub fn fail_channel(&self, ch: u16, e: AmqpError, out: Option<&mut Vec<u8>>) {
+        let mut st = self.st.borrow_mut();
+        let Some(c) = st.channels.get_mut(&ch) else { return };
+        if c.state != ChannelState::Open {
+            return;
+        }
+        tracing::debug!(conn = self.id, channel = ch, error = %e, "channel error");
+        c.state = ChannelState::Closing;
+        let effects = close_effects(c);
+        drop(st);
+        self.apply_close_effects(effects);
+        let m = AMQPClass::Channel(chan::AMQPMethod::Close(chan::Close {
+            reply_code: e.code,
+            reply_text: e.text.as_str().into(),
+            class_id: e.class_id,
+            method_id: e.method_id,
+        }));
+        match out {
+            Some(out) => encode_method(out, ch, &m),
+            None => self.send_method(ch, &m),
+        }
+    }
+
+    /// Tells every queue a channel touched that it is gone (they requeue what it held and
+    /// drop its consumers).
+    pub fn apply_close_effects(&self, effects: (u64, Vec<QueueRef>)) {
+        let (uid, queues) = effects;
+        for q in queues {
+            self.queue_send(&q, QueueOp::ChannelClosed { chan_uid: uid });
+        }
+    }
+
+    /// Closes every channel (requeueing what they hold) and deletes the connection's
+    /// exclusive queues; returns the replies of those deletions.
+    fn close_all(&self) -> Vec<flume::Receiver<Result<u32, crate::broker::QueueError>>> {
+        let mut st = self.st.borrow_mut();
+        let channels: Vec<Channel> = st.channels.drain().map(|(_, c)| c).collect();
+        let exclusive = std::mem::take(&mut st.exclusive_queues);
+        drop(st);
+        for mut c in channels {
+            if c.state == ChannelState::Open {
+                let effects = close_effects(&mut c);
+                self.apply_close_effects(effects);
+            }
+        }
+        let mut replies = Vec::new();
+        for q in exclusive {
+            let (reply, rx) = crate::broker::reply_channel();
+            self.queue_send(&q, QueueOp::Delete { if_unused: false, if_empty: false, reply });
+            replies.push(rx);
+        }
+        replies
+    }
+
+    /// [`Session::close_all`], waiting (at most 2 s) until the exclusive queues are deleted.
+    pub(super) async fn release(&self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for rx in self.close_all() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
+                glommio::timer::sleep(left).await;
+                None
+            })
+            .await;
+        }
+    }
+
+    pub(super) fn teardown(&self) {
+        let _ = self.close_all();
+    }
+
+    /// Blocks (the disk alarm was raised, and this connection publishes) or unblocks it:
+    /// connection.blocked / connection.unblocked to a client that announced the capability
+    /// (RabbitMQ's reason text), and the reader stops or goes on. Into `out` when the
+    /// writer calls it, else through the event channel.
+    pub(super) fn set_blocked(&self, blocked: bool, out: Option<&mut Vec<u8>>) {
+        let mut st = self.st.borrow_mut();
+        if st.blocked == blocked || (blocked && !st.published) {
+            return;
+        }
+        st.blocked = blocked;
+        let notify = st.blocked_notify;
+        drop(st);
+        if blocked {
+            tracing::info!(conn = self.id, "connection blocked: disk alarm");
+        } else {
+            let _ = self.unblocked.try_send(());
+        }
+        if notify {
+            let m = if blocked {
+                AMQPClass::Connection(conn::AMQPMethod::Blocked(conn::Blocked { reason: "low on disk space".into() }))
+            } else {
+                AMQPClass::Connection(conn::AMQPMethod::Unblocked(conn::Unblocked {}))
+            };
+            match out {
+                Some(out) => encode_method(out, 0, &m),
+                None => self.send_method(0, &m),
+            }
+        }
+    }
+
+    /// Returns once the connection is not blocked by the disk alarm (or is closing).
+    async fn wait_unblocked(&self) {
+        for _ in 0..u64::MAX {
+            {
+                let st = self.st.borrow();
+                if !st.blocked || st.finish || st.closing.is_some() {
+                    return;
+                }
+            }
+            let _ = self.unblocked_rx.recv_async().await;
+        }
+    }
+}
+
+/// Marks a channel closed for the queues: returns its uid and every queue it touched.
+pub fn close_effects(c: &mut Channel) -> (u64, Vec<QueueRef>) {
+    c.publish = None;
+    c.consumers.clear();
+    let _ = c.ledger.drain();
+    (c.uid, c.touched.drain().collect())
+}
