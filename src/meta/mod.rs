@@ -4,18 +4,30 @@
 //! core and epoch), bindings, one shared cursor per queue, and every node's boot epoch — as one
 //! Raft group built on raft-rs (`RawNode`). Single voter by default: no network, the node
 //! campaigns at once and is its own leader. More voters are the same group with a transport
-//! added to the driver (see `node.rs`, "Adding voters").
+//! added to the driver (see `driver.rs`, "Adding voters").
 //!
 //! # Layout
-//! - `state.rs`: the pure state machine ([`MetaState::apply`]) and the binary command format.
-//! - `storage.rs`: the durable log + snapshot files ([`storage::DiskStorage`], a `raft::Storage`).
-//! - `node.rs`: the driver thread and [`MetaHandle`], the handle every core holds.
+//! - `topology.rs`: the topology types: vhosts, exchanges, queues, bindings, [`Topology`] (what
+//!   routers read), and their serde forms.
+//! - `state.rs`: the pure state machine ([`MetaState::apply`]) with its [`Command`]s and
+//!   [`Outcome`]s.
+//! - `codec.rs`: the binary form of a command batch (the data of one Raft entry).
+//! - `wire.rs`: byte-level primitives shared by the binary formats (varints, strings, field
+//!   tables, a bounds-checked reader, [`DecodeError`]).
+//! - `storage.rs`: the durable log + snapshot files ([`storage::DiskStorage`], a `raft::Storage`):
+//!   open and replay, append, disk room.
+//! - `record.rs`: the record format of `meta.log`.
+//! - `snapshot.rs`: `meta.snap` and log compaction.
+//! - `handle.rs`: [`MetaHandle`], the handle every core holds.
+//! - `driver.rs`: the driver thread (the raft-rs Ready loop, group commit, applying entries).
+//! - `proptests.rs` (tests only): property tests of the state machine with the codec and the
+//!   snapshot JSON.
 //!
 //! # Invariants
 //! 1. A proposal resolves only after its Raft entry is written and fdatasync'ed, committed, and
 //!    applied to the in-memory state; the topology version is bumped before it resolves.
 //! 2. Group commit: every proposal waiting when the driver wakes rides in one Raft entry
-//!    (bounded by `node::MAX_ENTRY_BYTES`), and one Ready costs one write and one fdatasync.
+//!    (bounded by `driver::MAX_ENTRY_BYTES`), and one Ready costs one write and one fdatasync.
 //! 3. `apply` is pure: replaying the same log yields the same state on every node and after
 //!    every restart.
 //! 4. Leader check: this node is the leader exactly when raft-rs's current leader id equals its
@@ -27,18 +39,28 @@
 //! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
 //!   plain threads (startup, tests).
 
-pub mod node;
+pub mod codec;
+pub mod driver;
+pub mod handle;
+#[cfg(test)]
+mod proptests;
+pub mod record;
+pub mod snapshot;
 pub mod state;
 pub mod storage;
+pub mod topology;
+pub mod wire;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use node::MetaHandle;
-pub use state::{
-    Binding, Command, DecodeError, DestKind, ExchangeDef, ExchangeKind, MetaState, NodeId, Outcome, QueueDef, Topology,
-    PREDECLARED_EXCHANGES,
-};
+// `meta::MetaHandle` is used outside src/meta (main.rs, core, broker::queue); `meta::MetaError`
+// is defined below, not re-exported. The other names below have no caller outside src/meta
+// today; they keep the `meta::` paths they had before the split (then via `state.rs`).
+pub use handle::MetaHandle;
+pub use state::{Command, MetaState, Outcome};
+pub use topology::{Binding, DestKind, ExchangeDef, ExchangeKind, NodeId, QueueDef, Topology, PREDECLARED_EXCHANGES};
+pub use wire::DecodeError;
 
 /// Errors of the metadata group.
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +144,7 @@ pub struct MetaConfig {
 
 impl Default for MetaConfig {
     fn default() -> Self {
-        MetaConfig { compact_entries: storage::COMPACT_ENTRIES, compact_bytes: storage::COMPACT_BYTES }
+        MetaConfig { compact_entries: snapshot::COMPACT_ENTRIES, compact_bytes: snapshot::COMPACT_BYTES }
     }
 }
 

@@ -4,28 +4,24 @@
 //! held in memory, every change written to `meta.log` first). Only the driver thread touches it,
 //! so blocking file I/O is fine here and there are no locks.
 //!
+//! Here: opening and replaying the directory, appending Readys, the log's disk room, and the
+//! `raft::Storage` reads. The record format of `meta.log` is in `record.rs`; `meta.snap` and
+//! compaction are in `snapshot.rs`.
+//!
 //! # Files (in the metadata directory)
-//! - `meta.log`: the magic `RMQMLOG1` (8 bytes), then records. A record is
-//!   `[payload length: u32 LE][crc32 of payload: u32 LE][payload]`; the payload's first byte is its
-//!   kind:
-//!   - `1` Entry: `index u64 LE, term u64 LE, entry type u8, context length varint, context,
-//!     data` (data runs to the end of the payload; it is a command batch, see `state.rs`);
-//!   - `2` HardState: `term u64 LE, vote u64 LE, commit u64 LE`;
-//!   - `3` ConfState: its protobuf encoding (raft-rs `eraftpb.ConfState`).
+//! - `meta.log`: the magic `RMQMLOG1`, then checksummed records of three kinds: Entry, HardState,
+//!   ConfState (byte layout: `record.rs`).
 //!
 //!   Later records win: an Entry at an index already present truncates the log there first (Raft
 //!   log overwrite), the last HardState / ConfState is the current one.
-//! - `meta.snap`: the magic `RMQMSNP1`, `crc32 u32 LE`, `length u64 LE`, then a JSON
-//!   [`SnapshotBody`] (index, term, conf state, the whole [`MetaState`]). Written to
-//!   `meta.snap.tmp`, fsynced, renamed, directory fsynced.
+//! - `meta.snap`: the snapshot, a JSON [`SnapshotBody`](super::snapshot::SnapshotBody) behind a
+//!   checksummed header (layout: `snapshot.rs`).
 //!
 //! # Invariants
 //! 1. Every Ready's entries and HardState reach the disk in one `write` and, when raft-rs says
 //!    `must_sync`, one `fdatasync`, before the Ready is advanced (raft-rs `Ready` steps 4–6).
 //! 2. In memory, `entries[i].index == snap_index + 1 + i`.
-//! 3. A compaction writes the snapshot (fsync, rename, fsync dir) before replacing the log
-//!    (same steps), so a crash between them leaves a new snapshot and an old log whose entries
-//!    below the snapshot index are skipped on replay.
+//! 3. A compaction writes the snapshot before it replaces the log (the steps: `snapshot.rs`).
 //!
 //! # Recovery
 //! A record whose length runs past the end of the file, whose CRC does not match, or that is
@@ -40,76 +36,26 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use protobuf::Message as _;
-use raft::eraftpb::{ConfState, Entry, EntryType, HardState, Snapshot};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, RaftState, StorageError};
-use serde::{Deserialize, Serialize};
 
-use super::state::{put_varint, MetaState, Reader};
+use super::record::{
+    decode_entry, parse_record, push_conf_state, push_entry, push_hard_state, valid_record_follows, RecordParse, KIND_CONF_STATE,
+    KIND_ENTRY, KIND_HARD_STATE, LOG_MAGIC, RECORD_HEADER,
+};
+use super::snapshot::{read_snapshot, COMPACT_BYTES, COMPACT_ENTRIES, SNAP_FILE, SNAP_TMP};
+use super::state::MetaState;
+use super::wire::Reader;
 use super::{Counters, MetaError};
 
 /// File name of the record log.
 pub const LOG_FILE: &str = "meta.log";
-/// File name of the snapshot.
-pub const SNAP_FILE: &str = "meta.snap";
 const LOG_TMP: &str = "meta.log.tmp";
-const SNAP_TMP: &str = "meta.snap.tmp";
-const LOG_MAGIC: &[u8; 8] = b"RMQMLOG1";
-const SNAP_MAGIC: &[u8; 8] = b"RMQMSNP1";
-/// Record header: payload length (4 bytes) + crc32 (4 bytes).
-const RECORD_HEADER: usize = 8;
-/// Largest payload a record may have (bytes); a larger length field is damage.
-const MAX_RECORD: usize = 256 << 20;
-
-const KIND_ENTRY: u8 = 1;
-const KIND_HARD_STATE: u8 = 2;
-const KIND_CONF_STATE: u8 = 3;
-
-/// When to compact: the log holds more entries than this since the last snapshot...
-pub const COMPACT_ENTRIES: u64 = 10_000;
-/// ...or the log file is larger than this (bytes).
-pub const COMPACT_BYTES: u64 = 16 << 20;
 /// Bytes of `meta.log` preallocated ahead of its writes (1 MiB).
 pub const LOG_PREALLOC_BYTES: u64 = 1 << 20;
 /// Bytes of preallocated log kept for raft-rs's own records when a proposal is checked
 /// against the disk (64 KiB: hundreds of HardState records and leader no-ops).
 pub const LOG_RESERVE_BYTES: u64 = 64 << 10;
-
-/// The JSON body of `meta.snap`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SnapshotBody {
-    /// Raft index of the last entry the state includes.
-    pub index: u64,
-    /// Raft term of that entry.
-    pub term: u64,
-    /// Voters of the group at `index`.
-    pub voters: Vec<u64>,
-    /// Learners of the group at `index`.
-    pub learners: Vec<u64>,
-    /// Outgoing voters (joint consensus), usually empty.
-    #[serde(default)]
-    pub voters_outgoing: Vec<u64>,
-    /// Learners next (joint consensus), usually empty.
-    #[serde(default)]
-    pub learners_next: Vec<u64>,
-    /// Auto-leave flag of a joint configuration.
-    #[serde(default)]
-    pub auto_leave: bool,
-    /// The state machine at `index`.
-    pub state: MetaState,
-}
-
-impl SnapshotBody {
-    fn conf_state(&self) -> ConfState {
-        ConfState {
-            voters: self.voters.clone(),
-            learners: self.learners.clone(),
-            voters_outgoing: self.voters_outgoing.clone(),
-            learners_next: self.learners_next.clone(),
-            auto_leave: self.auto_leave,
-            ..Default::default()
-        }
-    }
-}
 
 /// What [`DiskStorage::open`] found.
 #[derive(Debug, Default)]
@@ -126,27 +72,27 @@ pub struct Recovered {
 
 /// The durable `raft::Storage`. See the module doc for the format.
 pub struct DiskStorage {
-    dir: PathBuf,
+    pub(super) dir: PathBuf,
     log: File,
     /// Bytes in `meta.log` (the next record's offset).
-    log_len: u64,
+    pub(super) log_len: u64,
     /// Bytes of `meta.log` known to have disk blocks (written, or preallocated with
     /// fallocate KEEP_SIZE): writes below it cannot fail for lack of space.
     log_room: u64,
-    hard_state: HardState,
-    conf_state: ConfState,
+    pub(super) hard_state: HardState,
+    pub(super) conf_state: ConfState,
     /// HardState changed in memory but not yet in the log (a commit-index move).
     hs_dirty: bool,
-    snap_index: u64,
-    snap_term: u64,
-    entries: Vec<Entry>,
-    counters: Arc<Counters>,
+    pub(super) snap_index: u64,
+    pub(super) snap_term: u64,
+    pub(super) entries: Vec<Entry>,
+    pub(super) counters: Arc<Counters>,
     buf: Vec<u8>,
     /// Compaction thresholds: entries since the snapshot, log bytes.
-    compact_at: (u64, u64),
+    pub(super) compact_at: (u64, u64),
 }
 
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> MetaError + 'a {
+pub(super) fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> MetaError + 'a {
     move |source| MetaError::Io { what, path: path.to_owned(), source }
 }
 
@@ -410,86 +356,8 @@ impl DiskStorage {
         Ok(())
     }
 
-    /// Sets the compaction thresholds: more than `entries` entries since the snapshot, or a log
-    /// file larger than `bytes` (defaults [`COMPACT_ENTRIES`], [`COMPACT_BYTES`]).
-    pub fn set_compaction(&mut self, entries: u64, bytes: u64) {
-        self.compact_at = (entries, bytes);
-    }
-
-    /// True when the log is due for compaction (see [`DiskStorage::set_compaction`]).
-    pub fn wants_compaction(&self) -> bool {
-        self.entries.len() as u64 > self.compact_at.0 || self.log_len > self.compact_at.1
-    }
-
-    /// Writes a snapshot of `state` (which must include exactly the entries up to
-    /// `state.applied_index`, all of them persisted) and starts a fresh log holding the
-    /// ConfState, the HardState and the entries after it. Errors: [`MetaError::Io`].
-    pub fn compact(&mut self, state: &MetaState) -> Result<(), MetaError> {
-        let index = state.applied_index;
-        if index <= self.snap_index || index > self.last() {
-            return Ok(());
-        }
-        let term = self.entries[(index - self.snap_index - 1) as usize].term;
-        let cs = &self.conf_state;
-        let body = SnapshotBody {
-            index,
-            term,
-            voters: cs.voters.clone(),
-            learners: cs.learners.clone(),
-            voters_outgoing: cs.voters_outgoing.clone(),
-            learners_next: cs.learners_next.clone(),
-            auto_leave: cs.auto_leave,
-            state: state.clone(),
-        };
-        self.write_snapshot(&body)?;
-        self.entries.drain(..(index - self.snap_index) as usize);
-        self.snap_index = index;
-        self.snap_term = term;
-        self.rewrite_log()?;
-        self.counters.snapshots.add(1);
-        Ok(())
-    }
-
-    /// Installs a snapshot received from a leader (its data is a JSON [`SnapshotBody`]); returns
-    /// the state to continue from. Errors: [`MetaError::CorruptSnapshot`], [`MetaError::Io`].
-    pub fn install_snapshot(&mut self, snap: &Snapshot) -> Result<MetaState, MetaError> {
-        let path = self.dir.join(SNAP_FILE);
-        let mut body: SnapshotBody = serde_json::from_slice(&snap.data)
-            .map_err(|e| MetaError::CorruptSnapshot { path: path.clone(), why: format!("received: {e}") })?;
-        let meta = snap.get_metadata();
-        body.index = meta.index;
-        body.term = meta.term;
-        let cs = meta.get_conf_state();
-        body.voters = cs.voters.clone();
-        body.learners = cs.learners.clone();
-        body.voters_outgoing = cs.voters_outgoing.clone();
-        body.learners_next = cs.learners_next.clone();
-        body.auto_leave = cs.auto_leave;
-        body.state.applied_index = meta.index;
-        self.write_snapshot(&body)?;
-        self.snap_index = body.index;
-        self.snap_term = body.term;
-        self.conf_state = body.conf_state();
-        self.entries.clear();
-        self.hard_state.term = self.hard_state.term.max(body.term);
-        self.hard_state.commit = body.index;
-        self.rewrite_log()?;
-        Ok(body.state)
-    }
-
-    fn write_snapshot(&mut self, body: &SnapshotBody) -> Result<(), MetaError> {
-        let json = serde_json::to_vec(body).map_err(|e| MetaError::Raft(format!("snapshot: {e}")))?;
-        let mut out = Vec::with_capacity(json.len() + 20);
-        out.extend_from_slice(SNAP_MAGIC);
-        out.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
-        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-        out.extend_from_slice(&json);
-        self.replace_file(SNAP_TMP, SNAP_FILE, &out)?;
-        Ok(())
-    }
-
     /// Replaces `meta.log` by a fresh one: magic, ConfState, HardState, the entries in memory.
-    fn rewrite_log(&mut self) -> Result<(), MetaError> {
+    pub(super) fn rewrite_log(&mut self) -> Result<(), MetaError> {
         let mut out = Vec::new();
         out.extend_from_slice(LOG_MAGIC);
         push_conf_state(&mut out, &self.conf_state);
@@ -538,7 +406,7 @@ impl DiskStorage {
     }
 
     /// Writes `bytes` to `tmp`, fsyncs it, renames it to `name`, fsyncs the directory.
-    fn replace_file(&mut self, tmp: &str, name: &str, bytes: &[u8]) -> Result<(), MetaError> {
+    pub(super) fn replace_file(&mut self, tmp: &str, name: &str, bytes: &[u8]) -> Result<(), MetaError> {
         let tmp_path = self.dir.join(tmp);
         let path = self.dir.join(name);
         let mut f = File::create(&tmp_path).map_err(io_err("create temp file", &tmp_path))?;
@@ -550,22 +418,6 @@ impl DiskStorage {
         self.counters.fsyncs.add(2);
         self.counters.log_bytes_written.add(bytes.len() as u64);
         Ok(())
-    }
-
-    fn snapshot_for_peer(&self, request_index: u64) -> raft::Result<Snapshot> {
-        let path = self.dir.join(SNAP_FILE);
-        let unavailable = raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable);
-        if self.snap_index == 0 || self.snap_index < request_index {
-            return Err(unavailable);
-        }
-        let body = read_snapshot(&path).map_err(|_| unavailable)?;
-        let mut snap = Snapshot::default();
-        let meta = snap.mut_metadata();
-        meta.index = body.index;
-        meta.term = body.term;
-        meta.set_conf_state(body.conf_state());
-        snap.data = serde_json::to_vec(&body).unwrap_or_default().into();
-        Ok(snap)
     }
 }
 
@@ -614,153 +466,24 @@ impl raft::Storage for DiskStorage {
     }
 }
 
-fn read_snapshot(path: &Path) -> Result<SnapshotBody, MetaError> {
-    let bytes = fs::read(path).map_err(io_err("read snapshot", path))?;
-    let corrupt = |why: String| MetaError::CorruptSnapshot { path: path.to_owned(), why };
-    if bytes.len() < 20 || &bytes[..8] != SNAP_MAGIC {
-        return Err(corrupt("bad magic or header".into()));
-    }
-    let crc = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
-    let len = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
-    let json = &bytes[20..];
-    if json.len() as u64 != len || crc32fast::hash(json) != crc {
-        return Err(corrupt("length or crc mismatch".into()));
-    }
-    serde_json::from_slice(json).map_err(|e| corrupt(format!("json: {e}")))
-}
-
-enum RecordParse<'a> {
-    Ok(&'a [u8]),
-    Torn,
-}
-
-fn parse_record(b: &[u8]) -> RecordParse<'_> {
-    if b.len() < RECORD_HEADER {
-        return RecordParse::Torn;
-    }
-    let len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
-    let crc = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    if len == 0 || len > MAX_RECORD || b.len() - RECORD_HEADER < len {
-        return RecordParse::Torn;
-    }
-    let payload = &b[RECORD_HEADER..RECORD_HEADER + len];
-    if crc32fast::hash(payload) != crc {
-        return RecordParse::Torn;
-    }
-    RecordParse::Ok(payload)
-}
-
-/// True when a valid record starts anywhere after the bad record at the start of `b`: then the
-/// damage is in the middle of the log, not a torn tail (an interrupted append leaves only a
-/// prefix of its bytes, or zeros, never a valid record after an invalid one). Scans byte by
-/// byte; candidates must have a plausible length and kind before their CRC is computed, and
-/// the CRC work is capped (past the cap the log counts as damaged: refuse rather than guess).
-fn valid_record_follows(b: &[u8]) -> bool {
-    const CRC_BUDGET: usize = 256 << 20;
-    let mut spent = 0usize;
-    for p in 1..b.len().saturating_sub(RECORD_HEADER) {
-        let c = &b[p..];
-        let len = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-        if len == 0 || len > MAX_RECORD || c.len() - RECORD_HEADER < len {
-            continue;
-        }
-        if !matches!(c[RECORD_HEADER], KIND_ENTRY | KIND_HARD_STATE | KIND_CONF_STATE) {
-            continue;
-        }
-        spent += len;
-        if spent > CRC_BUDGET {
-            return true;
-        }
-        if matches!(parse_record(c), RecordParse::Ok(_)) {
-            return true;
-        }
-    }
-    false
-}
-
-fn begin_record(out: &mut Vec<u8>) -> usize {
-    let at = out.len();
-    out.extend_from_slice(&[0u8; RECORD_HEADER]);
-    at
-}
-
-fn end_record(out: &mut [u8], at: usize) {
-    let payload = &out[at + RECORD_HEADER..];
-    let len = payload.len() as u32;
-    let crc = crc32fast::hash(payload);
-    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
-    out[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
-}
-
-fn push_entry(out: &mut Vec<u8>, e: &Entry) {
-    let at = begin_record(out);
-    out.push(KIND_ENTRY);
-    out.extend_from_slice(&e.index.to_le_bytes());
-    out.extend_from_slice(&e.term.to_le_bytes());
-    out.push(match e.get_entry_type() {
-        EntryType::EntryNormal => 0,
-        EntryType::EntryConfChange => 1,
-        EntryType::EntryConfChangeV2 => 2,
-    });
-    put_varint(out, e.context.len() as u64);
-    out.extend_from_slice(&e.context);
-    out.extend_from_slice(&e.data);
-    end_record(out, at);
-}
-
-fn decode_entry(b: &[u8]) -> Option<Entry> {
-    let mut r = Reader { buf: b, pos: 0 };
-    let index = u64::from_le_bytes(r.bytes(8).ok()?.try_into().ok()?);
-    let term = u64::from_le_bytes(r.bytes(8).ok()?.try_into().ok()?);
-    let ty = match r.u8().ok()? {
-        0 => EntryType::EntryNormal,
-        1 => EntryType::EntryConfChange,
-        2 => EntryType::EntryConfChangeV2,
-        _ => return None,
-    };
-    let ctx_len = usize::try_from(r.varint().ok()?).ok()?;
-    let ctx = r.bytes(ctx_len).ok()?.to_vec();
-    let data = b[r.pos..].to_vec();
-    Some(Entry { index, term, entry_type: ty, context: ctx.into(), data: data.into(), ..Default::default() })
-}
-
-fn push_hard_state(out: &mut Vec<u8>, hs: &HardState) {
-    let at = begin_record(out);
-    out.push(KIND_HARD_STATE);
-    out.extend_from_slice(&hs.term.to_le_bytes());
-    out.extend_from_slice(&hs.vote.to_le_bytes());
-    out.extend_from_slice(&hs.commit.to_le_bytes());
-    end_record(out, at);
-}
-
-fn push_conf_state(out: &mut Vec<u8>, cs: &ConfState) {
-    let at = begin_record(out);
-    out.push(KIND_CONF_STATE);
-    // Encoding a plain message into a Vec cannot fail.
-    let bytes = cs.write_to_bytes().unwrap_or_default();
-    out.extend_from_slice(&bytes);
-    end_record(out, at);
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::meta::state::{Command, MetaState};
     use raft::Storage as _;
 
-    fn entry(index: u64, term: u64, payload: &[u8]) -> Entry {
+    pub(crate) fn entry(index: u64, term: u64, payload: &[u8]) -> Entry {
         Entry { index, term, context: vec![7u8; 16].into(), data: payload.to_vec().into(), ..Default::default() }
     }
 
-    fn open(dir: &Path) -> (DiskStorage, Recovered) {
+    pub(crate) fn open(dir: &Path) -> (DiskStorage, Recovered) {
         DiskStorage::open(dir, Arc::new(Counters::default())).unwrap()
     }
 
-    fn hs(term: u64, vote: u64, commit: u64) -> HardState {
+    pub(crate) fn hs(term: u64, vote: u64, commit: u64) -> HardState {
         HardState { term, vote, commit, ..Default::default() }
     }
 
-    fn terms(st: &DiskStorage) -> Vec<(u64, u64)> {
+    pub(crate) fn terms(st: &DiskStorage) -> Vec<(u64, u64)> {
         let (lo, hi) = (st.first_index().unwrap(), st.last_index().unwrap() + 1);
         st.entries(lo, hi, None, GetEntriesContext::empty(false)).unwrap().iter().map(|e| (e.index, e.term)).collect()
     }
@@ -807,37 +530,6 @@ mod tests {
         assert_eq!(rec.torn_bytes, 4096);
         assert_eq!(fs::metadata(&path).unwrap().len(), good as u64);
         assert_eq!(st.last(), 2);
-    }
-
-    #[test]
-    fn compaction_then_crash_before_the_log_rename_replays_correctly() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut st, _) = open(dir.path());
-        let ents: Vec<Entry> = (1..=6).map(|i| entry(i, 1, b"e")).collect();
-        st.append(&ents, Some(&hs(1, 1, 6)), true).unwrap();
-        let old_log = fs::read(dir.path().join(LOG_FILE)).unwrap();
-        let mut state = MetaState::default();
-        state.apply(&Command::DeclareVhost { name: "/".into() });
-        state.applied_index = 4;
-        st.compact(&state).unwrap();
-        assert_eq!((st.snapshot_index(), st.entry_count()), (4, 2));
-        assert_eq!(st.term(4).unwrap(), 1);
-        assert!(st.term(3).is_err());
-        drop(st);
-
-        // Normal reopen: snapshot + short log.
-        let (st, rec) = open(dir.path());
-        assert_eq!(rec.state.as_ref().map(|s| s.applied_index), Some(4));
-        assert!(rec.state.unwrap().topology.vhosts.contains("/"));
-        assert_eq!(terms(&st), [(5, 1), (6, 1)]);
-        drop(st);
-
-        // Crash after the snapshot rename, before the log rename: old log, new snapshot.
-        fs::write(dir.path().join(LOG_FILE), &old_log).unwrap();
-        let (st, rec) = open(dir.path());
-        assert_eq!(rec.state.map(|s| s.applied_index), Some(4));
-        assert_eq!(terms(&st), [(5, 1), (6, 1)]);
-        assert_eq!(st.hard_state().commit, 6);
     }
 
     #[test]
