@@ -7,7 +7,7 @@ use std::sync::Arc;
 use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::{Bytes, BytesMut};
 
-use super::unacked::Ledger;
+use super::unacked::{DeliveryTag, Ledger};
 use crate::broker::{ConsumerId, QueueRef};
 
 /// Whether the channel is usable.
@@ -171,10 +171,10 @@ impl Channel {
     }
 
     /// Takes the next delivery tag.
-    pub fn take_tag(&mut self) -> u64 {
+    pub fn take_tag(&mut self) -> DeliveryTag {
         let t = self.next_tag;
         self.next_tag += 1;
-        t
+        DeliveryTag(t)
     }
 }
 

@@ -72,7 +72,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
             return;
         }
     };
-    let id = core.shared.next_id();
+    let id = crate::broker::ConnId(core.shared.next_id());
     let (tx, rx) = flume::unbounded();
     core.conns.borrow_mut().insert(id, tx.clone());
     let hb = tuned.heartbeat;
@@ -102,11 +102,11 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
         unblocked: unblocked_tx,
         unblocked_rx,
     });
-    tracing::debug!(?peer, id, "connection open");
+    tracing::debug!(?peer, %id, "connection open");
     let (r, w) = futures_lite::io::split(stream);
     futures_lite::future::or(reader(session.clone(), r, tuned.leftover), writer(session.clone(), rx, w)).await;
     session.teardown();
     core.conns.borrow_mut().remove(&id);
     Stats::add(&core.stats().connections_closed, 1);
-    tracing::debug!(?peer, id, "connection closed");
+    tracing::debug!(?peer, %id, "connection closed");
 }

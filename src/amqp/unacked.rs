@@ -8,7 +8,20 @@
 use std::collections::BTreeMap;
 
 use super::error::AmqpError;
-use crate::broker::QueueRef;
+use crate::broker::{Offset, QueueRef};
+
+/// A delivery tag: per channel, assigned 1, 2, 3, … by the connection as it writes each
+/// basic.deliver or basic.get-ok, never reused while the channel lives (AMQP 0-9-1
+/// §1.8.3.9 basic.deliver "delivery-tag"; §4.2.8 "delivery tags are scoped per channel").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct DeliveryTag(pub u64);
+
+impl std::fmt::Display for DeliveryTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// Where a delivered, unsettled message lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,18 +29,18 @@ pub struct Unacked {
     /// Its queue.
     pub queue: QueueRef,
     /// Its offset in the queue's shard.
-    pub offset: u64,
+    pub offset: Offset,
 }
 
 /// Delivery tag → [`Unacked`], ordered by tag.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    map: BTreeMap<u64, Unacked>,
+    map: BTreeMap<DeliveryTag, Unacked>,
 }
 
 impl Ledger {
     /// Records a delivery under `tag` (tags only grow, so this appends).
-    pub fn insert(&mut self, tag: u64, u: Unacked) {
+    pub fn insert(&mut self, tag: DeliveryTag, u: Unacked) {
         self.map.insert(tag, u);
     }
 
@@ -49,15 +62,15 @@ impl Ledger {
     /// # Errors
     /// 406 PRECONDITION_FAILED "unknown delivery tag N" when N is not outstanding (never
     /// delivered on this channel, or already settled); the ledger is unchanged then.
-    pub fn settle(&mut self, tag: u64, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
-        if multiple && tag == 0 {
+    pub fn settle(&mut self, tag: DeliveryTag, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
+        if multiple && tag.0 == 0 {
             return Ok(std::mem::take(&mut self.map).into_values().collect());
         }
         if !self.map.contains_key(&tag) {
             return Err(AmqpError::precondition_failed(format!("unknown delivery tag {tag}")));
         }
         if multiple {
-            let rest = self.map.split_off(&(tag + 1));
+            let rest = self.map.split_off(&DeliveryTag(tag.0 + 1));
             let done = std::mem::replace(&mut self.map, rest);
             Ok(done.into_values().collect())
         } else {
@@ -72,8 +85,8 @@ impl Ledger {
 }
 
 /// Groups settled deliveries by queue, keeping offset order within each queue.
-pub fn by_queue(items: Vec<Unacked>) -> Vec<(QueueRef, Vec<u64>)> {
-    let mut out: Vec<(QueueRef, Vec<u64>)> = Vec::new();
+pub fn by_queue(items: Vec<Unacked>) -> Vec<(QueueRef, Vec<Offset>)> {
+    let mut out: Vec<(QueueRef, Vec<Offset>)> = Vec::new();
     for u in items {
         match out.iter_mut().find(|(q, _)| *q == u.queue) {
             Some((_, v)) => v.push(u.offset),
@@ -90,22 +103,22 @@ mod tests {
     use proptest::prelude::*;
 
     fn u(off: u64) -> Unacked {
-        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, durable: false }, offset: off }
+        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, durable: false }, offset: Offset(off) }
     }
 
     #[test]
     fn single_multiple_and_zero() {
         let mut l = Ledger::default();
         for t in 1..=5 {
-            l.insert(t, u(t * 10));
+            l.insert(DeliveryTag(t), u(t * 10));
         }
-        assert_eq!(l.settle(3, true).unwrap().iter().map(|x| x.offset).collect::<Vec<_>>(), vec![10, 20, 30]);
-        assert_eq!(l.settle(3, false).unwrap_err().code, 406);
-        assert_eq!(l.settle(3, true).unwrap_err().code, 406);
-        assert_eq!(l.settle(0, false).unwrap_err().code, 406);
-        assert_eq!(l.settle(5, false).unwrap()[0].offset, 50);
-        assert_eq!(l.settle(0, true).unwrap().len(), 1);
-        assert!(l.settle(0, true).unwrap().is_empty());
+        assert_eq!(l.settle(DeliveryTag(3), true).unwrap().iter().map(|x| x.offset.0).collect::<Vec<_>>(), vec![10, 20, 30]);
+        assert_eq!(l.settle(DeliveryTag(3), false).unwrap_err().code, 406);
+        assert_eq!(l.settle(DeliveryTag(3), true).unwrap_err().code, 406);
+        assert_eq!(l.settle(DeliveryTag(0), false).unwrap_err().code, 406);
+        assert_eq!(l.settle(DeliveryTag(5), false).unwrap()[0].offset, Offset(50));
+        assert_eq!(l.settle(DeliveryTag(0), true).unwrap().len(), 1);
+        assert!(l.settle(DeliveryTag(0), true).unwrap().is_empty());
     }
 
     proptest! {
@@ -114,17 +127,17 @@ mod tests {
         #[test]
         fn each_delivery_settles_once(n in 1u64..40, ops in proptest::collection::vec((0u64..45, any::<bool>()), 0..40)) {
             let mut l = Ledger::default();
-            for t in 1..=n { l.insert(t, u(t)); }
+            for t in 1..=n { l.insert(DeliveryTag(t), u(t)); }
             let mut settled = Vec::new();
             for (tag, multiple) in ops {
                 let before = l.len();
-                match l.settle(tag, multiple) {
-                    Ok(v) => settled.extend(v.into_iter().map(|x| x.offset)),
+                match l.settle(DeliveryTag(tag), multiple) {
+                    Ok(v) => settled.extend(v.into_iter().map(|x| x.offset.0)),
                     Err(e) => { prop_assert_eq!(e.code, 406); prop_assert_eq!(l.len(), before); }
                 }
             }
             let mut all = settled.clone();
-            all.extend(l.drain().into_iter().map(|x| x.offset));
+            all.extend(l.drain().into_iter().map(|x| x.offset.0));
             all.sort();
             prop_assert_eq!(all, (1..=n).collect::<Vec<_>>());
         }

@@ -23,6 +23,7 @@
 pub mod alarms;
 pub mod error;
 pub mod exchange;
+pub mod ids;
 pub mod message;
 pub mod node;
 pub mod queue;
@@ -31,6 +32,7 @@ pub mod router;
 use std::sync::Arc;
 
 pub use error::QueueError;
+pub use ids::{ConnId, ConsumerTag, Offset};
 use message::Message;
 
 /// Identifies a queue: (vhost, queue name). Cheap to clone and to send between cores.
@@ -60,8 +62,6 @@ pub struct QueueRef {
     pub durable: bool,
 }
 
-/// A connection's id, unique within this node's run.
-pub type ConnId = u64;
 /// A consumer's id, unique within this node's run.
 pub type ConsumerId = u64;
 
@@ -80,14 +80,14 @@ pub enum ClientEvent {
         /// Channel of the consumer.
         channel: u16,
         /// Consumer tag.
-        consumer_tag: Arc<str>,
+        consumer_tag: ConsumerTag,
     },
     /// basic.cancel-ok, sent by the queue after the consumer's last delivery.
     CancelOk {
         /// Channel of the consumer.
         channel: u16,
         /// Consumer tag.
-        consumer_tag: Arc<str>,
+        consumer_tag: ConsumerTag,
     },
     /// The broker cancelled a consumer (its queue was deleted): basic.cancel to the client
     /// when it announced consumer_cancel_notify.
@@ -95,7 +95,7 @@ pub enum ClientEvent {
         /// Channel of the consumer.
         channel: u16,
         /// Consumer tag.
-        consumer_tag: Arc<str>,
+        consumer_tag: ConsumerTag,
     },
     /// One queue stored (and, when required, synced) publish `seq` of a confirm-mode channel,
     /// or failed to (`ok == false` → basic.nack).
@@ -132,11 +132,11 @@ pub struct Delivery {
     /// Incarnation of that channel (see [`Holder::chan_uid`]).
     pub chan_uid: u64,
     /// Consumer tag.
-    pub consumer_tag: Arc<str>,
+    pub consumer_tag: ConsumerTag,
     /// Source queue.
     pub queue: QueueRef,
     /// Offset of the message in the queue's shard.
-    pub offset: u64,
+    pub offset: Offset,
     /// Delivered before (requeued).
     pub redelivered: bool,
     /// The message.
@@ -149,7 +149,7 @@ pub struct Delivery {
 #[derive(Debug)]
 pub struct GetReply {
     /// Offset of the message in the queue's shard.
-    pub offset: u64,
+    pub offset: Offset,
     /// Delivered before.
     pub redelivered: bool,
     /// The message.
@@ -199,7 +199,7 @@ pub struct ConsumerSpec {
     /// Incarnation of that channel (see [`Holder::chan_uid`]).
     pub chan_uid: u64,
     /// Consumer tag.
-    pub tag: Arc<str>,
+    pub tag: ConsumerTag,
     /// Automatic acknowledgement (no_ack).
     pub no_ack: bool,
     /// Exclusive consumer.
@@ -288,11 +288,11 @@ pub enum QueueOp {
         /// are settled (a tag from before a queue was reopened names nothing now).
         chan_uid: u64,
         /// Acknowledged: delete.
-        ack: Vec<u64>,
+        ack: Vec<Offset>,
         /// Requeued: ready again, redelivered=true, original position.
-        requeue: Vec<u64>,
+        requeue: Vec<Offset>,
         /// Rejected without requeue: dead-letter or drop.
-        reject: Vec<u64>,
+        reject: Vec<Offset>,
     },
     /// A channel closed (or its connection died): drop its consumers and requeue every
     /// offset it holds in this queue, including deliveries still on their way to it.
@@ -303,7 +303,7 @@ pub enum QueueOp {
     /// basic.recover(requeue=false): deliver these held offsets again to their consumers.
     Redeliver {
         /// Offsets held by the channel.
-        offsets: Vec<u64>,
+        offsets: Vec<Offset>,
     },
     /// Re-check consumers' credit (a channel-wide window opened up elsewhere).
     Wake,

@@ -34,7 +34,7 @@ impl Session {
                 let m = *method;
                 match m {
                     AMQPClass::Connection(conn::AMQPMethod::Close(c)) => {
-                        tracing::debug!(conn = self.id, code = c.reply_code, text = %c.reply_text, "client closed connection");
+                        tracing::debug!(conn = %self.id, code = c.reply_code, text = %c.reply_text, "client closed connection");
                         // As RabbitMQ: by close-ok, the channels are closed (their deliveries
                         // requeued) and the exclusive queues are gone.
                         self.release().await;

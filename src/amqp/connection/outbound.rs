@@ -122,7 +122,7 @@ impl Session {
                     return;
                 };
                 let (exchange, rk, props) = split_header(&d.message.header);
-                codec::encode_deliver(out, d.channel, &d.consumer_tag, tag, d.redelivered, exchange, rk);
+                codec::encode_deliver(out, d.channel, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);
             }
@@ -131,7 +131,7 @@ impl Session {
                     encode_method(
                         out,
                         channel,
-                        &AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: consumer_tag.as_ref().into() })),
+                        &AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: consumer_tag.as_str().into() })),
                     );
                 }
             }
@@ -140,19 +140,19 @@ impl Session {
                     encode_method(
                         out,
                         channel,
-                        &AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: consumer_tag.as_ref().into() })),
+                        &AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: consumer_tag.as_str().into() })),
                     );
                 }
             }
             ClientEvent::Cancelled { channel, consumer_tag } => {
                 let mut st = self.st.borrow_mut();
                 if let Some(c) = st.channels.get_mut(&channel).filter(|c| c.state == ChannelState::Open) {
-                    if c.consumers.remove(&consumer_tag).is_some() {
+                    if c.consumers.remove(consumer_tag.as_str()).is_some() {
                         encode_method(
                             out,
                             channel,
                             &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                                consumer_tag: consumer_tag.as_ref().into(),
+                                consumer_tag: consumer_tag.as_str().into(),
                                 nowait: true,
                             })),
                         );

@@ -120,7 +120,7 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             Ok(n) => buf.extend_from_slice(&tmp[..n]),
             Err(e) => {
                 if e.kind() == std::io::ErrorKind::TimedOut {
-                    tracing::info!(conn = s.id, "missed heartbeats from client, closing TCP connection");
+                    tracing::info!(conn = %s.id, "missed heartbeats from client, closing TCP connection");
                 }
                 return;
             }
@@ -165,7 +165,7 @@ impl Session {
         if st.closing.is_some() || st.finish {
             return;
         }
-        tracing::debug!(conn = self.id, error = %e, "connection error");
+        tracing::debug!(conn = %self.id, error = %e, "connection error");
         st.closing = Some(Instant::now() + CLOSE_WAIT);
         drop(st);
         self.send_method(0, &close_method(&e));
@@ -179,7 +179,7 @@ impl Session {
         if c.state != ChannelState::Open {
             return;
         }
-        tracing::debug!(conn = self.id, channel = ch, error = %e, "channel error");
+        tracing::debug!(conn = %self.id, channel = ch, error = %e, "channel error");
         c.state = ChannelState::Closing;
         let effects = close_effects(c);
         drop(st);
@@ -257,7 +257,7 @@ impl Session {
         let notify = st.blocked_notify;
         drop(st);
         if blocked {
-            tracing::info!(conn = self.id, "connection blocked: disk alarm");
+            tracing::info!(conn = %self.id, "connection blocked: disk alarm");
         } else {
             let _ = self.unblocked.try_send(());
         }

@@ -16,14 +16,19 @@
 use rustc_hash::FxHashMap;
 
 use crate::amqp::channel::{Channel, ChannelState};
-use crate::amqp::unacked::Unacked;
+use crate::amqp::unacked::{DeliveryTag, Unacked};
 
 /// Assigns the delivery tag of one basic.deliver for channel number `channel` of
 /// incarnation `chan_uid`, and records `unacked` (a manual-ack delivery) in its ledger.
 ///
 /// Returns `None`, changing nothing, when the channel is gone, closing, or another
 /// incarnation of that number.
-pub fn assign_delivery_tag(channels: &mut FxHashMap<u16, Channel>, channel: u16, chan_uid: u64, unacked: Option<Unacked>) -> Option<u64> {
+pub fn assign_delivery_tag(
+    channels: &mut FxHashMap<u16, Channel>,
+    channel: u16,
+    chan_uid: u64,
+    unacked: Option<Unacked>,
+) -> Option<DeliveryTag> {
     let c = channels.get_mut(&channel).filter(|c| c.uid == chan_uid && c.state == ChannelState::Open)?;
     let tag = c.take_tag();
     if let Some(u) = unacked {
@@ -35,11 +40,11 @@ pub fn assign_delivery_tag(channels: &mut FxHashMap<u16, Channel>, channel: u16,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::{QueueKey, QueueRef};
+    use crate::broker::{Offset, QueueKey, QueueRef};
     use proptest::prelude::*;
 
     fn u(off: u64) -> Unacked {
-        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, durable: false }, offset: off }
+        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, durable: false }, offset: Offset(off) }
     }
 
     fn open(ids: &[(u16, u64)]) -> FxHashMap<u16, Channel> {
@@ -49,19 +54,19 @@ mod tests {
     #[test]
     fn tags_start_at_one_and_grow_per_channel() {
         let mut chs = open(&[(1, 10), (2, 20)]);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(1));
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(2));
-        assert_eq!(assign_delivery_tag(&mut chs, 2, 20, None), Some(1));
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(3));
-        assert_eq!(assign_delivery_tag(&mut chs, 2, 20, None), Some(2));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(1)));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(2)));
+        assert_eq!(assign_delivery_tag(&mut chs, 2, 20, None), Some(DeliveryTag(1)));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(3)));
+        assert_eq!(assign_delivery_tag(&mut chs, 2, 20, None), Some(DeliveryTag(2)));
     }
 
     #[test]
     fn basic_get_and_deliver_share_the_counter() {
         let mut chs = open(&[(1, 10)]);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(1));
-        assert_eq!(chs.get_mut(&1).unwrap().take_tag(), 2);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(3));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(1)));
+        assert_eq!(chs.get_mut(&1).unwrap().take_tag(), DeliveryTag(2));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(3)));
     }
 
     #[test]
@@ -72,7 +77,7 @@ mod tests {
         // no channel 3
         assert_eq!(assign_delivery_tag(&mut chs, 3, 10, Some(u(5))), None);
         assert!(chs[&1].ledger.is_empty());
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(1));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(1)));
         chs.get_mut(&1).unwrap().state = ChannelState::Closing;
         assert_eq!(assign_delivery_tag(&mut chs, 1, 10, Some(u(6))), None);
         assert!(chs[&1].ledger.is_empty());
@@ -82,23 +87,23 @@ mod tests {
     #[test]
     fn reopened_channel_starts_again_at_one() {
         let mut chs = open(&[(1, 10)]);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(1));
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(2));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(1)));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(2)));
         chs.insert(1, Channel::new(1, 11));
         assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), None);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 11, None), Some(1));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 11, None), Some(DeliveryTag(1)));
     }
 
     #[test]
     fn tracked_deliveries_land_in_the_ledger_under_their_tag() {
         let mut chs = open(&[(1, 10)]);
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, Some(u(100))), Some(1));
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(2));
-        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, Some(u(300))), Some(3));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, Some(u(100))), Some(DeliveryTag(1)));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, None), Some(DeliveryTag(2)));
+        assert_eq!(assign_delivery_tag(&mut chs, 1, 10, Some(u(300))), Some(DeliveryTag(3)));
         let l = &mut chs.get_mut(&1).unwrap().ledger;
         assert_eq!(l.len(), 2);
-        assert_eq!(l.settle(2, false).unwrap_err().code, 406);
-        assert_eq!(l.settle(3, true).unwrap().iter().map(|x| x.offset).collect::<Vec<_>>(), vec![100, 300]);
+        assert_eq!(l.settle(DeliveryTag(2), false).unwrap_err().code, 406);
+        assert_eq!(l.settle(DeliveryTag(3), true).unwrap().iter().map(|x| x.offset.0).collect::<Vec<_>>(), vec![100, 300]);
     }
 
     proptest! {
@@ -119,10 +124,10 @@ mod tests {
                 }
                 let tag = r.expect("current incarnation, open");
                 let v = seen.entry(ch).or_default();
-                prop_assert_eq!(tag, v.last().map_or(1, |t| t + 1));
-                v.push(tag);
+                prop_assert_eq!(tag.0, v.last().map_or(1, |t| t + 1));
+                v.push(tag.0);
                 if track {
-                    tracked.entry(ch).or_default().push(tag);
+                    tracked.entry(ch).or_default().push(tag.0);
                 }
             }
             for ch in 1u16..4 {
@@ -130,7 +135,7 @@ mod tests {
                 let want = tracked.remove(&ch).unwrap_or_default();
                 prop_assert_eq!(c.ledger.len(), want.len());
                 for t in want {
-                    prop_assert!(c.ledger.settle(t, false).is_ok());
+                    prop_assert!(c.ledger.settle(DeliveryTag(t), false).is_ok());
                 }
             }
         }

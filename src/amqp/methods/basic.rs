@@ -13,9 +13,9 @@ use crate::amqp::channel::{ChannelConsumer, PendingPublish};
 use crate::amqp::codec::{encode_content, encode_method};
 use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
-use crate::amqp::unacked::{by_queue, Unacked};
+use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
 use crate::broker::message::{split_header, Message};
-use crate::broker::{reply_channel, ConfirmTo, ConsumerSpec, Holder, QueueOp};
+use crate::broker::{reply_channel, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
 /// Dispatches a basic method (publish starts content assembly; see [`publish`]).
@@ -75,7 +75,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
         }
         basic::AMQPMethod::Get(g) => get(s, channel, g).await,
         basic::AMQPMethod::Ack(a) => {
-            let done = settle(s, channel, a.delivery_tag, a.multiple)?;
+            let done = settle(s, channel, DeliveryTag(a.delivery_tag), a.multiple)?;
             Stats::add(&s.core.stats().acked, done.len() as u64);
             let settled = by_queue(done);
             wake_channel_queues(s, channel, &settled);
@@ -86,12 +86,12 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
             Ok(())
         }
         basic::AMQPMethod::Reject(r) => {
-            let done = settle(s, channel, r.delivery_tag, false)?;
+            let done = settle(s, channel, DeliveryTag(r.delivery_tag), false)?;
             reject_or_requeue(s, channel, done, r.requeue);
             Ok(())
         }
         basic::AMQPMethod::Nack(n) => {
-            let done = settle(s, channel, n.delivery_tag, n.multiple)?;
+            let done = settle(s, channel, DeliveryTag(n.delivery_tag), n.multiple)?;
             reject_or_requeue(s, channel, done, n.requeue);
             Ok(())
         }
@@ -117,7 +117,7 @@ fn chan_uid(s: &Session, channel: u16) -> u64 {
 ///
 /// # Errors
 /// 406 PRECONDITION_FAILED "unknown delivery tag" (spec 1.8.3.13; DESIGN.md rule 8).
-fn settle(s: &Session, channel: u16, tag: u64, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
+fn settle(s: &Session, channel: u16, tag: DeliveryTag, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
     let mut st = s.st.borrow_mut();
     let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
     c.ledger.settle(tag, multiple)
@@ -125,7 +125,7 @@ fn settle(s: &Session, channel: u16, tag: u64, multiple: bool) -> Result<Vec<Una
 
 /// With a channel-wide window (global prefetch), credit freed by settling in one queue may
 /// let the channel's consumers on *other* queues go on: wake those queues.
-fn wake_channel_queues(s: &Session, channel: u16, settled: &[(crate::broker::QueueRef, Vec<u64>)]) {
+fn wake_channel_queues(s: &Session, channel: u16, settled: &[(crate::broker::QueueRef, Vec<crate::broker::Offset>)]) {
     let st = s.st.borrow();
     let Some(c) = st.channels.get(&channel) else { return };
     if c.credit.limit.load(std::sync::atomic::Ordering::Relaxed) == 0 {
@@ -200,7 +200,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
             conn: s.id,
             channel,
             chan_uid: ch.uid,
-            tag: tag.clone(),
+            tag: ConsumerTag(tag.clone()),
             no_ack: c.no_ack,
             exclusive: c.exclusive,
             prefetch: ch.prefetch,
@@ -253,7 +253,7 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
                 &mut out,
                 channel,
                 &AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
-                    delivery_tag: tag,
+                    delivery_tag: tag.0,
                     redelivered: got.redelivered,
                     exchange: exchange.into(),
                     routing_key: rk.into(),

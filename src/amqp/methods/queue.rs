@@ -25,7 +25,7 @@ pub fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), AmqpError
         .queue(&vhost, name)
         .cloned()
         .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
-    if def.exclusive_owner.is_some_and(|o| o != s.id) {
+    if def.exclusive_owner.is_some_and(|o| o != s.id.0) {
         return Err(AmqpError::resource_locked(format!(
             "cannot obtain exclusive access to locked queue '{name}' in vhost '{vhost}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
         )));
@@ -88,7 +88,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 name: name.clone(),
                 durable: d.durable,
                 auto_delete: d.auto_delete,
-                exclusive_owner: if d.exclusive { Some(s.id) } else { None },
+                exclusive_owner: if d.exclusive { Some(s.id.0) } else { None },
                 arguments: d.arguments.clone(),
                 owner_node: meta.node_id(),
                 owner_core: placement::owner_core(&vhost, &name, s.core.shared.cores),

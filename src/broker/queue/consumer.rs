@@ -124,10 +124,10 @@ mod tests {
     fn spec(id: u64, prefetch: u32) -> ConsumerSpec {
         ConsumerSpec {
             id,
-            conn: 1,
+            conn: crate::broker::ConnId(1),
             channel: 1,
             chan_uid: 1,
-            tag: Arc::from(format!("c{id}")),
+            tag: crate::broker::ConsumerTag(Arc::from(format!("c{id}"))),
             no_ack: false,
             exclusive: false,
             prefetch,

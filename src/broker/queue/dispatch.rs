@@ -25,7 +25,7 @@ use super::index::{now_ms, IndexRecord};
 use super::settle::Outstanding;
 use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
 use crate::broker::message::Message;
-use crate::broker::{ClientEvent, ConsumerId, Delivery, GetReply, Holder, QueueError};
+use crate::broker::{ClientEvent, ConsumerId, Delivery, GetReply, Holder, Offset, QueueError};
 
 /// What the dispatcher does next.
 enum Step {
@@ -226,7 +226,7 @@ impl Queue {
             chan_uid: c.spec.chan_uid,
             consumer_tag: c.spec.tag.clone(),
             queue: qref,
-            offset,
+            offset: Offset(offset),
             redelivered,
             message: Message { header: rec.header, body: rec.body, flags },
             track,
@@ -278,7 +278,7 @@ impl Queue {
         let rec = IndexRecord {
             node: meta.node_id(),
             epoch: meta.boot_epoch(),
-            conn: holder.conn,
+            conn: holder.conn.0,
             channel: holder.channel,
             time_ms: now_ms(),
             offset,
@@ -339,7 +339,7 @@ impl Queue {
         }
         self.passed(offset);
         let r = GetReply {
-            offset,
+            offset: Offset(offset),
             redelivered,
             message: Message { header: rec.header, body: rec.body, flags: rec.flags },
             message_count: self.message_count(),

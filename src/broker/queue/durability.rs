@@ -300,7 +300,7 @@ impl Queue {
         let mut q = cell.borrow_mut();
         let mut back = Vec::new();
         for (consumer, d, pending) in batch {
-            let offset = d.offset;
+            let offset = d.offset.0;
             let weight = consumer::pending_weight(d.message.body.len());
             let still_held = q.held.get(offset).is_some_and(|o| o.consumer == Some(consumer));
             let sent = still_held && q.consumers.get_mut(consumer).is_some_and(|c| c.spec.tx.send(ClientEvent::Deliver(d)).is_ok());

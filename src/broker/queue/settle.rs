@@ -53,7 +53,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::index::IndexRecord;
 use super::{Queue, QueueCell};
 use crate::broker::message::{decode_properties, encode_properties, Message};
-use crate::broker::{ChannelCredit, ClientEvent, ConfirmTo, ConsumerId, Holder, QueueOp};
+use crate::broker::{ChannelCredit, ClientEvent, ConfirmTo, ConsumerId, Holder, Offset, QueueOp};
 
 /// Who holds an outstanding delivery.
 #[derive(Debug)]
@@ -123,9 +123,9 @@ impl Held {
 
     /// Takes out each of `offsets` that channel incarnation `chan_uid` holds, in the order
     /// given; others are skipped (rules 1 and 8).
-    fn take_mine(&mut self, chan_uid: u64, offsets: &[u64]) -> Vec<(u64, Outstanding)> {
+    fn take_mine(&mut self, chan_uid: u64, offsets: &[Offset]) -> Vec<(u64, Outstanding)> {
         let mut out = Vec::with_capacity(offsets.len());
-        for &off in offsets {
+        for &Offset(off) in offsets {
             if self.map.get(&off).is_some_and(|o| o.holder.chan_uid == chan_uid) {
                 out.push((off, self.map.remove(&off).expect("present")));
             }
@@ -138,7 +138,7 @@ impl Held {
     /// dead-lettered when `dead_letters`, else dropped. Offsets the channel does not hold
     /// are skipped; an offset named twice is settled by its first mention (ack, then
     /// requeue, then reject).
-    pub fn settle(&mut self, chan_uid: u64, ack: &[u64], requeue: &[u64], reject: &[u64], dead_letters: bool) -> Actions {
+    pub fn settle(&mut self, chan_uid: u64, ack: &[Offset], requeue: &[Offset], reject: &[Offset], dead_letters: bool) -> Actions {
         let ack = self.take_mine(chan_uid, ack);
         let requeue = self.take_mine(chan_uid, requeue);
         let reject = self.take_mine(chan_uid, reject);
@@ -149,7 +149,7 @@ impl Held {
     /// A channel closed (or its connection died, or its acknowledgement timeout closed it):
     /// every offset it holds comes back, in offset order (rule 5).
     pub fn close_channel(&mut self, chan_uid: u64) -> Actions {
-        let mut mine: Vec<u64> = self.map.iter().filter(|(_, o)| o.holder.chan_uid == chan_uid).map(|(off, _)| *off).collect();
+        let mut mine: Vec<Offset> = self.map.iter().filter(|(_, o)| o.holder.chan_uid == chan_uid).map(|(off, _)| Offset(*off)).collect();
         mine.sort_unstable();
         Actions { requeue: self.take_mine(chan_uid, &mine), ..Default::default() }
     }
@@ -240,7 +240,7 @@ impl Queue {
 
     /// Entry point: basic.ack, basic.nack, basic.reject and basic.recover(requeue=true)
     /// from channel incarnation `chan_uid` ([`QueueOp::Settle`]).
-    pub fn settle(cell: &QueueCell, chan_uid: u64, ack: &[u64], requeue: &[u64], reject: &[u64]) {
+    pub fn settle(cell: &QueueCell, chan_uid: u64, ack: &[Offset], requeue: &[Offset], reject: &[Offset]) {
         let mut q = cell.borrow_mut();
         // Rules 1 and 8: only what this channel holds.
         let dead_letters = q.dead_letter_exchange.is_some();
@@ -281,8 +281,8 @@ impl Queue {
     /// Entry point: basic.recover(requeue=false) ([`QueueOp::Redeliver`]): the given
     /// outstanding offsets go again, flagged redelivered, to the consumers holding them; a
     /// basic.get holding one, or a record no longer in memory, is requeued instead.
-    pub fn redeliver(&mut self, offsets: &[u64]) {
-        for &off in offsets {
+    pub fn redeliver(&mut self, offsets: &[Offset]) {
+        for &Offset(off) in offsets {
             let Some(o) = self.held.release(off) else { continue };
             let Some(cid) = o.consumer else {
                 // Held by basic.get: no consumer to send it to again.
@@ -441,7 +441,7 @@ mod tests {
     }
 
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
-        let holder = Holder { conn: 1, channel: chan_uid as u16, chan_uid, tx: tx.clone() };
+        let holder = Holder { conn: crate::broker::ConnId(1), channel: chan_uid as u16, chan_uid, tx: tx.clone() };
         Outstanding { consumer: None, holder, since: Instant::now(), credit: None }
     }
 
@@ -483,7 +483,7 @@ mod tests {
                         next += 1;
                     }
                     Op::Settle(c, a, r, j) => {
-                        let pick = |v: &[usize]| -> Vec<u64> { v.iter().map(|i| (*i as u64) % next.max(1)).collect() };
+                        let pick = |v: &[usize]| -> Vec<Offset> { v.iter().map(|i| Offset((*i as u64) % next.max(1))).collect() };
                         let (a, r, j) = (pick(&a), pick(&r), pick(&j));
                         let act = held.settle(c, &a, &r, &j, dlx);
                         let mut seen = std::collections::BTreeSet::new();
@@ -491,7 +491,7 @@ mod tests {
                             for (off, o) in list.iter() {
                                 prop_assert!(seen.insert(*off), "offset {} settled twice", off);
                                 prop_assert_eq!(o.holder.chan_uid, c);
-                                prop_assert!(from.contains(off));
+                                prop_assert!(from.contains(&Offset(*off)));
                                 prop_assert_eq!(model.remove(off), Some(c));
                             }
                         }
@@ -499,7 +499,7 @@ mod tests {
                         prop_assert!(unused_kind_empty, "rejects go to one place");
                         // Whatever this channel named and held is settled now.
                         for off in a.iter().chain(&r).chain(&j) {
-                            prop_assert!(model.get(off) != Some(&c));
+                            prop_assert!(model.get(&off.0) != Some(&c));
                         }
                     }
                     Op::Close(c) => {

@@ -1,0 +1,60 @@
+//! Names that travel together as newtypes, so one cannot stand for another: a message's
+//! [`Offset`] in its queue's shard, a connection's [`ConnId`], a consumer's [`ConsumerTag`].
+//! (A channel's delivery tags are the protocol's: `amqp::unacked::DeliveryTag`.)
+
+use std::fmt;
+use std::sync::Arc;
+
+/// A message's position in its queue's shard (`ringmq-shards` record offset): 0, 1, 2, …
+/// in append order, never reused within the shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct Offset(pub u64);
+
+impl fmt::Display for Offset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A connection's id, unique within this node's run (from `Shared::next_id`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct ConnId(pub u64);
+
+impl fmt::Display for ConnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A consumer tag (basic.consume's `consumer-tag`, AMQP 0-9-1 §1.8.3.3: a short string
+/// unique per channel), cheap to clone and to send between cores.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ConsumerTag(pub Arc<str>);
+
+impl ConsumerTag {
+    /// The tag as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for ConsumerTag {
+    fn from(s: &str) -> Self {
+        ConsumerTag(Arc::from(s))
+    }
+}
+
+impl std::ops::Deref for ConsumerTag {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ConsumerTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
