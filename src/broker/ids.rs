@@ -1,5 +1,6 @@
 //! Names that travel together as newtypes, so one cannot stand for another: a message's
-//! [`Offset`] in its queue's shard, a connection's [`ConnId`], a consumer's [`ConsumerTag`].
+//! [`Offset`] in its queue's shard, a connection's [`ConnId`], a [`ChannelId`], a consumer's
+//! [`ConsumerTag`], a [`QueueName`].
 //! (A channel's delivery tags are the protocol's: `amqp::unacked::DeliveryTag`.)
 
 use std::fmt;
@@ -54,6 +55,49 @@ impl std::ops::Deref for ConsumerTag {
 }
 
 impl fmt::Display for ConsumerTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A channel number on a connection (AMQP 0-9-1 §4.2.3 frame header "channel": 1 to
+/// channel-max; 0 is the connection itself).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct ChannelId(pub u16);
+
+impl fmt::Display for ChannelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A queue's name within its vhost (AMQP 0-9-1 `queue-name`: a short string, at most 255
+/// bytes), cheap to clone and to send between cores.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct QueueName(pub Arc<str>);
+
+impl QueueName {
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for QueueName {
+    fn from(s: &str) -> Self {
+        QueueName(Arc::from(s))
+    }
+}
+
+impl std::ops::Deref for QueueName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for QueueName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }

@@ -32,7 +32,7 @@ pub mod router;
 use std::sync::Arc;
 
 pub use error::QueueError;
-pub use ids::{ConnId, ConsumerTag, Offset};
+pub use ids::{ChannelId, ConnId, ConsumerTag, Offset, QueueName};
 use message::Message;
 
 /// Identifies a queue: (vhost, queue name). Cheap to clone and to send between cores.
@@ -41,13 +41,13 @@ pub struct QueueKey {
     /// Virtual host.
     pub vhost: Arc<str>,
     /// Queue name.
-    pub name: Arc<str>,
+    pub name: QueueName,
 }
 
 impl QueueKey {
     /// Builds a key.
     pub fn new(vhost: &str, name: &str) -> QueueKey {
-        QueueKey { vhost: Arc::from(vhost), name: Arc::from(name) }
+        QueueKey { vhost: Arc::from(vhost), name: QueueName::from(name) }
     }
 }
 
@@ -78,14 +78,14 @@ pub enum ClientEvent {
     /// basic.consume-ok, sent by the queue before the consumer's first delivery.
     ConsumeOk {
         /// Channel of the consumer.
-        channel: u16,
+        channel: ChannelId,
         /// Consumer tag.
         consumer_tag: ConsumerTag,
     },
     /// basic.cancel-ok, sent by the queue after the consumer's last delivery.
     CancelOk {
         /// Channel of the consumer.
-        channel: u16,
+        channel: ChannelId,
         /// Consumer tag.
         consumer_tag: ConsumerTag,
     },
@@ -93,7 +93,7 @@ pub enum ClientEvent {
     /// when it announced consumer_cancel_notify.
     Cancelled {
         /// Channel of the consumer.
-        channel: u16,
+        channel: ChannelId,
         /// Consumer tag.
         consumer_tag: ConsumerTag,
     },
@@ -101,7 +101,7 @@ pub enum ClientEvent {
     /// or failed to (`ok == false` → basic.nack).
     Stored {
         /// Publishing channel.
-        channel: u16,
+        channel: ChannelId,
         /// Publish sequence number on that channel (confirm delivery tag).
         seq: u64,
         /// Stored successfully.
@@ -111,7 +111,7 @@ pub enum ClientEvent {
     /// channel with 406 and requeue (RabbitMQ's consumer_timeout).
     AckTimeout {
         /// Channel holding the delivery.
-        channel: u16,
+        channel: ChannelId,
         /// Incarnation of that channel.
         chan_uid: u64,
         /// Timeout that was exceeded, in ms.
@@ -128,7 +128,7 @@ pub enum ClientEvent {
 #[derive(Debug)]
 pub struct Delivery {
     /// Channel of the consumer.
-    pub channel: u16,
+    pub channel: ChannelId,
     /// Incarnation of that channel (see [`Holder::chan_uid`]).
     pub chan_uid: u64,
     /// Consumer tag.
@@ -195,7 +195,7 @@ pub struct ConsumerSpec {
     /// Owning connection.
     pub conn: ConnId,
     /// Channel on that connection.
-    pub channel: u16,
+    pub channel: ChannelId,
     /// Incarnation of that channel (see [`Holder::chan_uid`]).
     pub chan_uid: u64,
     /// Consumer tag.
@@ -224,7 +224,7 @@ pub struct Holder {
     /// Connection id.
     pub conn: ConnId,
     /// Channel.
-    pub channel: u16,
+    pub channel: ChannelId,
     /// Unique id of this opening of the channel: a channel number can be reused after a
     /// close, and a late operation of the old channel must not touch the new one.
     pub chan_uid: u64,
@@ -238,7 +238,7 @@ pub struct ConfirmTo {
     /// Publisher's event channel.
     pub tx: ClientTx,
     /// Publishing channel.
-    pub channel: u16,
+    pub channel: ChannelId,
     /// Publish sequence number.
     pub seq: u64,
 }

@@ -28,7 +28,7 @@ use crate::amqp::codec::{self, encode_heartbeat, encode_method};
 use crate::amqp::error::AmqpError;
 use crate::amqp::unacked::Unacked;
 use crate::broker::message::split_header;
-use crate::broker::ClientEvent;
+use crate::broker::{ChannelId, ClientEvent};
 use crate::observe::Stats;
 
 /// The writer half: drains the event channel into the socket until the connection ends.
@@ -117,16 +117,16 @@ impl Session {
                 let mut st = self.st.borrow_mut();
                 let frame_max = st.frame_max;
                 let unacked = d.track.then_some(Unacked { queue: d.queue, offset: d.offset });
-                let Some(tag) = tags::assign_delivery_tag(&mut st.channels, d.channel, d.chan_uid, unacked) else {
+                let Some(tag) = tags::assign_delivery_tag(&mut st.channels, d.channel.0, d.chan_uid, unacked) else {
                     // The channel is gone; its ChannelClosed requeues this delivery.
                     return;
                 };
                 let (exchange, rk, props) = split_header(&d.message.header);
-                codec::encode_deliver(out, d.channel, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
-                codec::encode_content(out, d.channel, props, &d.message.body, frame_max);
+                codec::encode_deliver(out, d.channel.0, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
+                codec::encode_content(out, d.channel.0, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);
             }
-            ClientEvent::ConsumeOk { channel, consumer_tag } => {
+            ClientEvent::ConsumeOk { channel: ChannelId(channel), consumer_tag } => {
                 if self.channel_open(channel) {
                     encode_method(
                         out,
@@ -135,7 +135,7 @@ impl Session {
                     );
                 }
             }
-            ClientEvent::CancelOk { channel, consumer_tag } => {
+            ClientEvent::CancelOk { channel: ChannelId(channel), consumer_tag } => {
                 if self.channel_open(channel) {
                     encode_method(
                         out,
@@ -144,7 +144,7 @@ impl Session {
                     );
                 }
             }
-            ClientEvent::Cancelled { channel, consumer_tag } => {
+            ClientEvent::Cancelled { channel: ChannelId(channel), consumer_tag } => {
                 let mut st = self.st.borrow_mut();
                 if let Some(c) = st.channels.get_mut(&channel).filter(|c| c.state == ChannelState::Open) {
                     if c.consumers.remove(consumer_tag.as_str()).is_some() {
@@ -159,14 +159,14 @@ impl Session {
                     }
                 }
             }
-            ClientEvent::Stored { channel, seq, ok } => {
+            ClientEvent::Stored { channel: ChannelId(channel), seq, ok } => {
                 let mut st = self.st.borrow_mut();
                 let done = st.channels.get_mut(&channel).and_then(|c| c.confirms.stored(seq, ok));
                 if let Some(ok) = done {
                     st.confirms_ready.push((channel, seq, ok));
                 }
             }
-            ClientEvent::AckTimeout { channel, chan_uid, timeout_ms } => {
+            ClientEvent::AckTimeout { channel: ChannelId(channel), chan_uid, timeout_ms } => {
                 let matches = self.st.borrow().channels.get(&channel).is_some_and(|c| c.uid == chan_uid);
                 if matches {
                     self.fail_channel(

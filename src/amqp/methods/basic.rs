@@ -15,7 +15,7 @@ use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
 use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
 use crate::broker::message::{split_header, Message};
-use crate::broker::{reply_channel, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
+use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
 /// Dispatches a basic method (publish starts content assembly; see [`publish`]).
@@ -198,7 +198,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         ConsumerSpec {
             id,
             conn: s.id,
-            channel,
+            channel: ChannelId(channel),
             chan_uid: ch.uid,
             tag: ConsumerTag(tag.clone()),
             no_ack: c.no_ack,
@@ -229,7 +229,7 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
         let mut st = s.st.borrow_mut();
         let ch = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
         ch.touched.insert(q.clone());
-        Holder { conn: s.id, channel, chan_uid: ch.uid, tx: s.tx.clone() }
+        Holder { conn: s.id, channel: ChannelId(channel), chan_uid: ch.uid, tx: s.tx.clone() }
     };
     let (reply, rx) = reply_channel();
     s.queue_send(&q, QueueOp::Get { no_ack: g.no_ack, holder, reply });
@@ -328,7 +328,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
         }
         if let Some(seq) = seq {
             // After the return, through the same channel: the writer confirms it.
-            let _ = s.tx.send(crate::broker::ClientEvent::Stored { channel, seq, ok: true });
+            let _ = s.tx.send(crate::broker::ClientEvent::Stored { channel: ChannelId(channel), seq, ok: true });
         }
         return Ok(());
     }
@@ -337,7 +337,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
     let mut message = Some(message);
     for (i, q) in route.queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
-        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel, seq });
+        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel: ChannelId(channel), seq });
         s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
     }
     Ok(())

@@ -125,7 +125,7 @@ mod tests {
         ConsumerSpec {
             id,
             conn: crate::broker::ConnId(1),
-            channel: 1,
+            channel: crate::broker::ChannelId(1),
             chan_uid: 1,
             tag: crate::broker::ConsumerTag(Arc::from(format!("c{id}"))),
             no_ack: false,

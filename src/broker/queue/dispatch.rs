@@ -279,7 +279,7 @@ impl Queue {
             node: meta.node_id(),
             epoch: meta.boot_epoch(),
             conn: holder.conn.0,
-            channel: holder.channel,
+            channel: holder.channel.0,
             time_ms: now_ms(),
             offset,
             vhost: self.qref.key.vhost.to_string(),

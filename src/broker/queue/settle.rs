@@ -345,7 +345,7 @@ fn dead_letter(cell: &QueueCell, offsets: Vec<u64>) {
             let n = route.queues.len();
             let published = crate::observe::sample().then(Instant::now);
             for target in &route.queues {
-                let confirm = ConfirmTo { tx: tx.clone(), channel: 0, seq: off };
+                let confirm = ConfirmTo { tx: tx.clone(), channel: crate::broker::ChannelId(0), seq: off };
                 env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
             }
             drop(tx);
@@ -441,7 +441,8 @@ mod tests {
     }
 
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
-        let holder = Holder { conn: crate::broker::ConnId(1), channel: chan_uid as u16, chan_uid, tx: tx.clone() };
+        let holder =
+            Holder { conn: crate::broker::ConnId(1), channel: crate::broker::ChannelId(chan_uid as u16), chan_uid, tx: tx.clone() };
         Outstanding { consumer: None, holder, since: Instant::now(), credit: None }
     }
 
