@@ -29,37 +29,6 @@ impl fmt::Display for ConnId {
     }
 }
 
-/// A consumer tag (basic.consume's `consumer-tag`, AMQP 0-9-1 §1.8.3.3: a short string
-/// unique per channel), cheap to clone and to send between cores.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ConsumerTag(pub Arc<str>);
-
-impl ConsumerTag {
-    /// The tag as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl From<&str> for ConsumerTag {
-    fn from(s: &str) -> Self {
-        ConsumerTag(Arc::from(s))
-    }
-}
-
-impl std::ops::Deref for ConsumerTag {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for ConsumerTag {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
 /// A channel number on a connection (AMQP 0-9-1 §4.2.3 frame header "channel": 1 to
 /// channel-max; 0 is the connection itself).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -72,33 +41,49 @@ impl fmt::Display for ChannelId {
     }
 }
 
-/// A queue's name within its vhost (AMQP 0-9-1 `queue-name`: a short string, at most 255
-/// bytes), cheap to clone and to send between cores.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct QueueName(pub Arc<str>);
+/// A cheap-to-clone text name (`Arc<str>`) with the accessors every such name has.
+macro_rules! text_name {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(pub Arc<str>);
 
-impl QueueName {
-    /// The name as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
+        impl $name {
+            /// The name as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                $name(Arc::from(s))
+            }
+        }
+
+        impl std::ops::Deref for $name {
+            type Target = str;
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
 }
 
-impl From<&str> for QueueName {
-    fn from(s: &str) -> Self {
-        QueueName(Arc::from(s))
-    }
-}
+text_name!(
+    /// A consumer tag (basic.consume's `consumer-tag`, AMQP 0-9-1 §1.8.3.3: a short string
+    /// unique per channel), cheap to clone and to send between cores.
+    ConsumerTag
+);
 
-impl std::ops::Deref for QueueName {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for QueueName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+text_name!(
+    /// A queue's name within its vhost (AMQP 0-9-1 `queue-name`: a short string, at most 255
+    /// bytes), cheap to clone and to send between cores.
+    QueueName
+);
