@@ -6,7 +6,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::raw::{longstr, queue_declare_args, shortstr, Closed, RawConn};
+use common::raw::{self, longstr, queue_declare_args, shortstr, Closed, RawConn};
 use common::*;
 
 /// Runs the broker binary with `args` in `cwd`; returns the child.
@@ -160,4 +160,83 @@ fn publish_immediate_is_not_implemented() {
         Closed::Connection { code, .. } => assert_eq!(code, 540, "immediate=true"),
         other => panic!("expected connection.close 540, got {other:?}"),
     }
+}
+
+/// Confirms belong to one incarnation of a channel. Persistent publishes to a durable queue
+/// are pipelined in confirm mode, then the channel is closed and reopened under the same
+/// number without confirm mode, in the same write: the old publishes' confirms that the
+/// queue's group commit answers after the reopen must not reach the new channel (it used to
+/// get basic.ack frames it never asked for; a reopened channel in confirm mode could see
+/// its own publish N confirmed by the old publish N's answer, before its queue stored it).
+#[test]
+fn confirms_of_a_closed_channel_never_reach_its_reopened_number() {
+    let b = Broker::start();
+    let mut c = RawConn::open(b.addr());
+    c.open_channel(1);
+    // queue.declare durable (flags bit 1), then confirm.select
+    let mut a = Vec::new();
+    a.extend_from_slice(&0u16.to_be_bytes());
+    shortstr(&mut a, "confirm-incarnations");
+    a.push(0b0000_0010);
+    a.extend_from_slice(&0u32.to_be_bytes());
+    c.send_method(1, 50, 10, &a);
+    assert_eq!(c.read_method().method_id(), Some((50, 11)));
+    c.send_method(1, 85, 10, &[0]);
+    assert_eq!(c.read_method().method_id(), Some((85, 11)));
+    // 5,000 persistent publishes (delivery-mode 2), channel.close, channel.open: one write.
+    let mut header = Vec::new();
+    header.extend_from_slice(&60u16.to_be_bytes());
+    header.extend_from_slice(&0u16.to_be_bytes());
+    header.extend_from_slice(&1u64.to_be_bytes());
+    header.extend_from_slice(&0x1000u16.to_be_bytes());
+    header.push(2);
+    let mut args = Vec::new();
+    args.extend_from_slice(&0u16.to_be_bytes());
+    shortstr(&mut args, "");
+    shortstr(&mut args, "confirm-incarnations");
+    args.push(0);
+    let mut burst = Vec::new();
+    const N: usize = 5_000;
+    for _ in 0..N {
+        burst.extend(raw::frame(1, 1, &raw::method(60, 40, &args)));
+        burst.extend(raw::frame(2, 1, &header));
+        burst.extend(raw::frame(3, 1, b"x"));
+    }
+    let mut close = Vec::new();
+    close.extend_from_slice(&200u16.to_be_bytes());
+    shortstr(&mut close, "bye");
+    close.extend_from_slice(&0u16.to_be_bytes());
+    close.extend_from_slice(&0u16.to_be_bytes());
+    burst.extend(raw::frame(1, 1, &raw::method(20, 40, &close)));
+    let mut open = Vec::new();
+    shortstr(&mut open, "");
+    burst.extend(raw::frame(1, 1, &raw::method(20, 10, &open)));
+    c.write(&burst);
+    // Until open-ok: the old incarnation's confirms, then close-ok.
+    let (mut acked, mut reopened) = (0usize, false);
+    for _ in 0..(N + 10) {
+        let f = c.read_frame().expect("frames until channel.open-ok");
+        match f.method_id() {
+            Some((60, 80)) | Some((60, 120)) => acked += 1,
+            Some((20, 11)) => {
+                reopened = true;
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(reopened, "no channel.open-ok");
+    // Give the group commits time to answer the rest, then a round trip on the new channel.
+    std::thread::sleep(Duration::from_millis(500));
+    c.send_method(1, 60, 10, &[0, 0, 0, 0, 0, 1, 0]); // basic.qos prefetch 1
+    let mut stray = Vec::new();
+    for _ in 0..(N + 10) {
+        let f = c.read_frame().expect("frames until basic.qos-ok");
+        match f.method_id() {
+            Some((60, 11)) => break,
+            Some(id @ ((60, 80) | (60, 120))) if f.channel == 1 => stray.push(id),
+            _ => {}
+        }
+    }
+    assert!(stray.is_empty(), "{} confirms of the closed channel reached the reopened one ({acked} before the close)", stray.len());
 }

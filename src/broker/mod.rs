@@ -102,6 +102,9 @@ pub enum ClientEvent {
     Stored {
         /// Publishing channel.
         channel: ChannelId,
+        /// Incarnation of that channel ([`Holder::chan_uid`]): an answer for a channel
+        /// closed since goes nowhere, never to a channel reopened under its number.
+        chan_uid: u64,
         /// Publish sequence number on that channel (confirm delivery tag).
         seq: u64,
         /// Stored successfully.
@@ -239,8 +242,17 @@ pub struct ConfirmTo {
     pub tx: ClientTx,
     /// Publishing channel.
     pub channel: ChannelId,
+    /// Incarnation of that channel ([`Holder::chan_uid`]).
+    pub chan_uid: u64,
     /// Publish sequence number.
     pub seq: u64,
+}
+
+impl ConfirmTo {
+    /// Reports to the publisher that this queue stored the message (`ok`) or could not.
+    pub fn answer(&self, ok: bool) {
+        let _ = self.tx.send(ClientEvent::Stored { channel: self.channel, chan_uid: self.chan_uid, seq: self.seq, ok });
+    }
 }
 
 /// One-shot reply channel (a bounded(1) flume channel).

@@ -428,7 +428,7 @@ async fn remove_dir(dir: PathBuf) {
 fn refuse(key: &QueueKey, op: QueueOp) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+            c.answer(true);
         }
         op => refuse_unstored(op, QueueError::NotFound(format!("no queue '{}' in vhost '{}'", key.name, key.vhost))),
     }
@@ -439,7 +439,7 @@ fn refuse(key: &QueueKey, op: QueueOp) {
 fn refuse_unstored(op: QueueOp, err: QueueError) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
+            c.answer(false);
         }
         QueueOp::Get { reply, .. } => drop(reply.send(Err(err))),
         QueueOp::Consume { reply, .. } => drop(reply.send(Err(err))),

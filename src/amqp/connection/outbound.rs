@@ -159,9 +159,11 @@ impl Session {
                     }
                 }
             }
-            ClientEvent::Stored { channel: ChannelId(channel), seq, ok } => {
+            ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok } => {
                 let mut st = self.st.borrow_mut();
-                let done = st.channels.get_mut(&channel).and_then(|c| c.confirms.stored(seq, ok));
+                // Only the incarnation that published (DESIGN.md rule 9: a confirm names a
+                // stored message of this channel, never one of a channel closed since).
+                let done = st.channels.get_mut(&channel).filter(|c| c.uid == chan_uid).and_then(|c| c.confirms.stored(seq, ok));
                 if let Some(ok) = done {
                     st.confirms_ready.push((channel, seq, ok));
                 }

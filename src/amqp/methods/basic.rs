@@ -328,7 +328,12 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
         }
         if let Some(seq) = seq {
             // After the return, through the same channel: the writer confirms it.
-            let _ = s.tx.send(crate::broker::ClientEvent::Stored { channel: ChannelId(channel), seq, ok: true });
+            let _ = s.tx.send(crate::broker::ClientEvent::Stored {
+                channel: ChannelId(channel),
+                chan_uid: chan_uid(s, channel),
+                seq,
+                ok: true,
+            });
         }
         return Ok(());
     }
@@ -337,7 +342,8 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
     let mut message = Some(message);
     for (i, q) in route.queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
-        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel: ChannelId(channel), seq });
+        let chan_uid = chan_uid(s, channel);
+        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel: ChannelId(channel), chan_uid, seq });
         s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
     }
     Ok(())

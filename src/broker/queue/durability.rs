@@ -139,7 +139,7 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
             if let Some(p) = published {
                 env.stats().publish_to_stored.record(now.duration_since(p));
             }
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok });
+            c.answer(ok);
         }
     }
 }

@@ -323,7 +323,7 @@ impl Queue {
                         self.env.stats().publish_to_stored.record(n.duration_since(p));
                     }
                     if let Some(c) = confirm {
-                        let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: true });
+                        c.answer(true);
                     }
                 }
                 self.wake();
@@ -337,7 +337,7 @@ impl Queue {
                 }
                 crate::observe::Stats::add(&self.env.stats().store_refused, 1);
                 if let Some(c) = confirm {
-                    let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: false });
+                    c.answer(false);
                 }
             }
         }
@@ -391,7 +391,7 @@ impl Queue {
             }
         }
         for (c, _) in self.pending_confirms.drain(..) {
-            let _ = c.tx.send(ClientEvent::Stored { channel: c.channel, seq: c.seq, ok: confirms_ok });
+            c.answer(confirms_ok);
         }
         self.wake();
         (self.shard.clone(), self.index.clone())

@@ -345,7 +345,7 @@ fn dead_letter(cell: &QueueCell, offsets: Vec<u64>) {
             let n = route.queues.len();
             let published = crate::observe::sample().then(Instant::now);
             for target in &route.queues {
-                let confirm = ConfirmTo { tx: tx.clone(), channel: crate::broker::ChannelId(0), seq: off };
+                let confirm = ConfirmTo { tx: tx.clone(), channel: crate::broker::ChannelId(0), chan_uid: 0, seq: off };
                 env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
             }
             drop(tx);
