@@ -240,3 +240,72 @@ fn confirms_of_a_closed_channel_never_reach_its_reopened_number() {
     }
     assert!(stray.is_empty(), "{} confirms of the closed channel reached the reopened one ({acked} before the close)", stray.len());
 }
+
+/// Nothing follows a channel.close on its channel (AMQP 0-9-1 §1.5.2.5: after channel.close
+/// the sender discards everything but close-ok): persistent publishes are pipelined in
+/// confirm mode and then one to a missing exchange (404 closes the channel); confirms the
+/// group commit completes after that close are not written (they used to be, after it).
+#[test]
+fn no_confirm_follows_the_channel_close() {
+    let b = Broker::start();
+    let mut c = RawConn::open(b.addr());
+    c.open_channel(1);
+    let mut a = Vec::new();
+    a.extend_from_slice(&0u16.to_be_bytes());
+    shortstr(&mut a, "confirm-after-close");
+    a.push(0b0000_0010); // durable
+    a.extend_from_slice(&0u32.to_be_bytes());
+    c.send_method(1, 50, 10, &a);
+    assert_eq!(c.read_method().method_id(), Some((50, 11)));
+    c.send_method(1, 85, 10, &[0]);
+    assert_eq!(c.read_method().method_id(), Some((85, 11)));
+    let mut header = Vec::new();
+    header.extend_from_slice(&60u16.to_be_bytes());
+    header.extend_from_slice(&0u16.to_be_bytes());
+    header.extend_from_slice(&1u64.to_be_bytes());
+    header.extend_from_slice(&0x1000u16.to_be_bytes());
+    header.push(2);
+    let publish = |exchange: &str, key: &str| {
+        let mut args = Vec::new();
+        args.extend_from_slice(&0u16.to_be_bytes());
+        shortstr(&mut args, exchange);
+        shortstr(&mut args, key);
+        args.push(0);
+        let mut f = raw::frame(1, 1, &raw::method(60, 40, &args));
+        f.extend(raw::frame(2, 1, &header));
+        f.extend(raw::frame(3, 1, b"x"));
+        f
+    };
+    let mut burst = Vec::new();
+    const N: usize = 5_000;
+    for _ in 0..N {
+        burst.extend(publish("", "confirm-after-close"));
+    }
+    burst.extend(publish("no-such-exchange", "k"));
+    c.write(&burst);
+    let mut closed = false;
+    for _ in 0..(N + 10) {
+        let f = c.read_frame().expect("frames until channel.close");
+        if f.method_id() == Some((20, 40)) && f.channel == 1 {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "no channel.close for the publish to a missing exchange");
+    // Let the group commits finish, then a round trip on another channel.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut open = Vec::new();
+    shortstr(&mut open, "");
+    c.send_method(2, 20, 10, &open);
+    let mut after = Vec::new();
+    for _ in 0..(N + 10) {
+        let f = c.read_frame().expect("frames until channel.open-ok");
+        if f.method_id() == Some((20, 11)) && f.channel == 2 {
+            break;
+        }
+        if f.channel == 1 {
+            after.push(f.method_id());
+        }
+    }
+    assert!(after.is_empty(), "{} frames on channel 1 after its channel.close: {:?}", after.len(), &after[..after.len().min(5)]);
+}

@@ -161,9 +161,14 @@ impl Session {
             }
             ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok } => {
                 let mut st = self.st.borrow_mut();
-                // Only the incarnation that published (DESIGN.md rule 9: a confirm names a
-                // stored message of this channel, never one of a channel closed since).
-                let done = st.channels.get_mut(&channel).filter(|c| c.uid == chan_uid).and_then(|c| c.confirms.stored(seq, ok));
+                // Only the incarnation that published, and only while it is open (DESIGN.md
+                // rule 9: a confirm names a stored message of this channel, never one of a
+                // channel closed since; spec 1.5.2.5: nothing follows a channel.close).
+                let done = st
+                    .channels
+                    .get_mut(&channel)
+                    .filter(|c| c.uid == chan_uid && c.state == ChannelState::Open)
+                    .and_then(|c| c.confirms.stored(seq, ok));
                 if let Some(ok) = done {
                     st.confirms_ready.push((channel, seq, ok));
                 }
@@ -207,7 +212,9 @@ impl Session {
         if st.confirms_ready.is_empty() {
             return;
         }
-        let ready = std::mem::take(&mut st.confirms_ready);
+        let mut ready = std::mem::take(&mut st.confirms_ready);
+        // A channel that closed since its confirms completed gets none (spec 1.5.2.5).
+        ready.retain(|(ch, _, _)| st.channels.get(ch).is_some_and(|c| c.state == ChannelState::Open));
         let n = ready.len() as u64;
         let channels = &st.channels;
         for c in confirms::coalesce(ready, |ch| channels.get(&ch).and_then(|c| c.confirms.lowest_pending())) {
