@@ -20,8 +20,8 @@ pub type Admit = Arc<dyn Fn(SocketAddr) -> bool + Send + Sync>;
 /// Every core binds with SO_REUSEPORT, which would also let us share the port with a
 /// listener that is still alive, for instance one of a killed ringmq whose io_uring the
 /// kernel has not torn down yet: the kernel would then hand part of the new connections
-/// to that dead listener, and they would be reset. A plain bind (SO_REUSEADDR only) fails
-/// while any listener exists, so it tells us when the port is really ours.
+/// to that dead listener, and they would be reset. A plain bind (SO_REUSEADDR only, never
+/// listening) fails while any listener exists, so it tells us when the port is really ours.
 ///
 /// # Errors
 /// When the port stays taken for 10 s, or binding fails otherwise.
@@ -31,7 +31,13 @@ pub fn wait_port_free(addr: SocketAddr) -> std::io::Result<()> {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match TcpListener::bind(addr) {
+        // bind(2) without listen(2): a probe that listened would, for an instant, accept a
+        // client's connection and reset it (a client that saw the port accept could then
+        // find the rest of the broker not yet up).
+        let probe = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))
+            .and_then(|s| s.set_reuse_address(true).map(|_| s))
+            .and_then(|s| s.bind(&addr.into()).map(|_| s));
+        match probe {
             Ok(probe) => {
                 drop(probe);
                 return Ok(());
