@@ -173,34 +173,12 @@ fn confirms_of_a_closed_channel_never_reach_its_reopened_number() {
     let b = Broker::start();
     let mut c = RawConn::open(b.addr());
     c.open_channel(1);
-    // queue.declare durable (flags bit 1), then confirm.select
-    let mut a = Vec::new();
-    a.extend_from_slice(&0u16.to_be_bytes());
-    shortstr(&mut a, "confirm-incarnations");
-    a.push(0b0000_0010);
-    a.extend_from_slice(&0u32.to_be_bytes());
-    c.send_method(1, 50, 10, &a);
-    assert_eq!(c.read_method().method_id(), Some((50, 11)));
-    c.send_method(1, 85, 10, &[0]);
-    assert_eq!(c.read_method().method_id(), Some((85, 11)));
+    c.durable_queue_in_confirm_mode(1, "confirm-incarnations");
     // 5,000 persistent publishes (delivery-mode 2), channel.close, channel.open: one write.
-    let mut header = Vec::new();
-    header.extend_from_slice(&60u16.to_be_bytes());
-    header.extend_from_slice(&0u16.to_be_bytes());
-    header.extend_from_slice(&1u64.to_be_bytes());
-    header.extend_from_slice(&0x1000u16.to_be_bytes());
-    header.push(2);
-    let mut args = Vec::new();
-    args.extend_from_slice(&0u16.to_be_bytes());
-    shortstr(&mut args, "");
-    shortstr(&mut args, "confirm-incarnations");
-    args.push(0);
     let mut burst = Vec::new();
     const N: usize = 5_000;
     for _ in 0..N {
-        burst.extend(raw::frame(1, 1, &raw::method(60, 40, &args)));
-        burst.extend(raw::frame(2, 1, &header));
-        burst.extend(raw::frame(3, 1, b"x"));
+        burst.extend(RawConn::persistent_publish_frames(1, "", "confirm-incarnations", b"x"));
     }
     let mut close = Vec::new();
     close.extend_from_slice(&200u16.to_be_bytes());
@@ -250,38 +228,13 @@ fn no_confirm_follows_the_channel_close() {
     let b = Broker::start();
     let mut c = RawConn::open(b.addr());
     c.open_channel(1);
-    let mut a = Vec::new();
-    a.extend_from_slice(&0u16.to_be_bytes());
-    shortstr(&mut a, "confirm-after-close");
-    a.push(0b0000_0010); // durable
-    a.extend_from_slice(&0u32.to_be_bytes());
-    c.send_method(1, 50, 10, &a);
-    assert_eq!(c.read_method().method_id(), Some((50, 11)));
-    c.send_method(1, 85, 10, &[0]);
-    assert_eq!(c.read_method().method_id(), Some((85, 11)));
-    let mut header = Vec::new();
-    header.extend_from_slice(&60u16.to_be_bytes());
-    header.extend_from_slice(&0u16.to_be_bytes());
-    header.extend_from_slice(&1u64.to_be_bytes());
-    header.extend_from_slice(&0x1000u16.to_be_bytes());
-    header.push(2);
-    let publish = |exchange: &str, key: &str| {
-        let mut args = Vec::new();
-        args.extend_from_slice(&0u16.to_be_bytes());
-        shortstr(&mut args, exchange);
-        shortstr(&mut args, key);
-        args.push(0);
-        let mut f = raw::frame(1, 1, &raw::method(60, 40, &args));
-        f.extend(raw::frame(2, 1, &header));
-        f.extend(raw::frame(3, 1, b"x"));
-        f
-    };
+    c.durable_queue_in_confirm_mode(1, "confirm-after-close");
     let mut burst = Vec::new();
     const N: usize = 5_000;
     for _ in 0..N {
-        burst.extend(publish("", "confirm-after-close"));
+        burst.extend(RawConn::persistent_publish_frames(1, "", "confirm-after-close", b"x"));
     }
-    burst.extend(publish("no-such-exchange", "k"));
+    burst.extend(RawConn::persistent_publish_frames(1, "no-such-exchange", "k", b"x"));
     c.write(&burst);
     let mut closed = false;
     for _ in 0..(N + 10) {

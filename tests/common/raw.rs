@@ -258,6 +258,42 @@ impl RawConn {
         out
     }
 
+    /// The three frames of a basic.publish of a persistent message (delivery-mode 2, the
+    /// only property set).
+    pub fn persistent_publish_frames(channel: u16, exchange: &str, key: &str, body: &[u8]) -> Vec<u8> {
+        let mut a = Vec::new();
+        a.extend_from_slice(&0u16.to_be_bytes());
+        shortstr(&mut a, exchange);
+        shortstr(&mut a, key);
+        a.push(0);
+        let mut header = Vec::new();
+        header.extend_from_slice(&60u16.to_be_bytes());
+        header.extend_from_slice(&0u16.to_be_bytes());
+        header.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        header.extend_from_slice(&0x1000u16.to_be_bytes());
+        header.push(2);
+        let mut out = frame(FRAME_METHOD, channel, &method(60, 40, &a));
+        out.extend(frame(FRAME_HEADER, channel, &header));
+        out.extend(frame(FRAME_BODY, channel, body));
+        out
+    }
+
+    /// queue.declare of a durable queue, waiting for declare-ok, then confirm.select,
+    /// waiting for select-ok.
+    pub fn durable_queue_in_confirm_mode(&mut self, channel: u16, queue: &str) {
+        let mut a = Vec::new();
+        a.extend_from_slice(&0u16.to_be_bytes());
+        shortstr(&mut a, queue);
+        a.push(0b0000_0010); // durable
+        a.extend_from_slice(&0u32.to_be_bytes());
+        self.send_method(channel, 50, 10, &a);
+        let ok = self.read_method();
+        assert_eq!(ok.method_id(), Some((50, 11)), "expected queue.declare-ok, got {ok:?}");
+        self.send_method(channel, 85, 10, &[0]);
+        let ok = self.read_method();
+        assert_eq!(ok.method_id(), Some((85, 11)), "expected confirm.select-ok, got {ok:?}");
+    }
+
     pub fn publish(&mut self, channel: u16, exchange: &str, key: &str, body: &[u8]) {
         let f = Self::publish_frames(channel, exchange, key, body);
         self.write(&f);
