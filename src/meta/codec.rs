@@ -58,6 +58,8 @@ const TAG_BIND: u8 = 6;
 const TAG_UNBIND: u8 = 7;
 const TAG_CURSOR_CAS: u8 = 8;
 const TAG_NODE_BOOT: u8 = 9;
+/// `NodeBoot` of one node of a cluster (tag 9 is a single node's, as logs before clusters).
+const TAG_NODE_BOOT_CLUSTER: u8 = 10;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -121,8 +123,8 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, *expected);
             put_varint(out, *new);
         }
-        Command::NodeBoot { node } => {
-            out.push(TAG_NODE_BOOT);
+        Command::NodeBoot { node, cluster } => {
+            out.push(if *cluster { TAG_NODE_BOOT_CLUSTER } else { TAG_NODE_BOOT });
             put_varint(out, *node);
         }
     }
@@ -191,7 +193,8 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             }
         }
         TAG_CURSOR_CAS => Command::CursorCas { vhost: r.string()?, queue: r.string()?, expected: r.varint()?, new: r.varint()? },
-        TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()? },
+        TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()?, cluster: false },
+        TAG_NODE_BOOT_CLUSTER => Command::NodeBoot { node: r.varint()?, cluster: true },
         _ => return Err(r.err("unknown command tag")),
     })
 }

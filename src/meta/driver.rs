@@ -1,65 +1,95 @@
 //! The Raft driver: the thread that owns the `RawNode<DiskStorage>` and runs raft-rs's Ready
 //! loop, and the state it shares with every [`MetaHandle`](super::MetaHandle) (`handle.rs`).
+//! The Ready handling and applying entries are in `ready.rs`.
 //!
-//! # The driver loop (one iteration, in this order)
+//! # The driver loop (one iteration, [`Driver::turn`], in this order)
 //! 1. Wait for a request, at most until the next tick (100 ms); then drain every request already
-//!    waiting (at most `MAX_DRAIN`).
+//!    waiting (at most `MAX_DRAIN`): proposals, read barriers, and (in a cluster) messages from
+//!    peers, unreachable reports and snapshot reports from the transport.
 //! 2. Tick raft-rs when 100 ms have passed.
 //! 3. Group commit: encode all drained commands into one entry (a new entry only past
 //!    `MAX_ENTRY_BYTES`), propose it with a 16-byte context (driver nonce, batch sequence) that
-//!    finds its waiters when it is applied.
-//! 4. Ready loop, raft-rs's steps: install a received snapshot; apply committed entries; write
-//!    new entries and the HardState in one write, one fdatasync when `must_sync`; advance; record
-//!    the commit index; apply the newly committed entries; advance apply.
+//!    finds its waiters when it is applied. On a follower raft-rs forwards the proposal to the
+//!    leader (`MsgPropose`); the context travels in the entry, so the proposer's waiters resolve
+//!    when the proposer itself applies the entry (it reads its own writes). With no leader
+//!    known, proposals wait (up to `PROPOSE_TIMEOUT`) for one.
+//! 4. Ready loop (`ready.rs`), raft-rs's steps: send the leader's messages; install a received
+//!    snapshot; apply committed entries; write new entries and the HardState in one write, one
+//!    fdatasync when `must_sync`; send the messages that had to wait for that write; advance;
+//!    send and apply what the advance released; resolve read barriers.
 //! 5. Applying an entry locks the state, applies each command, bumps the topology version when
 //!    the topology changed, unlocks, then resolves the entry's waiters with their outcomes (in
 //!    proposal order).
-//! 6. Compact when the log passed 10,000 entries or 16 MiB (`snapshot.rs`).
+//! 6. Fail proposals and read barriers older than `PROPOSE_TIMEOUT` ([`MetaError::NoQuorum`]);
+//!    compact when the log passed 10,000 entries or 16 MiB (`snapshot.rs`).
 //!
-//! # Adding voters
-//! The group configuration is raft-rs's `ConfState`, persisted in the log and the snapshot;
-//! ConfChange entries are applied in step 4. What a cluster adds: a transport that delivers
-//! `Ready::messages` / `persisted_messages` to peers and `RawNode::step`s the incoming ones
-//! (both points are marked `TRANSPORT` below), and forwarding of proposals to the leader
-//! (today a non-leader answers [`MetaError::NotLeader`]).
+//! # Cluster (raft-rs's driver contract)
+//! `check_quorum` and `pre_vote` are on in a cluster: a leader cut off from a majority steps
+//! down within an election timeout (1 s), and a node that rejoins does not disrupt the term.
+//! Failed sends reach [`RawNode::report_unreachable`], every sent snapshot
+//! [`RawNode::report_snapshot`]. The voters come from the static `--peers` list at the first
+//! start and from the log and snapshot after that.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use protobuf::Message as _;
-use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType};
-use raft::{Config, RawNode, StateRole};
+use raft::eraftpb::{Message, MessageType};
+use raft::{Config, RawNode, SnapshotStatus, StateRole};
 
-use super::codec::{decode_batch, encode_batch};
+use super::codec::encode_batch;
+use super::net::{ClusterFigures, ClusterSpec, RaftNet};
+use super::raftlog::TracingDrain;
 use super::state::{Command, MetaState, Outcome};
 use super::storage::DiskStorage;
 use super::topology::{NodeId, Topology};
 use super::{Counters, MetaConfig, MetaError};
 
 /// Raft logical clock period.
-const TICK: Duration = Duration::from_millis(100);
+pub(super) const TICK: Duration = Duration::from_millis(100);
 /// Most requests drained from the channel per loop iteration.
 const MAX_DRAIN: usize = 16_384;
 /// A new entry is started once the current one's data passes this size (bytes).
 pub const MAX_ENTRY_BYTES: usize = 1 << 20;
-/// Most Ready rounds handled per loop iteration (each round needs fresh raft-rs work).
-const MAX_READY_ROUNDS: usize = 64;
-/// How long `start` waits for the driver to become leader (single voter: immediate).
+/// How long `start` waits for a single voter to become leader.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// A proposal or read barrier not answered within this time fails with
+/// [`MetaError::NoQuorum`] (no leader, or no majority behind it).
+pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Election timeout in ticks (1 s; raft-rs randomizes it in [1 s, 2 s)).
+const ELECTION_TICKS: usize = 10;
 
+/// A request to the driver: from handles (proposals, read barriers, shutdown) or from the
+/// transport (messages and reports).
 pub(super) enum Request {
-    Propose { cmds: Vec<Command>, reply: flume::Sender<Result<Vec<Outcome>, MetaError>> },
-    Shutdown { done: flume::Sender<()> },
+    Propose {
+        cmds: Vec<Command>,
+        reply: flume::Sender<Result<Vec<Outcome>, MetaError>>,
+    },
+    /// A read barrier: resolves once this node has applied everything committed when it was
+    /// asked (raft-rs's ReadIndex).
+    ReadIndex {
+        reply: flume::Sender<Result<(), MetaError>>,
+    },
+    Step(Box<Message>),
+    Unreachable(NodeId),
+    SnapshotDone {
+        to: NodeId,
+        ok: bool,
+    },
+    Shutdown {
+        done: flume::Sender<()>,
+    },
 }
 
 /// State shared by the driver thread and every handle.
 pub(super) struct Shared {
     pub(super) node: NodeId,
+    /// True in a multi-voter group (started with peers).
+    pub(super) cluster: bool,
     /// The state machine; the driver locks it per applied entry, readers briefly.
     pub(super) state: Mutex<MetaState>,
     /// Bumped (under the `state` lock) whenever an applied entry changed the topology.
@@ -74,9 +104,27 @@ pub(super) struct Shared {
     pub(super) stopped: AtomicBool,
     /// The fatal error that stopped the driver, if any.
     pub(super) failure: Mutex<Option<String>>,
+    /// The group's figures, refreshed by the driver after every loop iteration.
+    pub(super) figures: Mutex<ClusterFigures>,
 }
 
 impl Shared {
+    pub(super) fn new(node: NodeId, cluster: bool, counters: Arc<Counters>) -> Shared {
+        Shared {
+            node,
+            cluster,
+            state: Mutex::new(MetaState::default()),
+            version: AtomicU64::new(0),
+            topo_cache: Mutex::new((u64::MAX, Arc::new(Topology::default()))),
+            leader: AtomicU64::new(0),
+            boot_epoch: AtomicU64::new(0),
+            counters,
+            stopped: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            figures: Mutex::new(ClusterFigures::default()),
+        }
+    }
+
     pub(super) fn stopped_error(&self) -> MetaError {
         match &*self.failure.lock() {
             Some(why) => MetaError::Failed(why.clone()),
@@ -86,50 +134,82 @@ impl Shared {
 }
 
 /// Requests drained in one loop iteration, packed into entries.
-struct Waiter {
+pub(super) struct Waiter {
     /// How many of the entry's commands (consecutive, in order) are this waiter's.
-    count: usize,
-    reply: flume::Sender<Result<Vec<Outcome>, MetaError>>,
+    pub(super) count: usize,
+    pub(super) reply: flume::Sender<Result<Vec<Outcome>, MetaError>>,
 }
 
-struct PendingEntry {
+pub(super) struct PendingEntry {
     cmds: Vec<Command>,
     waiters: Vec<Waiter>,
     bytes_estimate: usize,
+    /// When its first request arrived.
+    since: Instant,
 }
 
 pub(super) struct Driver {
-    raw: RawNode<DiskStorage>,
-    shared: Arc<Shared>,
-    rx: flume::Receiver<Request>,
-    counters: Arc<Counters>,
+    pub(super) raw: RawNode<DiskStorage>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) counters: Arc<Counters>,
+    /// Where raft-rs's messages go (None: a single voter, no network).
+    pub(super) net: Option<Arc<dyn RaftNet>>,
     /// Identifies this driver's proposals in entry contexts (differs across restarts).
-    nonce: u64,
+    pub(super) nonce: u64,
     next_seq: u64,
-    /// Waiters per proposed entry, by batch sequence.
-    in_flight: HashMap<u64, Vec<Waiter>>,
+    /// Waiters per proposed entry, by batch sequence, with the time it was proposed.
+    pub(super) in_flight: HashMap<u64, (Instant, Vec<Waiter>)>,
+    /// Proposals made while no leader was known, retried each iteration.
+    awaiting_leader: Vec<PendingEntry>,
+    /// Read barriers sent to raft-rs, by request id, with the time they were asked.
+    pub(super) reads: HashMap<u64, (Instant, flume::Sender<Result<(), MetaError>>)>,
+    /// Read barriers whose read index is known: resolved once applied reaches it.
+    pub(super) reads_at: Vec<(u64, flume::Sender<Result<(), MetaError>>)>,
+    next_read: u64,
+    /// The clock of the last `turn` (the simulator drives it).
+    pub(super) now: Instant,
     last_tick: Instant,
+    /// Last leader seen (for the leader-change log line and counter).
+    pub(super) last_leader: NodeId,
+    pub(super) leader_changes: u64,
     /// No compaction before this instant (set after a failed one).
     compact_after: Option<Instant>,
-    shutdown_done: Vec<flume::Sender<()>>,
+    pub(super) shutdown_done: Vec<flume::Sender<()>>,
+    pub(super) voters: Vec<NodeId>,
 }
 
 impl Driver {
+    /// Opens the storage in `dir` and builds the raft-rs node. A fresh directory gets the
+    /// voters of `cluster` (or this node alone); an existing one keeps its stored voters,
+    /// which must be the same set. Errors: those of `DiskStorage::open`,
+    /// [`MetaError::Membership`], [`MetaError::Raft`].
     pub(super) fn open(
         dir: &Path,
         shared: Arc<Shared>,
-        rx: flume::Receiver<Request>,
         counters: Arc<Counters>,
         meta_config: MetaConfig,
+        cluster: Option<ClusterSpec>,
+        now: Instant,
     ) -> Result<Driver, MetaError> {
         let node = shared.node;
         let (mut store, rec) = DiskStorage::open(dir, counters.clone())?;
         store.set_compaction(meta_config.compact_entries, meta_config.compact_bytes);
-        if rec.fresh || store.conf_state().voters.is_empty() && store.conf_state().learners.is_empty() {
-            // A new single-voter group. (A node joining a cluster would start empty instead and
-            // wait for the leader's snapshot: TRANSPORT.)
-            let cs = raft::eraftpb::ConfState { voters: vec![node], ..Default::default() };
+        let mut wanted: Vec<NodeId> = match &cluster {
+            Some(spec) => spec.voters.clone(),
+            None => vec![node],
+        };
+        wanted.sort_unstable();
+        wanted.dedup();
+        let empty = store.conf_state().voters.is_empty() && store.conf_state().learners.is_empty();
+        if rec.fresh || empty {
+            let cs = raft::eraftpb::ConfState { voters: wanted.clone(), ..Default::default() };
             store.set_conf_state(cs)?;
+        } else {
+            let mut stored = store.conf_state().voters.clone();
+            stored.sort_unstable();
+            if stored != wanted {
+                return Err(MetaError::Membership { stored, given: wanted });
+            }
         }
         let applied = store.snapshot_index();
         if let Some(state) = rec.state {
@@ -138,42 +218,50 @@ impl Driver {
         tracing::debug!(node, snapshot_index = applied, log_entries = rec.entries, torn_bytes = rec.torn_bytes, "metadata log replayed");
         let config = Config {
             id: node,
-            election_tick: 10,
+            election_tick: ELECTION_TICKS,
             heartbeat_tick: 1,
             applied,
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
             pre_vote: true,
+            check_quorum: cluster.is_some(),
             ..Config::default()
         };
         config.validate().map_err(|e| MetaError::Raft(e.to_string()))?;
         let logger = slog::Logger::root(TracingDrain, slog::o!("raft_id" => node));
         let raw = RawNode::new(&config, store, &logger).map_err(|e| MetaError::Raft(e.to_string()))?;
-        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-            ^ (u64::from(std::process::id()) << 32);
+        let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let nonce = clock ^ (u64::from(std::process::id()) << 32) ^ node.rotate_left(48) ^ NONCES.fetch_add(1, Ordering::Relaxed) << 56;
         Ok(Driver {
             raw,
             shared,
-            rx,
             counters,
+            net: cluster.map(|c| c.net),
             nonce,
             next_seq: 1,
             in_flight: HashMap::new(),
-            last_tick: Instant::now(),
+            awaiting_leader: Vec::new(),
+            reads: HashMap::new(),
+            reads_at: Vec::new(),
+            next_read: 1,
+            now,
+            last_tick: now,
+            last_leader: 0,
+            leader_changes: 0,
             compact_after: None,
             shutdown_done: Vec::new(),
+            voters: wanted,
         })
     }
 
-    /// Campaigns (single voter: wins at once) and runs Ready rounds until this node leads.
+    /// Single voter: campaigns (wins at once) and runs Ready rounds until this node leads.
+    /// In a cluster this returns at once: the loop elects a leader with the peers, and
+    /// proposals wait for one.
     pub(super) fn become_leader(&mut self) -> Result<(), MetaError> {
-        let single_voter = {
-            let cs = self.raw.store().conf_state();
-            cs.voters == [self.shared.node] && cs.voters_outgoing.is_empty()
-        };
-        if single_voter {
-            self.raw.campaign().map_err(|e| MetaError::Raft(e.to_string()))?;
+        if self.voters != [self.shared.node] {
+            return Ok(());
         }
+        self.raw.campaign().map_err(|e| MetaError::Raft(e.to_string()))?;
         let deadline = Instant::now() + START_TIMEOUT;
         // Bounded: one round per tick until the deadline.
         while Instant::now() < deadline {
@@ -189,32 +277,33 @@ impl Driver {
         Err(MetaError::NotLeader { leader: self.leader() })
     }
 
-    fn leader(&self) -> Option<NodeId> {
+    pub(super) fn leader(&self) -> Option<NodeId> {
         match self.raw.raft.leader_id {
             0 => None,
             id => Some(id),
         }
     }
 
-    pub(super) fn run(&mut self) {
-        if let Err(e) = self.run_loop() {
+    /// The driver thread's body: [`Driver::turn`] until shutdown or a fatal error.
+    pub(super) fn run(&mut self, rx: flume::Receiver<Request>) {
+        if let Err(e) = self.run_loop(&rx) {
             let why = e.to_string();
             tracing::error!(error = %why, "metadata driver stopped on a fatal error");
             *self.shared.failure.lock() = Some(why.clone());
             self.shared.stopped.store(true, Ordering::Release);
-            for (_, waiters) in self.in_flight.drain() {
-                for w in waiters {
-                    let _ = w.reply.send(Err(MetaError::Failed(why.clone())));
-                }
-            }
+            self.fail_all(|| MetaError::Failed(why.clone()));
             // Fail whatever is still queued (bounded by the channel's capacity).
-            let queued: Vec<Request> = self.rx.drain().collect();
+            let queued: Vec<Request> = rx.drain().collect();
             for req in queued {
                 match req {
                     Request::Propose { reply, .. } => {
                         let _ = reply.send(Err(MetaError::Failed(why.clone())));
                     }
+                    Request::ReadIndex { reply } => {
+                        let _ = reply.send(Err(MetaError::Failed(why.clone())));
+                    }
                     Request::Shutdown { done } => self.shutdown_done.push(done),
+                    Request::Step(_) | Request::Unreachable(_) | Request::SnapshotDone { .. } => {}
                 }
             }
         }
@@ -223,69 +312,71 @@ impl Driver {
         }
     }
 
-    fn run_loop(&mut self) -> Result<(), MetaError> {
-        let mut stopping = false;
+    fn run_loop(&mut self, rx: &flume::Receiver<Request>) -> Result<(), MetaError> {
         // Runs until a Shutdown request or until every handle is dropped.
         loop {
             let wait = TICK.saturating_sub(self.last_tick.elapsed());
-            let mut batch = Vec::new();
-            match self.rx.recv_timeout(wait) {
+            let mut reqs = Vec::new();
+            let mut disconnected = false;
+            match rx.recv_timeout(wait) {
                 Ok(req) => {
-                    stopping |= self.take(req, &mut batch);
-                    for _ in 0..MAX_DRAIN {
-                        match self.rx.try_recv() {
-                            Ok(req) => stopping |= self.take(req, &mut batch),
-                            Err(_) => break,
-                        }
-                    }
+                    reqs.push(req);
+                    reqs.extend(rx.try_iter().take(MAX_DRAIN));
                 }
                 Err(flume::RecvTimeoutError::Timeout) => {}
-                Err(flume::RecvTimeoutError::Disconnected) => stopping = true,
+                Err(flume::RecvTimeoutError::Disconnected) => disconnected = true,
             }
-            if self.last_tick.elapsed() >= TICK {
-                self.raw.tick();
-                self.last_tick = Instant::now();
-            }
-            self.propose_entries(batch);
-            self.on_ready()?;
-            if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| Instant::now() >= t) {
-                let state = self.shared.state.lock().clone();
-                // A failed compaction (no disk space for the snapshot or the new log) leaves
-                // the old log in use, consistent with memory: retried later, not fatal.
-                match self.raw.mut_store().compact(&state) {
-                    Ok(()) => self.compact_after = None,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
-                        self.compact_after = Some(Instant::now() + Duration::from_secs(10));
-                    }
-                }
-            }
+            let stopping = self.turn(reqs, Instant::now())? || disconnected;
             if stopping {
                 // Requests sent before `stopped` was visible are still served.
-                let mut batch = Vec::new();
-                let queued: Vec<Request> = self.rx.drain().collect();
-                for req in queued {
-                    self.take(req, &mut batch);
-                }
-                self.propose_entries(batch);
-                self.on_ready()?;
+                let queued: Vec<Request> = rx.drain().collect();
+                self.turn(queued, Instant::now())?;
                 self.raw.mut_store().flush()?;
-                for (_, waiters) in self.in_flight.drain() {
-                    for w in waiters {
-                        let _ = w.reply.send(Err(MetaError::Stopped));
-                    }
-                }
+                self.fail_all(|| MetaError::Stopped);
                 return Ok(());
             }
         }
     }
 
-    /// Files one request into the batch; returns true for a shutdown request.
+    /// One loop iteration (module doc, steps 1–6) on `reqs` at time `now`; returns true when
+    /// a shutdown was requested. Errors are fatal (a failed write or fsync of the log).
+    pub(super) fn turn(&mut self, reqs: Vec<Request>, now: Instant) -> Result<bool, MetaError> {
+        self.now = now;
+        let mut stopping = false;
+        let mut batch = Vec::new();
+        for req in reqs {
+            stopping |= self.take(req, &mut batch);
+        }
+        if now.saturating_duration_since(self.last_tick) >= TICK {
+            self.raw.tick();
+            self.last_tick = now;
+        }
+        let retry = std::mem::take(&mut self.awaiting_leader);
+        self.propose_entries(retry.into_iter().chain(batch).collect());
+        self.on_ready()?;
+        self.expire();
+        self.publish_figures();
+        if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| now >= t) {
+            let state = self.shared.state.lock().clone();
+            // A failed compaction (no disk space for the snapshot or the new log) leaves
+            // the old log in use, consistent with memory: retried later, not fatal.
+            match self.raw.mut_store().compact(&state) {
+                Ok(()) => self.compact_after = None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
+                    self.compact_after = Some(now + Duration::from_secs(10));
+                }
+            }
+        }
+        Ok(stopping)
+    }
+
+    /// Files one request; returns true for a shutdown request.
     fn take(&mut self, req: Request, batch: &mut Vec<PendingEntry>) -> bool {
         match req {
             Request::Shutdown { done } => {
                 self.shutdown_done.push(done);
-                true
+                return true;
             }
             Request::Propose { cmds, reply } => {
                 self.counters.proposals.add(1);
@@ -295,26 +386,56 @@ impl Driver {
                     Some(e) => e.bytes_estimate + estimate > MAX_ENTRY_BYTES,
                 };
                 if start_new {
-                    batch.push(PendingEntry { cmds: Vec::new(), waiters: Vec::new(), bytes_estimate: 0 });
+                    batch.push(PendingEntry { cmds: Vec::new(), waiters: Vec::new(), bytes_estimate: 0, since: self.now });
                 }
                 if let Some(entry) = batch.last_mut() {
                     entry.waiters.push(Waiter { count: cmds.len(), reply });
                     entry.cmds.extend(cmds);
                     entry.bytes_estimate += estimate;
                 }
-                false
             }
+            Request::ReadIndex { reply } => {
+                if self.net.is_none() {
+                    // A single voter's state is the committed state.
+                    let _ = reply.send(Ok(()));
+                } else {
+                    let id = self.next_read;
+                    self.next_read += 1;
+                    self.raw.read_index(id.to_le_bytes().to_vec());
+                    self.reads.insert(id, (self.now, reply));
+                }
+            }
+            Request::Step(msg) => self.step(*msg),
+            Request::Unreachable(to) => self.raw.report_unreachable(to),
+            Request::SnapshotDone { to, ok } => {
+                let status = if ok { SnapshotStatus::Finish } else { SnapshotStatus::Failure };
+                self.raw.report_snapshot(to, status);
+            }
+        }
+        false
+    }
+
+    /// Steps a message from a peer. A forwarded proposal must find disk room here first, as a
+    /// local one does; without it the proposal is dropped (its proposer times out).
+    fn step(&mut self, msg: Message) {
+        if msg.get_msg_type() == MessageType::MsgPropose && self.raw.raft.state == StateRole::Leader {
+            let bytes: u64 = msg.get_entries().iter().map(|e| e.data.len() as u64 + e.context.len() as u64 + 128).sum();
+            if let Err(e) = self.raw.mut_store().reserve_log(bytes) {
+                tracing::warn!(from = msg.from, error = %e, "forwarded metadata proposal dropped: disk full");
+                return;
+            }
+        }
+        if let Err(e) = self.raw.step(msg) {
+            // A message from a node outside the group, or for a stale term: nothing to do.
+            tracing::debug!(error = %e, "raft message not stepped");
         }
     }
 
     /// Proposes each pending entry to raft-rs (all reach the disk in the next Ready).
     fn propose_entries(&mut self, batch: Vec<PendingEntry>) {
         for entry in batch {
-            if self.raw.raft.state != StateRole::Leader {
-                let leader = self.leader();
-                for w in entry.waiters {
-                    let _ = w.reply.send(Err(MetaError::NotLeader { leader }));
-                }
+            if self.raw.raft.leader_id == 0 || self.raw.raft.state != StateRole::Leader && self.net.is_none() {
+                self.awaiting_leader.push(entry);
                 continue;
             }
             let seq = self.next_seq;
@@ -338,117 +459,74 @@ impl Driver {
             }
             match self.raw.propose(ctx, data) {
                 Ok(()) => {
-                    self.in_flight.insert(seq, entry.waiters);
+                    self.in_flight.insert(seq, (entry.since, entry.waiters));
+                }
+                Err(raft::Error::ProposalDropped) => {
+                    // Leadership is moving (or the leader just vanished): try again next turn.
+                    self.awaiting_leader.push(entry);
                 }
                 Err(e) => {
-                    let leader = self.leader();
                     tracing::warn!(error = %e, "metadata proposal dropped by raft");
                     for w in entry.waiters {
-                        let _ = w.reply.send(Err(match e {
-                            raft::Error::ProposalDropped => MetaError::NotLeader { leader },
-                            ref e => MetaError::Raft(e.to_string()),
-                        }));
+                        let _ = w.reply.send(Err(MetaError::Raft(e.to_string())));
                     }
                 }
             }
         }
     }
 
-    /// raft-rs's Ready handling (module doc, step 4), repeated while raft-rs has work.
-    fn on_ready(&mut self) -> Result<(), MetaError> {
-        for _ in 0..MAX_READY_ROUNDS {
-            if !self.raw.has_ready() {
-                break;
-            }
-            let mut rd = self.raw.ready();
-            // TRANSPORT: rd.take_messages() go to peers here. A single voter has none.
-            if !rd.messages().is_empty() {
-                tracing::trace!(n = rd.messages().len(), "raft messages dropped (no transport)");
-            }
-            if !rd.snapshot().is_empty() {
-                let state = self.raw.mut_store().install_snapshot(rd.snapshot())?;
-                let mut st = self.shared.state.lock();
-                *st = state;
-                self.shared.version.fetch_add(1, Ordering::AcqRel);
-            }
-            let committed = rd.take_committed_entries();
-            self.apply_entries(committed)?;
-            let entries = rd.take_entries();
-            let hs = rd.hs().cloned();
-            let sync = rd.must_sync();
-            self.raw.mut_store().append(&entries, hs.as_ref(), sync)?;
-            // TRANSPORT: rd.take_persisted_messages() go to peers here.
-            let mut light = self.raw.advance(rd);
-            if let Some(commit) = light.commit_index() {
-                self.raw.mut_store().set_commit(commit);
-            }
-            let committed = light.take_committed_entries();
-            self.apply_entries(committed)?;
-            self.raw.advance_apply();
-        }
-        self.shared.leader.store(self.raw.raft.leader_id, Ordering::Release);
-        Ok(())
-    }
-
-    /// Applies committed entries to the state and resolves their waiters (module doc, step 5).
-    fn apply_entries(&mut self, entries: Vec<Entry>) -> Result<(), MetaError> {
-        for e in entries {
-            match e.get_entry_type() {
-                EntryType::EntryNormal => self.apply_normal(&e)?,
-                EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
-                    let bad = |err: protobuf::ProtobufError| MetaError::Raft(format!("conf change: {err}"));
-                    let applied = if e.get_entry_type() == EntryType::EntryConfChange {
-                        let cc = ConfChange::parse_from_bytes(&e.data).map_err(bad)?;
-                        self.raw.apply_conf_change(&cc)
-                    } else {
-                        let cc = ConfChangeV2::parse_from_bytes(&e.data).map_err(bad)?;
-                        self.raw.apply_conf_change(&cc)
-                    };
-                    let cs = applied.map_err(|err| MetaError::Raft(format!("apply conf change: {err}")))?;
-                    self.raw.mut_store().set_conf_state(cs)?;
-                    self.shared.state.lock().applied_index = e.index;
-                }
+    /// Fails proposals and read barriers older than [`PROPOSE_TIMEOUT`] (module doc, step 6).
+    fn expire(&mut self) {
+        let now = self.now;
+        let old = |since: Instant| now.saturating_duration_since(since) >= PROPOSE_TIMEOUT;
+        let waited = PROPOSE_TIMEOUT.as_millis() as u64;
+        let leader = self.leader();
+        let (late, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.awaiting_leader).into_iter().partition(|e| old(e.since));
+        self.awaiting_leader = keep;
+        for entry in late {
+            for w in entry.waiters {
+                let _ = w.reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
             }
         }
-        Ok(())
-    }
-
-    fn apply_normal(&mut self, e: &Entry) -> Result<(), MetaError> {
-        if e.data.is_empty() {
-            // A new leader's no-op.
-            self.shared.state.lock().applied_index = e.index;
-            return Ok(());
-        }
-        let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry { index: e.index, source })?;
-        let mut outcomes = Vec::with_capacity(cmds.len());
-        {
-            let mut st = self.shared.state.lock();
-            let mut changed = false;
-            for cmd in &cmds {
-                let o = st.apply(cmd);
-                changed |= cmd.changed_topology(&o);
-                outcomes.push(o);
-            }
-            st.applied_index = e.index;
-            if changed {
-                self.shared.version.fetch_add(1, Ordering::AcqRel);
-            }
-        }
-        self.counters.commands_applied.add(cmds.len() as u64);
-        let ctx: &[u8] = &e.context;
-        if ctx.len() == 16 && ctx[..8] == self.nonce.to_le_bytes() {
-            let seq = u64::from_le_bytes(ctx[8..].try_into().unwrap_or_default());
-            if let Some(waiters) = self.in_flight.remove(&seq) {
-                let mut rest = outcomes.into_iter();
+        let late: Vec<u64> = self.in_flight.iter().filter(|(_, (since, _))| old(*since)).map(|(seq, _)| *seq).collect();
+        for seq in late {
+            if let Some((_, waiters)) = self.in_flight.remove(&seq) {
                 for w in waiters {
-                    let mine: Vec<Outcome> = rest.by_ref().take(w.count).collect();
-                    let _ = w.reply.send(Ok(mine));
+                    let _ = w.reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
                 }
             }
         }
-        Ok(())
+        let late: Vec<u64> = self.reads.iter().filter(|(_, (since, _))| old(*since)).map(|(id, _)| *id).collect();
+        for id in late {
+            if let Some((_, reply)) = self.reads.remove(&id) {
+                let _ = reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
+            }
+        }
+    }
+
+    /// Answers every waiter with `err()` (shutdown, fatal error).
+    fn fail_all(&mut self, err: impl Fn() -> MetaError) {
+        for (_, (_, waiters)) in self.in_flight.drain() {
+            for w in waiters {
+                let _ = w.reply.send(Err(err()));
+            }
+        }
+        for entry in self.awaiting_leader.drain(..) {
+            for w in entry.waiters {
+                let _ = w.reply.send(Err(err()));
+            }
+        }
+        for (_, (_, reply)) in self.reads.drain() {
+            let _ = reply.send(Err(err()));
+        }
+        for (_, reply) in self.reads_at.drain(..) {
+            let _ = reply.send(Err(err()));
+        }
     }
 }
+
+/// Distinguishes drivers started in the same nanosecond in one process (tests, the simulator).
+static NONCES: AtomicU64 = AtomicU64::new(0);
 
 /// Rough encoded size of a command (bytes), to bound entry sizes.
 fn estimate_bytes(cmd: &Command) -> usize {
@@ -463,45 +541,5 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::Bind(b) | Command::Unbind(b) => {
             64 + b.vhost.len() + b.source.len() + b.dest.len() + b.routing_key.len() + 32 * b.arguments.inner().len()
         }
-    }
-}
-
-/// Forwards raft-rs's slog records to `tracing` (target `ringmq::meta::raft`); raft-rs's info
-/// lines (elections, role changes) become debug events.
-struct TracingDrain;
-
-struct KvText(String);
-
-impl slog::Serializer for KvText {
-    fn emit_arguments(&mut self, key: slog::Key, val: &std::fmt::Arguments<'_>) -> slog::Result {
-        let _ = write!(self.0, " {key}={val}");
-        Ok(())
-    }
-}
-
-impl slog::Drain for TracingDrain {
-    type Ok = ();
-    type Err = slog::Never;
-
-    fn log(&self, record: &slog::Record<'_>, values: &slog::OwnedKVList) -> Result<(), slog::Never> {
-        use slog::KV as _;
-        let mut kv = KvText(String::new());
-        let _ = record.kv().serialize(record, &mut kv);
-        let _ = values.serialize(record, &mut kv);
-        match record.level() {
-            slog::Level::Critical | slog::Level::Error => {
-                tracing::error!(target: "ringmq::meta::raft", "{}{}", record.msg(), kv.0)
-            }
-            slog::Level::Warning => {
-                tracing::warn!(target: "ringmq::meta::raft", "{}{}", record.msg(), kv.0)
-            }
-            slog::Level::Info | slog::Level::Debug => {
-                tracing::debug!(target: "ringmq::meta::raft", "{}{}", record.msg(), kv.0)
-            }
-            slog::Level::Trace => {
-                tracing::trace!(target: "ringmq::meta::raft", "{}{}", record.msg(), kv.0)
-            }
-        }
-        Ok(())
     }
 }

@@ -8,16 +8,21 @@
 //! The driver itself (its loop, group commit, persistence) is in `driver.rs`.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::driver::{Driver, Request, Shared};
+use super::net::{ClusterFigures, ClusterSpec, NetInboxRx};
 use super::state::{Command, MetaState, Outcome};
 use super::topology::{NodeId, Topology};
 use super::{Counters, MetaConfig, MetaError, MetaStats};
+
+/// How long a single voter's start waits (it needs no peer; the bound only guards a bug).
+const START_WAIT: Duration = Duration::from_secs(30);
 
 /// Handle to the metadata group: cheap to clone, `Send + Sync`, usable from every executor.
 #[derive(Clone)]
@@ -45,36 +50,57 @@ impl MetaHandle {
     ///
     /// Errors: [`MetaError::Io`], [`MetaError::CorruptLog`], [`MetaError::CorruptSnapshot`],
     /// [`MetaError::CorruptEntry`], [`MetaError::Raft`] (node id 0, raft-rs refusing the stored
-    /// state), [`MetaError::NotLeader`] (no leader within 30 s: only in a multi-voter group).
+    /// state), [`MetaError::Membership`] (the directory belongs to a cluster).
     pub fn start(dir: &Path, node: NodeId) -> Result<MetaHandle, MetaError> {
         Self::start_with(dir, node, MetaConfig::default())
     }
 
     /// [`MetaHandle::start`] with explicit tunables.
     pub fn start_with(dir: &Path, node: NodeId, config: MetaConfig) -> Result<MetaHandle, MetaError> {
+        let (_, rx) = super::net::inbox();
+        Self::launch(dir, node, config, None, rx, START_WAIT)
+    }
+
+    /// Starts this node as one voter of a cluster's metadata group: `spec.voters` at the first
+    /// start in `dir` (then the voters stored there, which must be the same set), raft-rs's
+    /// messages out through `spec.net`, peers' messages in through the [`NetInbox`] paired with
+    /// `inbox`. Returns once a leader exists and this node's `NodeBoot` is applied, which needs
+    /// a majority of the voters up; waits at most `wait` for that (logging every 5 s).
+    ///
+    /// Errors: as [`MetaHandle::start`], and [`MetaError::NoQuorum`] when no majority answered
+    /// within `wait`.
+    pub fn start_cluster(
+        dir: &Path,
+        node: NodeId,
+        config: MetaConfig,
+        spec: ClusterSpec,
+        inbox: NetInboxRx,
+        wait: Duration,
+    ) -> Result<MetaHandle, MetaError> {
+        Self::launch(dir, node, config, Some(spec), inbox, wait)
+    }
+
+    fn launch(
+        dir: &Path,
+        node: NodeId,
+        config: MetaConfig,
+        cluster: Option<ClusterSpec>,
+        inbox: NetInboxRx,
+        wait: Duration,
+    ) -> Result<MetaHandle, MetaError> {
         if node == 0 {
             return Err(MetaError::Raft("node id 0 is reserved by raft-rs".into()));
         }
         let counters = Arc::new(Counters::default());
-        let shared = Arc::new(Shared {
-            node,
-            state: Mutex::new(MetaState::default()),
-            version: AtomicU64::new(0),
-            topo_cache: Mutex::new((u64::MAX, Arc::new(Topology::default()))),
-            leader: AtomicU64::new(0),
-            boot_epoch: AtomicU64::new(0),
-            counters: counters.clone(),
-            stopped: AtomicBool::new(false),
-            failure: Mutex::new(None),
-        });
-        let (tx, rx) = flume::bounded::<Request>(1 << 16);
+        let shared = Arc::new(Shared::new(node, cluster.is_some(), counters.clone()));
+        let NetInboxRx { tx, rx } = inbox;
         let (init_tx, init_rx) = flume::bounded::<Result<(), MetaError>>(1);
         let dir = dir.to_owned();
         let drv_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("ringmq-meta".into())
             .spawn(move || {
-                let mut driver = match Driver::open(&dir, drv_shared.clone(), rx, counters, config) {
+                let mut driver = match Driver::open(&dir, drv_shared.clone(), counters, config, cluster, Instant::now()) {
                     Ok(d) => d,
                     Err(e) => {
                         drv_shared.stopped.store(true, Ordering::Release);
@@ -92,7 +118,7 @@ impl MetaHandle {
                         return;
                     }
                 }
-                driver.run();
+                driver.run(rx);
             })
             .map_err(|e| MetaError::Raft(format!("spawn the metadata thread: {e}")))?;
         let handle = MetaHandle { shared, tx, thread: Arc::new(Mutex::new(Some(thread))) };
@@ -107,21 +133,53 @@ impl MetaHandle {
                 return Err(MetaError::Failed("metadata thread exited during start".into()));
             }
         }
-        match handle.propose_blocking(vec![Command::NodeBoot { node }]) {
-            Ok(outcomes) => match outcomes.first() {
-                Some(Outcome::Epoch(epoch)) => {
-                    handle.shared.boot_epoch.store(*epoch, Ordering::Release);
-                    tracing::info!(node, epoch, "metadata group started");
-                    Ok(handle)
-                }
-                other => {
-                    handle.shutdown();
-                    Err(MetaError::Raft(format!("NodeBoot gave {other:?}")))
-                }
-            },
+        match handle.boot(wait) {
+            Ok(epoch) => {
+                handle.shared.boot_epoch.store(epoch, Ordering::Release);
+                tracing::info!(node, epoch, "metadata group started");
+                Ok(handle)
+            }
             Err(e) => {
                 handle.shutdown();
                 Err(e)
+            }
+        }
+    }
+
+    /// Applies `NodeBoot { node }` and returns the new epoch, retrying while no quorum answers
+    /// (for at most `wait`). A retry after an unanswered attempt first checks, behind a read
+    /// barrier, whether that attempt was applied after all: a boot is counted once. (Only this
+    /// node proposes its own boot, and it applied its last one before serving, so the epoch in
+    /// its own log is the latest.)
+    fn boot(&self, wait: Duration) -> Result<u64, MetaError> {
+        let node = self.shared.node;
+        let boot = Command::NodeBoot { node, cluster: self.shared.cluster };
+        let epoch_here = || self.with_state(|s| s.boot_epochs.get(&node).copied().unwrap_or(0));
+        let before = epoch_here();
+        let deadline = Instant::now() + wait;
+        let mut last_log = Instant::now();
+        let mut attempt = self.propose_blocking(vec![boot.clone()]);
+        loop {
+            match attempt {
+                Ok(outcomes) => {
+                    return match outcomes.first() {
+                        Some(Outcome::Epoch(epoch)) => Ok(*epoch),
+                        other => Err(MetaError::Raft(format!("NodeBoot gave {other:?}"))),
+                    };
+                }
+                Err(MetaError::NoQuorum { .. }) if Instant::now() < deadline => {
+                    if last_log.elapsed() >= Duration::from_secs(5) {
+                        let f = self.cluster_figures();
+                        tracing::warn!(node, voters = ?f.voters, leader = f.leader, "waiting for a majority of the metadata group to answer");
+                        last_log = Instant::now();
+                    }
+                    attempt = match futures_lite::future::block_on(self.sync()) {
+                        Ok(()) if epoch_here() > before => return Ok(epoch_here()),
+                        Ok(()) => self.propose_blocking(vec![boot.clone()]),
+                        Err(e) => Err(e),
+                    };
+                }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -219,6 +277,41 @@ impl MetaHandle {
             0 => None,
             id => Some(id),
         }
+    }
+
+    /// A read barrier: resolves once this node has applied everything the group had committed
+    /// when it was called (raft-rs's ReadIndex through the leader), so a read that follows sees
+    /// every write acknowledged anywhere before the call. Immediate on a single voter. Costs a
+    /// round trip to the leader: call it when a lookup missed, not on every lookup. Errors:
+    /// [`MetaError::NoQuorum`] (no leader with a majority within 10 s), [`MetaError::Stopped`],
+    /// [`MetaError::Failed`].
+    pub async fn sync(&self) -> Result<(), MetaError> {
+        if !self.shared.cluster {
+            return Ok(());
+        }
+        if self.shared.stopped.load(Ordering::Acquire) {
+            return Err(self.shared.stopped_error());
+        }
+        let (reply, rx) = flume::bounded(1);
+        if self.tx.send_async(Request::ReadIndex { reply }).await.is_err() {
+            return Err(self.shared.stopped_error());
+        }
+        match rx.recv_async().await {
+            Ok(r) => r,
+            Err(_) => Err(self.shared.stopped_error()),
+        }
+    }
+
+    /// True when this node is one voter of several (started with
+    /// [`MetaHandle::start_cluster`]).
+    pub fn is_cluster(&self) -> bool {
+        self.shared.cluster
+    }
+
+    /// The group's current figures (term, leader, role, indexes, per-peer progress on the
+    /// leader), as of the driver's last loop iteration (at most 100 ms old).
+    pub fn cluster_figures(&self) -> ClusterFigures {
+        self.shared.figures.lock().clone()
     }
 
     /// This node's Raft id.

@@ -42,9 +42,14 @@
 pub mod codec;
 pub mod driver;
 pub mod handle;
+pub mod net;
 #[cfg(test)]
 mod proptests;
+mod raftlog;
+mod ready;
 pub mod record;
+#[cfg(test)]
+mod sim;
 pub mod snapshot;
 pub mod state;
 pub mod storage;
@@ -58,6 +63,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 // is defined below, not re-exported. The other names below have no caller outside src/meta
 // today; they keep the `meta::` paths they had before the split (then via `state.rs`).
 pub use handle::MetaHandle;
+pub use net::{ClusterFigures, ClusterSpec, NetInbox, NetInboxRx, RaftNet, Role};
 pub use state::{Command, MetaState, Outcome};
 pub use topology::{Binding, DestKind, ExchangeDef, ExchangeKind, NodeId, QueueDef, Topology, PREDECLARED_EXCHANGES};
 pub use wire::DecodeError;
@@ -129,6 +135,25 @@ pub enum MetaError {
     NotLeader {
         /// The current leader, if one is known.
         leader: Option<NodeId>,
+    },
+    /// The proposal or read barrier was not answered in time: no leader is known, or the
+    /// leader has no majority behind it. A proposal may still be applied later (its outcome
+    /// is unknown); a retry is safe for every command but `NodeBoot`.
+    #[error("metadata group unavailable: no quorum answered within {waited_ms} ms (leader: {leader:?})")]
+    NoQuorum {
+        /// How long it waited, ms.
+        waited_ms: u64,
+        /// The leader known at the time, if any.
+        leader: Option<NodeId>,
+    },
+    /// The data directory's stored voters differ from the ones this node was started with
+    /// (`--peers`): membership changes go through Raft, never through a different list.
+    #[error("the metadata group in this data directory has voters {stored:?}, but this node was started with {given:?}; start it with the peers it was formed with (or from an empty data directory)")]
+    Membership {
+        /// Voters recorded in the log or snapshot.
+        stored: Vec<NodeId>,
+        /// Voters given at start.
+        given: Vec<NodeId>,
     },
 }
 

@@ -94,12 +94,19 @@ pub enum Command {
         /// Cursor value to store (a queue offset).
         new: u64,
     },
-    /// A node (re)started → `Epoch(new epoch)`. Bumps the node's boot epoch and removes every
-    /// non-durable queue, every exclusive queue, every non-durable exchange, and the bindings that
-    /// name a removed object. Bindings between surviving (durable) objects stay.
+    /// A node (re)started → `Epoch(new epoch)`. Bumps the node's boot epoch and removes the
+    /// queues that died with its previous run, and the bindings that name a removed object
+    /// (bindings between surviving objects stay):
+    /// - a single node (`cluster == false`): every non-durable or exclusive queue and every
+    ///   non-durable exchange;
+    /// - one node of a cluster: only the non-durable or exclusive queues owned by `node`
+    ///   (their messages lived there). Exchanges belong to no node and stay: a transient
+    ///   exchange lives as long as the cluster (RabbitMQ's reading).
     NodeBoot {
         /// The node that booted.
         node: NodeId,
+        /// Booted as one voter of a cluster.
+        cluster: bool,
     },
 }
 
@@ -246,18 +253,18 @@ impl MetaState {
                     None => Outcome::CasRejected { current: None },
                 }
             }
-            Command::NodeBoot { node } => {
+            Command::NodeBoot { node, cluster } => {
                 let epoch = self.boot_epochs.entry(*node).or_insert(0);
                 *epoch += 1;
                 let epoch = *epoch;
-                let gone_queues: Vec<(String, String)> =
-                    topo.queues.iter().filter(|(_, q)| !q.durable || q.exclusive_owner.is_some()).map(|(k, _)| k.clone()).collect();
+                let died = |q: &QueueDef| (!q.durable || q.exclusive_owner.is_some()) && (!*cluster || q.owner_node == *node);
+                let gone_queues: Vec<(String, String)> = topo.queues.iter().filter(|(_, q)| died(q)).map(|(k, _)| k.clone()).collect();
                 for key in &gone_queues {
                     topo.queues.remove(key);
                     self.cursors.remove(key);
                 }
                 let gone_exchanges: Vec<(String, String)> =
-                    topo.exchanges.iter().filter(|(_, e)| !e.durable).map(|(k, _)| k.clone()).collect();
+                    topo.exchanges.iter().filter(|(_, e)| !e.durable && !*cluster).map(|(k, _)| k.clone()).collect();
                 for key in &gone_exchanges {
                     topo.exchanges.remove(key);
                 }
@@ -574,9 +581,9 @@ pub(crate) mod tests {
             assert_eq!(applied(&mut st, Command::Bind(b)), Outcome::Created);
         }
         applied(&mut st, cas("dq", 0, 3));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1 }), Outcome::Epoch(1));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2 }), Outcome::Epoch(1));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1 }), Outcome::Epoch(2));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: false }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: false }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: false }), Outcome::Epoch(2));
         let t = &st.topology;
         assert!(t.queue("/", "dq").is_some());
         assert!(t.queue("/", "tq").is_none() && t.queue("/", "xq").is_none());

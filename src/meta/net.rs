@@ -1,0 +1,143 @@
+//! The metadata group's side of the network: what the driver sends through, what the
+//! transport feeds back, and the figures the cluster metrics show.
+//!
+//! `meta` names no transport: the wiring (`server.rs`/`main.rs`) connects a
+//! `cluster::Transport` to these two ends. Outbound, the driver hands raft-rs's messages to a
+//! [`RaftNet`]; inbound, the transport calls a [`NetInbox`] for every received message and
+//! for every failed send and finished snapshot (raft-rs's driver contract:
+//! `report_unreachable`, `report_snapshot`).
+
+use std::sync::Arc;
+
+use raft::eraftpb::Message;
+
+use super::driver::Request;
+use super::topology::NodeId;
+
+/// Where the driver sends raft-rs's messages (a `cluster::Transport` in a cluster).
+///
+/// `send` must not block on the network: a message that cannot go is dropped and reported
+/// back through [`NetInbox::unreachable`] (raft-rs retransmits). A `MsgSnapshot` must end in
+/// exactly one [`NetInbox::snapshot_done`] for its `to`.
+pub trait RaftNet: Send + Sync {
+    /// Queues `msgs` for their `to` nodes.
+    fn send(&self, msgs: Vec<Message>);
+}
+
+/// A cluster's shape as the metadata group sees it.
+#[derive(Clone)]
+pub struct ClusterSpec {
+    /// Every voter of the group, this node included (the static `--peers` list).
+    pub voters: Vec<NodeId>,
+    /// The outbound side of the transport.
+    pub net: Arc<dyn RaftNet>,
+}
+
+impl std::fmt::Debug for ClusterSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSpec").field("voters", &self.voters).finish_non_exhaustive()
+    }
+}
+
+/// The inbound side: cheap to clone, `Send + Sync`; every call queues a request for the
+/// driver (blocking briefly when its queue of 65,536 requests is full: backpressure on the
+/// sending peer's connection). Calls after the driver stopped are dropped.
+#[derive(Clone, Debug)]
+pub struct NetInbox {
+    pub(super) tx: flume::Sender<Request>,
+}
+
+/// The driver's end of a [`NetInbox`], handed to [`MetaHandle::start_cluster`](super::MetaHandle::start_cluster).
+#[derive(Debug)]
+pub struct NetInboxRx {
+    pub(super) tx: flume::Sender<Request>,
+    pub(super) rx: flume::Receiver<Request>,
+}
+
+/// Capacity of the driver's request queue (requests).
+pub(super) const REQUEST_QUEUE: usize = 1 << 16;
+
+/// A new inbox pair: give the [`NetInbox`] to the transport's callbacks and the
+/// [`NetInboxRx`] to [`MetaHandle::start_cluster`](super::MetaHandle::start_cluster).
+pub fn inbox() -> (NetInbox, NetInboxRx) {
+    let (tx, rx) = flume::bounded(REQUEST_QUEUE);
+    (NetInbox { tx: tx.clone() }, NetInboxRx { tx, rx })
+}
+
+impl NetInbox {
+    /// A message received from a peer: raft-rs `step`s it.
+    pub fn step(&self, msg: Message) {
+        let _ = self.tx.send(Request::Step(Box::new(msg)));
+    }
+
+    /// A message to `to` could not be sent: raft-rs's `report_unreachable(to)`.
+    pub fn unreachable(&self, to: NodeId) {
+        let _ = self.tx.send(Request::Unreachable(to));
+    }
+
+    /// A snapshot to `to` was sent completely (`ok`) or failed: raft-rs's `report_snapshot`.
+    pub fn snapshot_done(&self, to: NodeId, ok: bool) {
+        let _ = self.tx.send(Request::SnapshotDone { to, ok });
+    }
+}
+
+/// Raft role of this node, as raft-rs reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    /// Follows a leader (or waits for one).
+    #[default]
+    Follower,
+    /// Campaigning (pre-vote, raft-rs's `PreCandidate`).
+    PreCandidate,
+    /// Campaigning (vote).
+    Candidate,
+    /// Leads the group.
+    Leader,
+}
+
+impl Role {
+    /// Lower-case name for logs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Follower => "follower",
+            Role::PreCandidate => "pre_candidate",
+            Role::Candidate => "candidate",
+            Role::Leader => "leader",
+        }
+    }
+}
+
+/// One peer's replication state, as the leader sees it (raft-rs's `Progress`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerProgress {
+    /// The peer's node id.
+    pub id: NodeId,
+    /// Highest log index known to be replicated on it.
+    pub matched: u64,
+    /// Entries it lacks: the leader's last index − `matched`.
+    pub lag: u64,
+    /// Heard from within the last election timeout (check_quorum's view).
+    pub recent_active: bool,
+}
+
+/// The metadata group's state for `/metrics` and logs; refreshed by the driver after every
+/// loop iteration.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterFigures {
+    /// Voters of the group (this node included).
+    pub voters: Vec<NodeId>,
+    /// Current Raft term.
+    pub term: u64,
+    /// Current leader (0: none known).
+    pub leader: NodeId,
+    /// This node's role.
+    pub role: Role,
+    /// Highest committed log index known here.
+    pub commit_index: u64,
+    /// Highest log index applied to the state here.
+    pub applied_index: u64,
+    /// Times the known leader changed since start (to another node or to none).
+    pub leader_changes: u64,
+    /// Per peer progress; filled on the leader only (empty elsewhere).
+    pub peers: Vec<PeerProgress>,
+}

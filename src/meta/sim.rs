@@ -1,0 +1,1 @@
+//! The deterministic simulator of the metadata group (tests only).
