@@ -60,7 +60,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
             let _ = stop_tx.send(());
         }
     })?;
-    ringmq::server::start(Arc::new(config), meta, stop_rx)?;
+    ringmq::server::start(Arc::new(config), meta, None, stop_rx)?;
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::broker::alarms::{self, Alarms};
-use crate::broker::node::{Node, NodeMsg, Shared};
+use crate::broker::node::{Node, NodeMsg, PeerLinks, Shared};
 use crate::config::Config;
 use crate::core::{accept, mesh, Runtime};
 use crate::meta::MetaHandle;
@@ -21,10 +21,12 @@ use crate::{amqp, core, observe};
 /// its connections with 320 and its shards (up to 10 s per core), and the metadata group
 /// stops.
 ///
+/// `peer_links` (a cluster only) reports each other member's link for `/metrics`.
+///
 /// # Errors
 /// Fails when an executor cannot start, the AMQP port cannot be bound, or the alarm
 /// monitor cannot start.
-pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
+pub fn start(config: Arc<Config>, meta: MetaHandle, peer_links: Option<PeerLinks>, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
     let cores = config.cores.max(1);
     accept::wait_port_free(config.listen)?;
     let (inboxes, receivers) = mesh::Inboxes::<NodeMsg>::new(cores);
@@ -41,7 +43,9 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, shutdown: flume::Receiver<()
     } else {
         tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
     }
-    let shared = Arc::new(Shared::new(config.clone(), meta, inboxes, alarms.clone()));
+    let mut shared = Shared::new(config.clone(), meta, inboxes, alarms.clone());
+    shared.peer_links = peer_links;
+    let shared = Arc::new(shared);
     {
         let inboxes = shared.inboxes.clone();
         alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;

@@ -103,7 +103,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn u(off: u64) -> Unacked {
-        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, durable: false }, offset: Offset(off) }
+        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, owner_node: 1, durable: false }, offset: Offset(off) }
     }
 
     #[test]

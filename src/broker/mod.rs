@@ -58,6 +58,9 @@ pub struct QueueRef {
     pub key: QueueKey,
     /// Executor index that owns it.
     pub owner_core: u32,
+    /// Node whose store holds it (its `owner_node` in the metadata). Only that node serves
+    /// it for now: elsewhere every operation is refused ([`node::Node`]).
+    pub owner_node: crate::meta::NodeId,
     /// Durable queue: persistent messages are synced before a confirm.
     pub durable: bool,
 }

@@ -53,7 +53,12 @@ pub struct Shared {
     pub stats: Vec<Stats>,
     /// Disk and file-descriptor alarms ([`super::alarms`]).
     pub alarms: Arc<Alarms>,
+    /// In a cluster: (peer id, link up) for every other member, from the transport.
+    pub peer_links: Option<PeerLinks>,
 }
+
+/// Reports (peer id, link up) for every other member of the cluster.
+pub type PeerLinks = Arc<dyn Fn() -> Vec<(crate::meta::NodeId, bool)> + Send + Sync>;
 
 impl Shared {
     /// State for `inboxes.len()` cores.
@@ -68,6 +73,7 @@ impl Shared {
             shutting_down: AtomicBool::new(false),
             stats: (0..cores).map(|_| Stats::default()).collect(),
             alarms,
+            peer_links: None,
         }
     }
 
@@ -91,11 +97,25 @@ impl Shared {
             connections_refused: load(&a.connections_refused),
         };
         let m = self.meta.stats();
+        let f = self.meta.cluster_figures();
+        let links = self.peer_links.as_ref().map(|l| l()).unwrap_or_default();
+        let peers = links
+            .iter()
+            .map(|&(id, up)| crate::observe::PeerFigures { id, up, lag: f.peers.iter().find(|p| p.id == id).map(|p| p.lag) })
+            .collect();
         let raft = crate::observe::RaftFigures {
             entries_appended: m.entries_appended,
             fsyncs: m.fsyncs,
             commands_applied: m.commands_applied,
             is_leader: self.meta.is_leader(),
+            term: f.term,
+            leader: f.leader,
+            role: f.role.name(),
+            commit_index: f.commit_index,
+            applied_index: f.applied_index,
+            leader_changes: f.leader_changes,
+            peers,
+            members: f.voters.len() as u64,
         };
         crate::observe::render(&self.stats, &gauges, &raft)
     }
@@ -197,6 +217,11 @@ impl Node {
     }
 
     fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
+        let here = self.shared.meta.node_id();
+        if qref.owner_node != here {
+            refuse_remote(&qref, here, op);
+            return;
+        }
         let mut queues = self.queues.borrow_mut();
         match queues.get_mut(&qref.key) {
             Some(Slot::Open(cell)) => {
@@ -434,6 +459,20 @@ fn refuse(key: &QueueKey, op: QueueOp) {
     }
 }
 
+/// Answers an operation on a queue another node's store holds (a cluster serves each queue
+/// from its own node for now): 404 with the node to connect to, a publish is nacked (rule 9:
+/// never a confirm for what is not stored here or there).
+fn refuse_remote(qref: &QueueRef, here: crate::meta::NodeId, op: QueueOp) {
+    let err = QueueError::NotFound(format!(
+        "queue '{}' in vhost '{}' lives on node {}; node {here} does not serve other nodes' queues yet: connect to node {}",
+        qref.key.name, qref.key.vhost, qref.owner_node, qref.owner_node
+    ));
+    match op {
+        QueueOp::Delete { reply, .. } => drop(reply.send(Err(err))),
+        op => refuse_unstored(op, err),
+    }
+}
+
 /// Answers an operation on a queue whose store cannot be opened: a publish is nacked
 /// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
 fn refuse_unstored(op: QueueOp, err: QueueError) {
@@ -477,7 +516,7 @@ impl QueueEnv for Node {
     }
 
     fn auto_delete(&self, key: &QueueKey) {
-        let qref = QueueRef { key: key.clone(), owner_core: self.id, durable: false };
+        let qref = QueueRef { key: key.clone(), owner_core: self.id, owner_node: self.shared.meta.node_id(), durable: false };
         let (reply, _rx) = super::reply_channel();
         self.send(&qref, QueueOp::Delete { if_unused: true, if_empty: false, reply });
     }

@@ -43,7 +43,12 @@ impl Router {
         let cores = cores.max(1);
         let mut queues: HashMap<String, HashMap<String, QueueRef>> = HashMap::new();
         for def in topology.queues.values() {
-            let r = QueueRef { key: QueueKey::new(&def.vhost, &def.name), owner_core: def.owner_core % cores, durable: def.durable };
+            let r = QueueRef {
+                key: QueueKey::new(&def.vhost, &def.name),
+                owner_core: def.owner_core % cores,
+                owner_node: def.owner_node,
+                durable: def.durable,
+            };
             queues.entry(def.vhost.clone()).or_default().insert(def.name.clone(), r);
         }
         Router { version, topology, queues }

@@ -20,7 +20,8 @@
 //! 5. Applying an entry locks the state, applies each command, bumps the topology version when
 //!    the topology changed, unlocks, then resolves the entry's waiters with their outcomes (in
 //!    proposal order).
-//! 6. Fail proposals and read barriers older than `PROPOSE_TIMEOUT` ([`MetaError::NoQuorum`]);
+//! 6. Fail proposals and read barriers older than the propose timeout (10 s,
+//!    [`MetaError::NoQuorum`]);
 //!    compact when the log passed 10,000 entries or 16 MiB (`snapshot.rs`).
 //!
 //! # Cluster (raft-rs's driver contract)
@@ -57,7 +58,8 @@ pub const MAX_ENTRY_BYTES: usize = 1 << 20;
 /// How long `start` waits for a single voter to become leader.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// A proposal or read barrier not answered within this time fails with
-/// [`MetaError::NoQuorum`] (no leader, or no majority behind it).
+/// [`MetaError::NoQuorum`] (no leader, or no majority behind it); the default of
+/// [`MetaConfig::propose_timeout`].
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Election timeout in ticks (1 s; raft-rs randomizes it in [1 s, 2 s)).
 const ELECTION_TICKS: usize = 10;
@@ -176,6 +178,8 @@ pub(super) struct Driver {
     compact_after: Option<Instant>,
     pub(super) shutdown_done: Vec<flume::Sender<()>>,
     pub(super) voters: Vec<NodeId>,
+    /// [`MetaConfig::propose_timeout`].
+    propose_timeout: Duration,
 }
 
 impl Driver {
@@ -251,6 +255,7 @@ impl Driver {
             compact_after: None,
             shutdown_done: Vec::new(),
             voters: wanted,
+            propose_timeout: meta_config.propose_timeout,
         })
     }
 
@@ -478,8 +483,9 @@ impl Driver {
     /// Fails proposals and read barriers older than [`PROPOSE_TIMEOUT`] (module doc, step 6).
     fn expire(&mut self) {
         let now = self.now;
-        let old = |since: Instant| now.saturating_duration_since(since) >= PROPOSE_TIMEOUT;
-        let waited = PROPOSE_TIMEOUT.as_millis() as u64;
+        let timeout = self.propose_timeout;
+        let old = |since: Instant| now.saturating_duration_since(since) >= timeout;
+        let waited = timeout.as_millis() as u64;
         let leader = self.leader();
         let (late, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.awaiting_leader).into_iter().partition(|e| old(e.since));
         self.awaiting_leader = keep;

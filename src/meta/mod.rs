@@ -39,6 +39,8 @@
 //! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
 //!   plain threads (startup, tests).
 
+#[cfg(test)]
+mod cluster_tests;
 pub mod codec;
 pub mod driver;
 pub mod handle;
@@ -165,11 +167,18 @@ pub struct MetaConfig {
     pub compact_entries: u64,
     /// ...or once `meta.log` is larger than this many bytes. Default 16 MiB.
     pub compact_bytes: u64,
+    /// A proposal or read barrier not answered within this fails with
+    /// [`MetaError::NoQuorum`]. Default 10 s ([`driver::PROPOSE_TIMEOUT`]).
+    pub propose_timeout: std::time::Duration,
 }
 
 impl Default for MetaConfig {
     fn default() -> Self {
-        MetaConfig { compact_entries: snapshot::COMPACT_ENTRIES, compact_bytes: snapshot::COMPACT_BYTES }
+        MetaConfig {
+            compact_entries: snapshot::COMPACT_ENTRIES,
+            compact_bytes: snapshot::COMPACT_BYTES,
+            propose_timeout: driver::PROPOSE_TIMEOUT,
+        }
     }
 }
 

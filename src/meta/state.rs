@@ -595,4 +595,25 @@ pub(crate) mod tests {
         assert_eq!(st.cursor("/", "tq"), None);
         assert_eq!(st.boot_epochs.get(&1), Some(&2));
     }
+
+    #[test]
+    fn a_cluster_node_boot_removes_only_its_own_transient_queues() {
+        let mut st = MetaState::default();
+        applied(&mut st, Command::DeclareVhost { name: "/".into() });
+        applied(&mut st, Command::DeclareExchange(exchange("tx", ExchangeKind::Fanout, false)));
+        let on = |name: &str, node: NodeId, durable: bool| QueueDef { owner_node: node, ..queue(name, durable, None) };
+        for q in [on("t1", 1, false), on("t2", 2, false), on("d2", 2, true)] {
+            assert_eq!(applied(&mut st, Command::DeclareQueue(q)), Outcome::Created);
+        }
+        assert_eq!(applied(&mut st, Command::Bind(bind("tx", DestKind::Queue, "t1", ""))), Outcome::Created);
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: true }), Outcome::Epoch(1));
+        let t = &st.topology;
+        assert!(t.queue("/", "t1").is_some(), "node 1's transient queue went with node 2's restart");
+        assert!(t.queue("/", "t2").is_none() && t.queue("/", "d2").is_some());
+        assert!(t.exchange("/", "tx").is_some(), "a transient exchange lives as long as the cluster");
+        assert_eq!(t.bindings_from("/", "tx").count(), 1);
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: true }), Outcome::Epoch(1));
+        assert!(st.topology.queue("/", "t1").is_none());
+        assert_eq!(st.topology.bindings_from("/", "tx").count(), 0);
+    }
 }

@@ -118,7 +118,7 @@ pub struct Gauges {
 }
 
 /// The metadata group's figures at scrape time.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct RaftFigures {
     /// Raft entries appended by this node.
     pub entries_appended: u64,
@@ -128,7 +128,37 @@ pub struct RaftFigures {
     pub commands_applied: u64,
     /// This node leads the metadata group.
     pub is_leader: bool,
+    /// Current Raft term.
+    pub term: u64,
+    /// Current leader's node id (0: none known).
+    pub leader: u64,
+    /// This node's role: "leader", "follower", "candidate" or "pre_candidate".
+    pub role: &'static str,
+    /// Highest committed log index known here.
+    pub commit_index: u64,
+    /// Highest log index applied here.
+    pub applied_index: u64,
+    /// Times the known leader changed since start.
+    pub leader_changes: u64,
+    /// Every member of the cluster but this node (empty for a single node).
+    pub peers: Vec<PeerFigures>,
+    /// Voters of the group, this node included.
+    pub members: u64,
 }
+
+/// One other member of the cluster at scrape time.
+#[derive(Clone, Debug, Default)]
+pub struct PeerFigures {
+    /// Its node id.
+    pub id: u64,
+    /// The node-to-node link to it is up.
+    pub up: bool,
+    /// Raft entries it lacks (leader only; `None` elsewhere).
+    pub lag: Option<u64>,
+}
+
+/// The role names of [`RaftFigures::role`], one `ringmq_raft_role` series each.
+const ROLES: [&str; 4] = ["leader", "follower", "candidate", "pre_candidate"];
 
 /// A latency histogram summed over the cores at scrape time.
 #[derive(Debug, Clone)]
@@ -161,6 +191,8 @@ struct Snapshot {
     gauges: Vec<(&'static str, &'static str, i64)>,
     /// (stage label, histogram) of `ringmq_stage_latency_seconds`.
     stages: Vec<(&'static str, HistogramSnapshot)>,
+    /// (name, help, label name, [(label value, value)]): gauges with one label.
+    labeled: Vec<(&'static str, &'static str, &'static str, Vec<(String, i64)>)>,
 }
 
 impl prometheus_client::collector::Collector for Snapshot {
@@ -176,6 +208,13 @@ impl prometheus_client::collector::Collector for Snapshot {
         for &(name, help, v) in &self.gauges {
             let g = ConstGauge::new(v);
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        for (name, help, label, series) in &self.labeled {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (value, v) in series {
+                let labels = [(*label, value.as_str())];
+                ConstGauge::new(*v).encode(family.encode_family(&labels)?)?;
+            }
         }
         let help = "Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.";
         let mut family = encoder.encode_descriptor("ringmq_stage_latency_seconds", help, None, MetricType::Histogram)?;
@@ -208,6 +247,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
         ("ringmq_raft_entries", "Raft entries appended by this node.", raft.entries_appended),
         ("ringmq_raft_fsyncs", "fdatasync calls of the Raft log.", raft.fsyncs),
         ("ringmq_raft_commands", "Metadata commands applied.", raft.commands_applied),
+        ("ringmq_raft_leader_changes", "Times the metadata group's known leader changed.", raft.leader_changes),
     ];
     // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
     let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -219,6 +259,31 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
         ("rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm as i64),
         ("rabbitmq_alarms_file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", a.fd_alarm as i64),
         ("ringmq_raft_is_leader", "1 when this node leads the metadata group.", raft.is_leader as i64),
+        ("ringmq_raft_term", "Current Raft term of the metadata group.", g(raft.term)),
+        ("ringmq_raft_leader_id", "Node id of the metadata group's leader (0: none known).", g(raft.leader)),
+        ("ringmq_raft_commit_index", "Highest metadata log index known committed.", g(raft.commit_index)),
+        ("ringmq_raft_applied_index", "Highest metadata log index applied here.", g(raft.applied_index)),
+        ("ringmq_cluster_members", "Voters of the metadata group, this node included.", g(raft.members)),
+    ];
+    let labeled = vec![
+        (
+            "ringmq_raft_role",
+            "1 for this node's role in the metadata group.",
+            "role",
+            ROLES.iter().map(|r| (r.to_string(), (*r == raft.role) as i64)).collect(),
+        ),
+        (
+            "ringmq_cluster_peer_up",
+            "1 while the link to that peer is up.",
+            "peer",
+            raft.peers.iter().map(|p| (p.id.to_string(), p.up as i64)).collect(),
+        ),
+        (
+            "ringmq_raft_replication_lag_entries",
+            "Metadata log entries a peer lacks (reported by the leader).",
+            "peer",
+            raft.peers.iter().filter_map(|p| Some((p.id.to_string(), g(p.lag?)))).collect(),
+        ),
     ];
     type Pick = fn(&Stats) -> &Histogram;
     let picks: [(&str, Pick); 3] = [
@@ -229,7 +294,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
     let stages =
         picks.iter().map(|(stage, pick)| (*stage, HistogramSnapshot::sum_of(&stats.iter().map(pick).collect::<Vec<_>>()))).collect();
     let mut registry = prometheus_client::registry::Registry::default();
-    registry.register_collector(Box::new(Snapshot { counters, gauges, stages }));
+    registry.register_collector(Box::new(Snapshot { counters, gauges, stages, labeled }));
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &registry);

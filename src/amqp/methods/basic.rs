@@ -179,7 +179,7 @@ fn recover(s: &Session, channel: u16, requeue: bool) {
 }
 
 async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(), AmqpError> {
-    let (q, _) = lookup(s, c.queue.as_str())?;
+    let (q, _) = lookup(s, c.queue.as_str()).await?;
     let tag: Arc<str> = if c.consumer_tag.as_str().is_empty() {
         Arc::from(format!("amq.ctag-{}", unique_suffix(s.core.shared.next_id())))
     } else {
@@ -224,7 +224,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
 }
 
 async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpError> {
-    let (q, _) = lookup(s, g.queue.as_str())?;
+    let (q, _) = lookup(s, g.queue.as_str()).await?;
     let holder = {
         let mut st = s.st.borrow_mut();
         let ch = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;

@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{exchange, AMQPClass};
 
-use super::{args_equivalent, meta_error};
+use super::{args_equivalent, find_synced, meta_error};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
 use crate::meta::state::{Binding, Command, DestKind, ExchangeDef, ExchangeKind, Outcome};
@@ -56,12 +56,12 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
     match m {
         exchange::AMQPMethod::Declare(d) => {
             let name = d.exchange.as_str();
-            let topo = s.core.router();
             if d.passive {
-                if topo.exchange(&vhost, name).is_none() {
+                if find_synced(s, |r| r.exchange(&vhost, name).map(|_| ())).await?.is_none() {
                     return Err(AmqpError::not_found(format!("no exchange '{name}' in vhost '{vhost}'")));
                 }
             } else {
+                let topo = s.core.router();
                 let kind = ExchangeKind::from_name(d.kind.as_str())
                     .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{}'", d.kind)))?;
                 let def = ExchangeDef {
@@ -93,7 +93,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Delete(d) => {
             let name = d.exchange.as_str();
             check_name(name)?;
-            if s.core.router().exchange(&vhost, name).is_some() {
+            if find_synced(s, |r| r.exchange(&vhost, name).map(|_| ())).await?.is_some() {
                 let cmd = Command::DeleteExchange { vhost: vhost.to_string(), name: name.to_owned(), if_unused: d.if_unused };
                 if let Outcome::InUse = meta.propose(cmd).await.map_err(meta_error)? {
                     return Err(AmqpError::precondition_failed(format!("exchange '{name}' in vhost '{vhost}' in use")));
@@ -148,7 +148,7 @@ pub fn binding(
 /// Checks both ends of a binding exist (404 otherwise), refuses the default exchange
 /// (403), and adds it.
 pub async fn bind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
-    check_ends(s, &b)?;
+    check_ends(s, &b).await?;
     match s.core.shared.meta.propose(Command::Bind(b.clone())).await.map_err(meta_error)? {
         Outcome::NotFound => {
             Err(AmqpError::not_found(format!("no exchange '{}' or destination '{}' in vhost '{}'", b.source, b.dest, b.vhost)))
@@ -159,23 +159,24 @@ pub async fn bind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
 
 /// Removes a binding; a missing binding is not an error (RabbitMQ), missing ends are 404.
 pub async fn unbind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
-    check_ends(s, &b)?;
+    check_ends(s, &b).await?;
     s.core.shared.meta.propose(Command::Unbind(b)).await.map_err(meta_error)?;
     Ok(())
 }
 
-fn check_ends(s: &Rc<Session>, b: &Binding) -> Result<(), AmqpError> {
-    let topo = s.core.router();
+async fn check_ends(s: &Rc<Session>, b: &Binding) -> Result<(), AmqpError> {
     if b.source.is_empty() || (b.dest_kind == DestKind::Exchange && b.dest.is_empty()) {
         return Err(AmqpError::access_refused("operation not permitted on the default exchange"));
     }
-    if topo.exchange(&b.vhost, &b.source).is_none() {
+    if find_synced(s, |r| r.exchange(&b.vhost, &b.source).map(|_| ())).await?.is_none() {
         return Err(AmqpError::not_found(format!("no exchange '{}' in vhost '{}'", b.source, b.vhost)));
     }
-    let dest_ok = match b.dest_kind {
-        DestKind::Exchange => topo.exchange(&b.vhost, &b.dest).is_some(),
-        DestKind::Queue => topo.queue_ref(&b.vhost, &b.dest).is_some(),
-    };
+    let dest_ok = find_synced(s, |r| match b.dest_kind {
+        DestKind::Exchange => r.exchange(&b.vhost, &b.dest).map(|_| ()),
+        DestKind::Queue => r.queue_ref(&b.vhost, &b.dest).map(|_| ()),
+    })
+    .await?
+    .is_some();
     if !dest_ok {
         let kind = if b.dest_kind == DestKind::Queue { "queue" } else { "exchange" };
         return Err(AmqpError::not_found(format!("no {kind} '{}' in vhost '{}'", b.dest, b.vhost)));

@@ -5,7 +5,7 @@ use std::rc::Rc;
 use amq_protocol::protocol::{queue, AMQPClass};
 
 use super::exchange::{bind, binding, unbind};
-use super::{args_equivalent, meta_error, unique_suffix};
+use super::{args_equivalent, find_synced, meta_error, unique_suffix};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
 use crate::broker::{reply_channel, QueueOp, QueueRef};
@@ -14,17 +14,18 @@ use crate::meta::state::{Command, DestKind, Outcome, QueueDef};
 
 /// Looks a queue up for an operation by connection `conn`.
 ///
+/// A miss is looked up again behind a metadata read barrier in a cluster
+/// ([`find_synced`]).
+///
 /// # Errors
 /// 404 NOT_FOUND when missing; 405 RESOURCE_LOCKED when it is another connection's
-/// exclusive queue (spec 1.7.2.1, rule "exclusive").
-pub fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), AmqpError> {
+/// exclusive queue (spec 1.7.2.1, rule "exclusive"); 506 when the barrier finds no quorum.
+pub async fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), AmqpError> {
     let vhost = s.vhost();
-    let router = s.core.router();
-    let def = router
-        .topology
-        .queue(&vhost, name)
-        .cloned()
+    let def = find_synced(s, |r| r.topology.queue(&vhost, name).cloned())
+        .await?
         .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
+    let router = s.core.router();
     if def.exclusive_owner.is_some_and(|o| o != s.id.0) {
         return Err(AmqpError::resource_locked(format!(
             "cannot obtain exclusive access to locked queue '{name}' in vhost '{vhost}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
@@ -70,7 +71,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         queue::AMQPMethod::Declare(d) => {
             let mut name = d.queue.to_string();
             if d.passive {
-                let (q, _) = lookup(s, &name)?;
+                let (q, _) = lookup(s, &name).await?;
                 let (messages, consumers) = stats(s, &q).await?;
                 if !d.nowait {
                     declare_ok(s, channel, &name, messages, consumers);
@@ -107,13 +108,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             }
             let (messages, consumers) = match existing {
                 Some(old) => {
-                    let (q, _) = lookup(s, &name)?;
+                    let (q, _) = lookup(s, &name).await?;
                     check_equivalent(&old, &def)?;
                     stats(s, &q).await?
                 }
                 None => match meta.propose(Command::DeclareQueue(def.clone())).await.map_err(meta_error)? {
                     Outcome::QueueExists(old) => {
-                        let (q, _) = lookup(s, &name)?;
+                        let (q, _) = lookup(s, &name).await?;
                         check_equivalent(&old, &def)?;
                         stats(s, &q).await?
                     }
@@ -138,7 +139,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Bind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
-            lookup(s, &binding.dest)?;
+            lookup(s, &binding.dest).await?;
             bind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})));
@@ -147,13 +148,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Unbind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
-            lookup(s, &binding.dest)?;
+            lookup(s, &binding.dest).await?;
             unbind(s, binding).await?;
             s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
             Ok(())
         }
         queue::AMQPMethod::Purge(p) => {
-            let (q, _) = lookup(s, p.queue.as_str())?;
+            let (q, _) = lookup(s, p.queue.as_str()).await?;
             let (reply, rx) = reply_channel();
             s.queue_send(&q, QueueOp::Purge { reply });
             let n = rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??;
@@ -163,7 +164,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Delete(d) => {
-            let n = match lookup(s, d.queue.as_str()) {
+            let n = match lookup(s, d.queue.as_str()).await {
                 Err(e) if e.code == crate::amqp::error::code::NOT_FOUND => 0,
                 Err(e) => return Err(e),
                 Ok((q, _)) => {

@@ -181,11 +181,14 @@ impl Queue {
         let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < recovered.cursor).collect();
         let indexed = recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o));
         let ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
-        // The scanner (rule 7, Raft leader only): records of a dead boot epoch are requeued
-        // at once — their messages are ready again, flagged; the records stay as theirs
-        // until the messages are settled (a record of a message no longer live goes now).
+        // The scanner (rule 7): records of a dead boot epoch are requeued at once — their
+        // messages are ready again, flagged; the records stay as theirs until the messages are
+        // settled (a record of a message no longer live goes now). It runs where the queue's
+        // index is: on the Raft leader, and on the queue's own node, the only one holding its
+        // store while queues are not replicated (every record there is of an earlier boot of
+        // this node, so of a dead epoch).
         let (mut index_of, mut stale) = (FxHashMap::default(), Vec::new());
-        if index.is_some() && env.meta().is_leader() {
+        if index.is_some() && (env.meta().is_leader() || def.owner_node == env.meta().node_id()) {
             (index_of, stale) = settle::scan(&recovered.held, |o| shard.is_live(o));
             if !recovered.held.is_empty() {
                 tracing::info!(queue = %qref.key.name, records = recovered.held.len(), "requeued deliveries of a dead boot epoch");

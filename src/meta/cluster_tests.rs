@@ -1,0 +1,206 @@
+//! Three real metadata drivers (threads, files, real time) joined by an in-memory network
+//! that can cut nodes off: what `MetaHandle` promises in a cluster. The seeded simulator
+//! (`sim.rs`) covers the protocol under random faults; this covers the handle's API.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use raft::eraftpb::{Message, MessageType};
+
+use super::net::{inbox, ClusterSpec, NetInbox, RaftNet};
+use super::state::tests::{exchange, queue};
+use super::state::{Command, Outcome};
+use super::topology::{ExchangeKind, NodeId};
+use super::{MetaConfig, MetaError, MetaHandle};
+
+/// Delivers at once between registered inboxes; a node in `cut` neither sends nor receives
+/// (its sends are reported unreachable, as the TCP transport does).
+#[derive(Default)]
+struct MemNet {
+    inboxes: Mutex<HashMap<NodeId, NetInbox>>,
+    cut: Mutex<HashSet<NodeId>>,
+}
+
+struct Port {
+    net: Arc<MemNet>,
+}
+
+impl RaftNet for Port {
+    fn send(&self, msgs: Vec<Message>) {
+        let inboxes = self.net.inboxes.lock().clone();
+        let cut = self.net.cut.lock().clone();
+        for m in msgs {
+            let (from, to, snap) = (m.from, m.to, m.get_msg_type() == MessageType::MsgSnapshot);
+            let reachable = !cut.contains(&from) && !cut.contains(&to);
+            match (inboxes.get(&to), reachable) {
+                (Some(peer), true) => {
+                    peer.step(m);
+                    if snap {
+                        if let Some(me) = inboxes.get(&from) {
+                            me.snapshot_done(to, true);
+                        }
+                    }
+                }
+                _ => {
+                    if let Some(me) = inboxes.get(&from) {
+                        me.unreachable(to);
+                        if snap {
+                            me.snapshot_done(to, false);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn config() -> MetaConfig {
+    MetaConfig { propose_timeout: Duration::from_secs(3), compact_entries: 50, ..MetaConfig::default() }
+}
+
+/// Starts node `id` of {1, 2, 3} in `dir` on a thread (start blocks until a majority is up).
+fn spawn(net: &Arc<MemNet>, dir: &std::path::Path, id: NodeId) -> std::thread::JoinHandle<Result<MetaHandle, MetaError>> {
+    let (tx, rx) = inbox();
+    net.inboxes.lock().insert(id, tx);
+    let spec = ClusterSpec { voters: vec![1, 2, 3], net: Arc::new(Port { net: net.clone() }) };
+    let dir = dir.to_owned();
+    std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, config(), spec, rx, Duration::from_secs(20)))
+}
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    futures_lite::future::block_on(f)
+}
+
+fn declare_exchange(h: &MetaHandle, name: &str) -> Result<Outcome, MetaError> {
+    block_on(h.propose(Command::DeclareExchange(exchange(name, ExchangeKind::Direct, true))))
+}
+
+/// The one leader all live nodes agree on.
+fn agreed_leader(hs: &[&MetaHandle]) -> Option<NodeId> {
+    let first = hs[0].leader_id()?;
+    hs.iter().all(|h| h.leader_id() == Some(first)).then_some(first)
+}
+
+#[test]
+fn three_nodes_share_one_state_and_survive_the_loss_of_the_leader() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let net = Arc::new(MemNet::default());
+    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    for h in &hs {
+        assert!(h.is_cluster());
+        assert_eq!(h.boot_epoch(), 1);
+    }
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    assert_eq!(hs.iter().filter(|h| h.is_leader()).count(), 1);
+    let follower = hs.iter().find(|h| !h.is_leader()).unwrap();
+    let other = hs.iter().find(|h| !h.is_leader() && h.node_id() != follower.node_id()).unwrap();
+
+    // A follower's proposal is forwarded, and the follower reads its own write at once.
+    assert_eq!(declare_exchange(follower, "x1").unwrap(), Outcome::Created);
+    assert!(follower.topology().exchange("/", "x1").is_some());
+    // Another node sees it after a read barrier (no sleep).
+    block_on(other.sync()).unwrap();
+    assert!(other.topology().exchange("/", "x1").is_some());
+    // Boot epochs of every node are in every node's state.
+    for h in &hs {
+        let epochs = h.with_state(|s| s.boot_epochs.clone());
+        assert_eq!(epochs.values().copied().collect::<Vec<_>>(), [1, 1, 1], "node {}", h.node_id());
+    }
+    let figures = hs[(leader - 1) as usize].cluster_figures();
+    assert_eq!(figures.peers.len(), 2, "{figures:?}");
+
+    // Cut the leader off: the other two elect one of themselves and go on.
+    net.cut.lock().insert(leader);
+    let survivors: Vec<&MetaHandle> = hs.iter().filter(|h| h.node_id() != leader).collect();
+    wait_for("a new leader among the survivors", Duration::from_secs(10), || agreed_leader(&survivors).is_some_and(|l| l != leader));
+    for (i, h) in survivors.iter().enumerate() {
+        assert_eq!(declare_exchange(h, &format!("after{i}")).unwrap(), Outcome::Created);
+    }
+    // The old leader, cut off, cannot change anything (check_quorum: it steps down).
+    let old = &hs[(leader - 1) as usize];
+    let t0 = Instant::now();
+    match declare_exchange(old, "minority") {
+        Err(MetaError::NoQuorum { .. }) => {}
+        other => panic!("a cut-off node committed: {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    wait_for("the cut-off leader to step down", Duration::from_secs(5), || !old.is_leader());
+
+    // Heal: it catches up and sees what the majority did (and not its own refused write).
+    net.cut.lock().clear();
+    wait_for("the old leader to catch up", Duration::from_secs(10), || {
+        block_on(old.sync()).is_ok() && old.topology().exchange("/", "after1").is_some()
+    });
+    assert!(old.topology().exchange("/", "after0").is_some());
+    assert!(survivors[0].topology().exchange("/", "minority").is_none());
+    for h in &hs {
+        h.shutdown();
+    }
+}
+
+#[test]
+fn lagging_and_restarted_nodes_catch_up_from_a_snapshot_and_boot_once() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let net = Arc::new(MemNet::default());
+    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
+    let mut hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    block_on(hs[0].propose(Command::DeclareQueue(queue("q", true, None)))).unwrap();
+    let mut cursor = 0u64;
+    let mut advance = |hs: &[&MetaHandle], n: u64| {
+        for i in 0..n {
+            let cas = Command::CursorCas { vhost: "/".into(), queue: "q".into(), expected: cursor, new: cursor + 1 };
+            assert_eq!(block_on(hs[(i as usize) % hs.len()].propose(cas)).unwrap(), Outcome::CasApplied);
+            cursor += 1;
+        }
+    };
+    // Node 3 cut off (still running) while the others compact past its log.
+    net.cut.lock().insert(3);
+    let snaps_before = hs[2].stats().snapshots;
+    advance(&[&hs[0], &hs[1]], 120);
+    assert!(hs[0].stats().snapshots + hs[1].stats().snapshots > 0, "nobody compacted");
+    net.cut.lock().clear();
+    wait_for("node 3 to catch up", Duration::from_secs(10), || hs[2].cursor("/", "q") == Some(120));
+    assert!(hs[2].stats().snapshots > snaps_before || hs[2].with_state(|s| s.applied_index) > 120, "caught up");
+
+    // Node 3 stopped, more history compacted, node 3 restarted from its own directory.
+    hs.pop().unwrap().shutdown();
+    net.inboxes.lock().remove(&3);
+    advance(&[&hs[0], &hs[1]], 120);
+    let h3 = spawn(&net, dirs[2].path(), 3).join().unwrap().unwrap();
+    block_on(h3.sync()).unwrap();
+    assert_eq!(h3.cursor("/", "q"), Some(240));
+    assert_eq!(h3.boot_epoch(), 2, "a restart counts once");
+    for h in hs.iter().chain([&h3]) {
+        block_on(h.sync()).unwrap();
+        assert_eq!(h.with_state(|s| s.boot_epochs.get(&3).copied()), Some(2));
+    }
+    h3.shutdown();
+    for h in &hs {
+        h.shutdown();
+    }
+}
+
+#[test]
+fn a_directory_formed_with_other_peers_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = MetaHandle::start(dir.path(), 1).unwrap();
+    h.shutdown();
+    let (_tx, rx) = inbox();
+    let spec = ClusterSpec { voters: vec![1, 2, 3], net: Arc::new(Port { net: Arc::new(MemNet::default()) }) };
+    match MetaHandle::start_cluster(dir.path(), 1, config(), spec, rx, Duration::from_secs(1)) {
+        Err(MetaError::Membership { stored, given }) => assert_eq!((stored, given), (vec![1], vec![1, 2, 3])),
+        other => panic!("expected a membership error, got {other:?}"),
+    }
+}
