@@ -191,9 +191,12 @@ struct Snapshot {
     gauges: Vec<(&'static str, &'static str, i64)>,
     /// (stage label, histogram) of `ringmq_stage_latency_seconds`.
     stages: Vec<(&'static str, HistogramSnapshot)>,
-    /// (name, help, label name, [(label value, value)]): gauges with one label.
-    labeled: Vec<(&'static str, &'static str, &'static str, Vec<(String, i64)>)>,
+    /// Gauges with one label.
+    labeled: Vec<LabeledGauge>,
 }
+
+/// (name, help, label name, [(label value, value)]).
+type LabeledGauge = (&'static str, &'static str, &'static str, Vec<(String, i64)>);
 
 impl prometheus_client::collector::Collector for Snapshot {
     fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
