@@ -58,7 +58,8 @@ const TAG_BIND: u8 = 6;
 const TAG_UNBIND: u8 = 7;
 const TAG_CURSOR_CAS: u8 = 8;
 const TAG_NODE_BOOT: u8 = 9;
-/// `NodeBoot` of one node of a cluster (tag 9 is a single node's, as logs before clusters).
+/// `NodeBoot` of one node of a cluster, with the epoch it boots from (tag 9 is a single
+/// node's, as in logs from before clusters).
 const TAG_NODE_BOOT_CLUSTER: u8 = 10;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
@@ -124,8 +125,11 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, *new);
         }
         Command::NodeBoot { node, cluster } => {
-            out.push(if *cluster { TAG_NODE_BOOT_CLUSTER } else { TAG_NODE_BOOT });
+            out.push(if cluster.is_some() { TAG_NODE_BOOT_CLUSTER } else { TAG_NODE_BOOT });
             put_varint(out, *node);
+            if let Some(prev) = cluster {
+                put_varint(out, *prev);
+            }
         }
     }
 }
@@ -193,8 +197,8 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             }
         }
         TAG_CURSOR_CAS => Command::CursorCas { vhost: r.string()?, queue: r.string()?, expected: r.varint()?, new: r.varint()? },
-        TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()?, cluster: false },
-        TAG_NODE_BOOT_CLUSTER => Command::NodeBoot { node: r.varint()?, cluster: true },
+        TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()?, cluster: None },
+        TAG_NODE_BOOT_CLUSTER => Command::NodeBoot { node: r.varint()?, cluster: Some(r.varint()?) },
         _ => return Err(r.err("unknown command tag")),
     })
 }

@@ -142,6 +142,20 @@ pub(super) struct Waiter {
     pub(super) reply: flume::Sender<Result<Vec<Outcome>, MetaError>>,
 }
 
+/// A proposed entry waiting to be applied.
+pub(super) struct InFlight {
+    /// When its first request arrived.
+    pub(super) since: Instant,
+    pub(super) waiters: Vec<Waiter>,
+    /// The entry as proposed, to propose again when the leader changes before it is applied
+    /// (a follower's proposal forwarded to a leader that died is lost; every command applies
+    /// at most once in effect, so a second copy changes nothing).
+    ctx: Vec<u8>,
+    data: Vec<u8>,
+    /// The leader it was proposed to.
+    leader: NodeId,
+}
+
 pub(super) struct PendingEntry {
     cmds: Vec<Command>,
     waiters: Vec<Waiter>,
@@ -159,8 +173,8 @@ pub(super) struct Driver {
     /// Identifies this driver's proposals in entry contexts (differs across restarts).
     pub(super) nonce: u64,
     next_seq: u64,
-    /// Waiters per proposed entry, by batch sequence, with the time it was proposed.
-    pub(super) in_flight: HashMap<u64, (Instant, Vec<Waiter>)>,
+    /// Proposed entries not applied yet, by batch sequence.
+    pub(super) in_flight: HashMap<u64, InFlight>,
     /// Proposals made while no leader was known, retried each iteration.
     awaiting_leader: Vec<PendingEntry>,
     /// Read barriers sent to raft-rs, by request id, with the time they were asked.
@@ -290,8 +304,8 @@ impl Driver {
     }
 
     /// The driver thread's body: [`Driver::turn`] until shutdown or a fatal error.
-    pub(super) fn run(&mut self, rx: flume::Receiver<Request>) {
-        if let Err(e) = self.run_loop(&rx) {
+    pub(super) fn run(&mut self, rx: flume::Receiver<Request>, reports: flume::Receiver<Request>) {
+        if let Err(e) = self.run_loop(&rx, &reports) {
             let why = e.to_string();
             tracing::error!(error = %why, "metadata driver stopped on a fatal error");
             *self.shared.failure.lock() = Some(why.clone());
@@ -317,11 +331,11 @@ impl Driver {
         }
     }
 
-    fn run_loop(&mut self, rx: &flume::Receiver<Request>) -> Result<(), MetaError> {
+    fn run_loop(&mut self, rx: &flume::Receiver<Request>, reports: &flume::Receiver<Request>) -> Result<(), MetaError> {
         // Runs until a Shutdown request or until every handle is dropped.
         loop {
             let wait = TICK.saturating_sub(self.last_tick.elapsed());
-            let mut reqs = Vec::new();
+            let mut reqs: Vec<Request> = reports.try_iter().collect();
             let mut disconnected = false;
             match rx.recv_timeout(wait) {
                 Ok(req) => {
@@ -359,6 +373,7 @@ impl Driver {
         let retry = std::mem::take(&mut self.awaiting_leader);
         self.propose_entries(retry.into_iter().chain(batch).collect());
         self.on_ready()?;
+        self.repropose();
         self.expire();
         self.publish_figures();
         if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| now >= t) {
@@ -462,9 +477,10 @@ impl Driver {
                 }
                 continue;
             }
-            match self.raw.propose(ctx, data) {
+            match self.raw.propose(ctx.clone(), data.clone()) {
                 Ok(()) => {
-                    self.in_flight.insert(seq, (entry.since, entry.waiters));
+                    let leader = self.raw.raft.leader_id;
+                    self.in_flight.insert(seq, InFlight { since: entry.since, waiters: entry.waiters, ctx, data, leader });
                 }
                 Err(raft::Error::ProposalDropped) => {
                     // Leadership is moving (or the leader just vanished): try again next turn.
@@ -476,6 +492,24 @@ impl Driver {
                         let _ = w.reply.send(Err(MetaError::Raft(e.to_string())));
                     }
                 }
+            }
+        }
+    }
+
+    /// Proposes again, in proposal order, every in-flight entry proposed to another leader than
+    /// the current one (module doc, step 3): it may have died with the old leader. The entry
+    /// keeps its context, so whichever copy is applied first resolves its waiters.
+    fn repropose(&mut self) {
+        let leader = self.raw.raft.leader_id;
+        if leader == 0 || self.net.is_none() {
+            return;
+        }
+        let mut stale: Vec<u64> = self.in_flight.iter().filter(|(_, f)| f.leader != leader).map(|(seq, _)| *seq).collect();
+        stale.sort_unstable();
+        for seq in stale {
+            let Some(f) = self.in_flight.get_mut(&seq) else { continue };
+            if self.raw.propose(f.ctx.clone(), f.data.clone()).is_ok() {
+                f.leader = leader;
             }
         }
     }
@@ -494,10 +528,10 @@ impl Driver {
                 let _ = w.reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
             }
         }
-        let late: Vec<u64> = self.in_flight.iter().filter(|(_, (since, _))| old(*since)).map(|(seq, _)| *seq).collect();
+        let late: Vec<u64> = self.in_flight.iter().filter(|(_, f)| old(f.since)).map(|(seq, _)| *seq).collect();
         for seq in late {
-            if let Some((_, waiters)) = self.in_flight.remove(&seq) {
-                for w in waiters {
+            if let Some(f) = self.in_flight.remove(&seq) {
+                for w in f.waiters {
                     let _ = w.reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
                 }
             }
@@ -512,8 +546,8 @@ impl Driver {
 
     /// Answers every waiter with `err()` (shutdown, fatal error).
     fn fail_all(&mut self, err: impl Fn() -> MetaError) {
-        for (_, (_, waiters)) in self.in_flight.drain() {
-            for w in waiters {
+        for (_, f) in self.in_flight.drain() {
+            for w in f.waiters {
                 let _ = w.reply.send(Err(err()));
             }
         }

@@ -93,7 +93,7 @@ impl MetaHandle {
         }
         let counters = Arc::new(Counters::default());
         let shared = Arc::new(Shared::new(node, cluster.is_some(), counters.clone()));
-        let NetInboxRx { tx, rx } = inbox;
+        let NetInboxRx { tx, rx, reports } = inbox;
         let (init_tx, init_rx) = flume::bounded::<Result<(), MetaError>>(1);
         let dir = dir.to_owned();
         let drv_shared = shared.clone();
@@ -118,7 +118,7 @@ impl MetaHandle {
                         return;
                     }
                 }
-                driver.run(rx);
+                driver.run(rx, reports);
             })
             .map_err(|e| MetaError::Raft(format!("spawn the metadata thread: {e}")))?;
         let handle = MetaHandle { shared, tx, thread: Arc::new(Mutex::new(Some(thread))) };
@@ -146,21 +146,19 @@ impl MetaHandle {
         }
     }
 
-    /// Applies `NodeBoot { node }` and returns the new epoch, retrying while no quorum answers
-    /// (for at most `wait`). A retry after an unanswered attempt first checks, behind a read
-    /// barrier, whether that attempt was applied after all: a boot is counted once. (Only this
-    /// node proposes its own boot, and it applied its last one before serving, so the epoch in
-    /// its own log is the latest.)
+    /// Applies `NodeBoot` and returns the new epoch, retrying while no quorum answers (for at
+    /// most `wait`). In a cluster the command carries the epoch read here before the first
+    /// attempt, so however many copies are applied (a timed-out attempt applied late, a copy
+    /// re-sent after a leader change) the boot counts once. (Only this node proposes its own
+    /// boot, and it applied its last one before serving, so its own log has the latest epoch.)
     fn boot(&self, wait: Duration) -> Result<u64, MetaError> {
         let node = self.shared.node;
-        let boot = Command::NodeBoot { node, cluster: self.shared.cluster };
-        let epoch_here = || self.with_state(|s| s.boot_epochs.get(&node).copied().unwrap_or(0));
-        let before = epoch_here();
+        let before = self.with_state(|s| s.boot_epochs.get(&node).copied().unwrap_or(0));
+        let boot = Command::NodeBoot { node, cluster: self.shared.cluster.then_some(before) };
         let deadline = Instant::now() + wait;
         let mut last_log = Instant::now();
-        let mut attempt = self.propose_blocking(vec![boot.clone()]);
         loop {
-            match attempt {
+            match self.propose_blocking(vec![boot.clone()]) {
                 Ok(outcomes) => {
                     return match outcomes.first() {
                         Some(Outcome::Epoch(epoch)) => Ok(*epoch),
@@ -173,11 +171,6 @@ impl MetaHandle {
                         tracing::warn!(node, voters = ?f.voters, leader = f.leader, "waiting for a majority of the metadata group to answer");
                         last_log = Instant::now();
                     }
-                    attempt = match futures_lite::future::block_on(self.sync()) {
-                        Ok(()) if epoch_here() > before => return Ok(epoch_here()),
-                        Ok(()) => self.propose_blocking(vec![boot.clone()]),
-                        Err(e) => Err(e),
-                    };
                 }
                 Err(e) => return Err(e),
             }

@@ -140,7 +140,8 @@ pub enum MetaError {
     },
     /// The proposal or read barrier was not answered in time: no leader is known, or the
     /// leader has no majority behind it. A proposal may still be applied later (its outcome
-    /// is unknown); a retry is safe for every command but `NodeBoot`.
+    /// is unknown); a retry is safe for every command (a cluster's `NodeBoot` carries the epoch it
+    /// boots from and applies once).
     #[error("metadata group unavailable: no quorum answered within {waited_ms} ms (leader: {leader:?})")]
     NoQuorum {
         /// How long it waited, ms.

@@ -39,12 +39,17 @@ impl std::fmt::Debug for ClusterSpec {
     }
 }
 
-/// The inbound side: cheap to clone, `Send + Sync`; every call queues a request for the
-/// driver (blocking briefly when its queue of 65,536 requests is full: backpressure on the
-/// sending peer's connection). Calls after the driver stopped are dropped.
+/// The inbound side: cheap to clone, `Send + Sync`. A received message queues a request for
+/// the driver (blocking briefly when its queue of 65,536 requests is full: backpressure on the
+/// sending peer's connection). Reports never block and are never lost: they go to a queue of
+/// their own, unbounded, which the driver drains every iteration (≤ 100 ms later) — a
+/// transport may report from inside [`RaftNet::send`], on the driver's own thread, and a
+/// lost snapshot report would freeze replication to that peer. Calls after the driver
+/// stopped are dropped.
 #[derive(Clone, Debug)]
 pub struct NetInbox {
     pub(super) tx: flume::Sender<Request>,
+    pub(super) reports: flume::Sender<Request>,
 }
 
 /// The driver's end of a [`NetInbox`], handed to [`MetaHandle::start_cluster`](super::MetaHandle::start_cluster).
@@ -52,6 +57,7 @@ pub struct NetInbox {
 pub struct NetInboxRx {
     pub(super) tx: flume::Sender<Request>,
     pub(super) rx: flume::Receiver<Request>,
+    pub(super) reports: flume::Receiver<Request>,
 }
 
 /// Capacity of the driver's request queue (requests).
@@ -61,7 +67,8 @@ pub(super) const REQUEST_QUEUE: usize = 1 << 16;
 /// [`NetInboxRx`] to [`MetaHandle::start_cluster`](super::MetaHandle::start_cluster).
 pub fn inbox() -> (NetInbox, NetInboxRx) {
     let (tx, rx) = flume::bounded(REQUEST_QUEUE);
-    (NetInbox { tx: tx.clone() }, NetInboxRx { tx, rx })
+    let (reports_tx, reports) = flume::unbounded();
+    (NetInbox { tx: tx.clone(), reports: reports_tx }, NetInboxRx { tx, rx, reports })
 }
 
 impl NetInbox {
@@ -72,12 +79,12 @@ impl NetInbox {
 
     /// A message to `to` could not be sent: raft-rs's `report_unreachable(to)`.
     pub fn unreachable(&self, to: NodeId) {
-        let _ = self.tx.send(Request::Unreachable(to));
+        let _ = self.reports.send(Request::Unreachable(to));
     }
 
     /// A snapshot to `to` was sent completely (`ok`) or failed: raft-rs's `report_snapshot`.
     pub fn snapshot_done(&self, to: NodeId, ok: bool) {
-        let _ = self.tx.send(Request::SnapshotDone { to, ok });
+        let _ = self.reports.send(Request::SnapshotDone { to, ok });
     }
 }
 

@@ -75,7 +75,7 @@ fn command() -> impl Strategy<Value = Command> {
         2 => binding().prop_map(Command::Unbind),
         6 => (vhost, name(), 0u64..4, 0u64..4)
             .prop_map(|(vhost, queue, expected, new)| Command::CursorCas { vhost, queue, expected, new }),
-        1 => (1u64..3, any::<bool>()).prop_map(|(node, cluster)| Command::NodeBoot { node, cluster }),
+        1 => (1u64..3, proptest::option::of(0u64..3)).prop_map(|(node, cluster)| Command::NodeBoot { node, cluster }),
     ]
 }
 

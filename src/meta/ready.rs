@@ -199,9 +199,9 @@ impl Driver {
         let ctx: &[u8] = &e.context;
         if ctx.len() == 16 && ctx[..8] == self.nonce.to_le_bytes() {
             let seq = u64::from_le_bytes(ctx[8..].try_into().unwrap_or_default());
-            if let Some((_, waiters)) = self.in_flight.remove(&seq) {
+            if let Some(f) = self.in_flight.remove(&seq) {
                 let mut rest = outcomes.into_iter();
-                for w in waiters {
+                for w in f.waiters {
                     let mine: Vec<Outcome> = rest.by_ref().take(w.count).collect();
                     let _ = w.reply.send(Ok(mine));
                 }

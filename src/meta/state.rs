@@ -97,16 +97,20 @@ pub enum Command {
     /// A node (re)started → `Epoch(new epoch)`. Bumps the node's boot epoch and removes the
     /// queues that died with its previous run, and the bindings that name a removed object
     /// (bindings between surviving objects stay):
-    /// - a single node (`cluster == false`): every non-durable or exclusive queue and every
+    /// - a single node (`cluster: None`): every non-durable or exclusive queue and every
     ///   non-durable exchange;
-    /// - one node of a cluster: only the non-durable or exclusive queues owned by `node`
-    ///   (their messages lived there). Exchanges belong to no node and stay: a transient
-    ///   exchange lives as long as the cluster (RabbitMQ's reading).
+    /// - one node of a cluster (`cluster: Some(prev)`): only the non-durable or exclusive
+    ///   queues owned by `node` (their messages lived there). Exchanges belong to no node and
+    ///   stay: a transient exchange lives as long as the cluster (RabbitMQ's reading).
+    ///
+    /// A cluster boot applies only while the node's epoch is still `prev` (the one it read
+    /// before proposing); otherwise it is a no-op answering the current epoch. A proposal
+    /// re-sent after a leader change, or retried after a timeout, is thus counted once.
     NodeBoot {
         /// The node that booted.
         node: NodeId,
-        /// Booted as one voter of a cluster.
-        cluster: bool,
+        /// `Some(epoch before this boot)` for one voter of a cluster; `None` for a single node.
+        cluster: Option<u64>,
     },
 }
 
@@ -255,16 +259,20 @@ impl MetaState {
             }
             Command::NodeBoot { node, cluster } => {
                 let epoch = self.boot_epochs.entry(*node).or_insert(0);
+                if cluster.is_some_and(|prev| prev != *epoch) {
+                    return Outcome::Epoch(*epoch);
+                }
                 *epoch += 1;
                 let epoch = *epoch;
-                let died = |q: &QueueDef| (!q.durable || q.exclusive_owner.is_some()) && (!*cluster || q.owner_node == *node);
+                let cluster = cluster.is_some();
+                let died = |q: &QueueDef| (!q.durable || q.exclusive_owner.is_some()) && (!cluster || q.owner_node == *node);
                 let gone_queues: Vec<(String, String)> = topo.queues.iter().filter(|(_, q)| died(q)).map(|(k, _)| k.clone()).collect();
                 for key in &gone_queues {
                     topo.queues.remove(key);
                     self.cursors.remove(key);
                 }
                 let gone_exchanges: Vec<(String, String)> =
-                    topo.exchanges.iter().filter(|(_, e)| !e.durable && !*cluster).map(|(k, _)| k.clone()).collect();
+                    topo.exchanges.iter().filter(|(_, e)| !e.durable && !cluster).map(|(k, _)| k.clone()).collect();
                 for key in &gone_exchanges {
                     topo.exchanges.remove(key);
                 }
@@ -581,9 +589,9 @@ pub(crate) mod tests {
             assert_eq!(applied(&mut st, Command::Bind(b)), Outcome::Created);
         }
         applied(&mut st, cas("dq", 0, 3));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: false }), Outcome::Epoch(1));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: false }), Outcome::Epoch(1));
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: false }), Outcome::Epoch(2));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: None }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: None }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: None }), Outcome::Epoch(2));
         let t = &st.topology;
         assert!(t.queue("/", "dq").is_some());
         assert!(t.queue("/", "tq").is_none() && t.queue("/", "xq").is_none());
@@ -606,13 +614,17 @@ pub(crate) mod tests {
             assert_eq!(applied(&mut st, Command::DeclareQueue(q)), Outcome::Created);
         }
         assert_eq!(applied(&mut st, Command::Bind(bind("tx", DestKind::Queue, "t1", ""))), Outcome::Created);
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: true }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: Some(0) }), Outcome::Epoch(1));
+        // The same boot again (a re-sent proposal) is counted once.
+        let before = st.clone();
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 2, cluster: Some(0) }), Outcome::Epoch(1));
+        assert_eq!(st, before);
         let t = &st.topology;
         assert!(t.queue("/", "t1").is_some(), "node 1's transient queue went with node 2's restart");
         assert!(t.queue("/", "t2").is_none() && t.queue("/", "d2").is_some());
         assert!(t.exchange("/", "tx").is_some(), "a transient exchange lives as long as the cluster");
         assert_eq!(t.bindings_from("/", "tx").count(), 1);
-        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: true }), Outcome::Epoch(1));
+        assert_eq!(applied(&mut st, Command::NodeBoot { node: 1, cluster: Some(0) }), Outcome::Epoch(1));
         assert!(st.topology.queue("/", "t1").is_none());
         assert_eq!(st.topology.bindings_from("/", "tx").count(), 0);
     }
