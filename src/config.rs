@@ -3,8 +3,20 @@
 //! Defaults are what a RabbitMQ user expects of a fresh node: AMQP on 127.0.0.1:5672,
 //! data in ./data, user guest/guest allowed from loopback only, vhost `/`, metrics on
 //! 127.0.0.1:15692/metrics.
+//!
+//! # Cluster
+//! `--peers` (TOML: a `[peers]` table) lists every node of the cluster as `id=ADDR:PORT`, the
+//! address each node's Raft transport listens on and the others dial; `--node-id` says which
+//! entry is this node, and `--cluster-listen` may bind another IP than the advertised one (e.g.
+//! `0.0.0.0`) but on the same port. No peers: a single node, exactly as before clustering.
+//!
+//! # Invariants
+//! A loaded [`Config`] with peers names its own node in them, has no two nodes on one id or one
+//! address, and its `cluster_listen` is `Some`, on this node's port in `peers`, and on neither
+//! the AMQP nor the metrics address. Without peers, `cluster_listen` is `None`.
 
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -56,6 +68,19 @@ pub struct Cli {
     /// Log filter (tracing env-filter syntax, e.g. "info" or "ringmq=debug") [default: info]
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
+    /// This node's id in the cluster, at least 1; must be one of the ids in --peers [default: 1]
+    #[arg(long, value_name = "N")]
+    pub node_id: Option<u64>,
+    /// Node-to-node (Raft) listen address; its port must be this node's port in --peers.
+    /// Only with --peers [default: this node's address in --peers]
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub cluster_listen: Option<SocketAddr>,
+    /// Every node of the cluster, this one included, as comma-separated ID=IP:PORT entries
+    /// (the address its Raft transport listens on), e.g.
+    /// 1=127.0.0.1:25672,2=127.0.0.1:25673,3=127.0.0.1:25674. The same list on every node
+    /// [default: none: a single node]
+    #[arg(long, value_name = "ID=ADDR:PORT,...")]
+    pub peers: Option<String>,
 }
 
 /// Default disk alarm threshold, bytes (RabbitMQ's `disk_free_limit` default, 50 MB).
@@ -99,6 +124,10 @@ struct FileConfig {
     log: Option<String>,
     users: Option<Vec<User>>,
     vhosts: Option<Vec<String>>,
+    node_id: Option<u64>,
+    cluster_listen: Option<SocketAddr>,
+    /// `[peers]` table: `1 = "127.0.0.1:25672"` (TOML keys are strings; parsed like `--peers`).
+    peers: Option<BTreeMap<String, String>>,
 }
 
 /// Effective configuration.
@@ -133,8 +162,14 @@ pub struct Config {
     pub users: Vec<User>,
     /// Vhosts created at start.
     pub vhosts: Vec<String>,
-    /// This node's Raft id.
+    /// This node's Raft id (≥ 1; 1 for a single node).
     pub node_id: u64,
+    /// Where the node-to-node (Raft) transport listens: `Some` exactly when `peers` is not
+    /// empty (by default this node's address in `peers`).
+    pub cluster_listen: Option<SocketAddr>,
+    /// Every node of the cluster by id, this one included: the address its Raft transport
+    /// listens on. Empty for a single node.
+    pub peers: BTreeMap<u64, SocketAddr>,
 }
 
 /// Configuration errors.
@@ -165,7 +200,8 @@ impl Config {
     /// Merges flags over the file named by `--config` over defaults.
     ///
     /// # Errors
-    /// [`ConfigError`] for an unreadable or malformed file or out-of-range values.
+    /// [`ConfigError`] for an unreadable or malformed file, out-of-range values, or cluster
+    /// settings that do not fit together (the module's `# Invariants`).
     pub fn load(cli: Cli) -> Result<Config, ConfigError> {
         let file = match &cli.config {
             Some(path) => {
@@ -174,8 +210,19 @@ impl Config {
             }
             None => FileConfig::default(),
         };
+        Self::merge(cli, file)
+    }
+
+    /// Flags over `file` over defaults, then the checks [`Config::load`] documents.
+    fn merge(cli: Cli, file: FileConfig) -> Result<Config, ConfigError> {
         let cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
-        let c = Config {
+        // The flag's list replaces the file's table as a whole.
+        let peers = match (cli.peers, file.peers) {
+            (Some(list), _) => parse_peer_list(&list)?,
+            (None, Some(table)) => collect_peers(table.iter().map(|(id, addr)| peer_entry(id, addr)))?,
+            (None, None) => BTreeMap::new(),
+        };
+        let mut c = Config {
             listen: cli.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:5672".parse().expect("literal")),
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
@@ -190,7 +237,9 @@ impl Config {
             log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
             users: file.users.unwrap_or_else(|| vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]),
             vhosts: file.vhosts.unwrap_or_else(|| vec!["/".into()]),
-            node_id: 1,
+            node_id: cli.node_id.or(file.node_id).unwrap_or(1),
+            cluster_listen: cli.cluster_listen.or(file.cluster_listen),
+            peers,
         };
         if c.cores == 0 || c.cores > 1024 {
             return Err(ConfigError::Invalid(format!("cores must be 1..=1024, got {}", c.cores)));
@@ -204,7 +253,54 @@ impl Config {
         if c.segment_bytes < (1 << 20) {
             return Err(ConfigError::Invalid(format!("segment_bytes must be at least 1 MiB, got {}", c.segment_bytes)));
         }
+        c.cluster_listen = c.check_cluster()?;
         Ok(c)
+    }
+
+    /// Checks `node_id`, `peers` and `cluster_listen` together; returns the effective
+    /// `cluster_listen` (this node's entry in `peers` when none was given; `None` without
+    /// peers).
+    fn check_cluster(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.node_id == 0 {
+            return invalid("node_id must be at least 1 (raft-rs reserves 0)".into());
+        }
+        if self.peers.is_empty() {
+            return match self.cluster_listen {
+                Some(addr) => invalid(format!(
+                    "cluster_listen {addr} is set but peers is empty: name every node of the cluster in peers, or drop cluster_listen to run a single node"
+                )),
+                None => Ok(None),
+            };
+        }
+        let Some(&own) = self.peers.get(&self.node_id) else {
+            let ids: Vec<String> = self.peers.keys().map(u64::to_string).collect();
+            return invalid(format!("peers do not name this node (node_id {}); they name {}", self.node_id, ids.join(", ")));
+        };
+        let cluster = match self.cluster_listen {
+            Some(addr) if addr.port() != own.port() => {
+                return invalid(format!(
+                    "cluster_listen {addr} is not on this node's port in peers ({}={own}): the other nodes dial port {}",
+                    self.node_id,
+                    own.port()
+                ));
+            }
+            Some(addr) => addr,
+            None => own,
+        };
+        if same_socket(cluster, self.listen) {
+            return invalid(format!("the cluster address {cluster} is also the AMQP listen address {}", self.listen));
+        }
+        if same_socket(cluster, self.metrics_listen) {
+            return invalid(format!("the cluster address {cluster} is also the metrics listen address {}", self.metrics_listen));
+        }
+        Ok(Some(cluster))
+    }
+
+    /// True when this node is one of several (`peers` is not empty): the metadata group has a
+    /// voter per peer and the node-to-node transport listens on `cluster_listen`.
+    pub fn is_cluster(&self) -> bool {
+        !self.peers.is_empty()
     }
 
     /// Directory of the Raft metadata.
@@ -238,4 +334,219 @@ pub fn queue_dir_name(vhost: &str, name: &str) -> String {
         s.bytes().map(|b| format!("{b:02x}")).collect()
     }
     format!("{}.{}", hex(vhost), hex(name))
+}
+
+/// Two listen addresses that cannot both be bound: one port, and one IP or either unspecified
+/// (`0.0.0.0` / `::` takes the port on every address).
+fn same_socket(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// Parses `--peers`: comma-separated `ID=IP:PORT` entries (spaces around them ignored); an empty
+/// or blank list is no peers.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] naming the first bad entry, or a repeated id or address.
+fn parse_peer_list(list: &str) -> Result<BTreeMap<u64, SocketAddr>, ConfigError> {
+    if list.trim().is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    collect_peers(list.split(',').enumerate().map(|(i, entry)| {
+        let entry = entry.trim();
+        if entry.is_empty() {
+            return Err(ConfigError::Invalid(format!("peers entry {} of {list:?} is empty (expected ID=ADDR:PORT)", i + 1)));
+        }
+        match entry.split_once('=') {
+            Some((id, addr)) => peer_entry(id, addr),
+            None => Err(ConfigError::Invalid(format!("peers entry {entry:?} is not ID=ADDR:PORT (e.g. 2=127.0.0.1:25673)"))),
+        }
+    }))
+}
+
+/// One peer, `id` and `addr` as written (`--peers` entry `id=addr`, or TOML `id = "addr"`).
+fn peer_entry(id: &str, addr: &str) -> Result<(u64, SocketAddr), ConfigError> {
+    let (id, addr) = (id.trim(), addr.trim());
+    let entry = format!("{id}={addr}");
+    let bad = |why: String| Err(ConfigError::Invalid(format!("peers entry {entry:?}: {why}")));
+    let n = match id.parse::<u64>() {
+        Ok(0) => return bad("node id 0 is reserved by raft-rs (ids start at 1)".into()),
+        Ok(n) => n,
+        Err(_) => return bad(format!("node id {id:?} is not a whole number of at least 1")),
+    };
+    if addr.is_empty() {
+        return bad("no address (expected ID=ADDR:PORT, e.g. 2=127.0.0.1:25673)".into());
+    }
+    match addr.parse::<SocketAddr>() {
+        Ok(a) if a.port() == 0 => bad("port 0 cannot be dialled".into()),
+        Ok(a) => Ok((n, a)),
+        Err(_) if addr.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().is_ok() => {
+            bad(format!("address {addr:?} has no port (expected ADDR:PORT)"))
+        }
+        Err(_) => bad(format!("address {addr:?} is not IP:PORT (host names are not resolved)")),
+    }
+}
+
+/// Collects parsed peers, refusing a repeated id or address.
+fn collect_peers(entries: impl Iterator<Item = Result<(u64, SocketAddr), ConfigError>>) -> Result<BTreeMap<u64, SocketAddr>, ConfigError> {
+    let mut peers = BTreeMap::new();
+    for entry in entries {
+        let (id, addr) = entry?;
+        if let Some(first) = peers.get(&id) {
+            return Err(ConfigError::Invalid(format!("peers name node {id} twice ({id}={first} and {id}={addr})")));
+        }
+        if let Some(other) = peers.iter().find_map(|(&o, &a)| (a == addr).then_some(o)) {
+            return Err(ConfigError::Invalid(format!("peers give one address {addr} to node {other} and node {id}")));
+        }
+        peers.insert(id, addr);
+    }
+    Ok(peers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PEERS: &str = "1=127.0.0.1:25672,2=127.0.0.1:25673,3=127.0.0.1:25674";
+
+    /// `Config::merge` of these flags (after "ringmq") over the TOML text `file`.
+    fn load(flags: &[&str], file: &str) -> Result<Config, ConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("ringmq").chain(flags.iter().copied())).expect("flags parse");
+        Config::merge(cli, toml::from_str(file).expect("toml parses"))
+    }
+
+    /// The `Invalid` message of a refused configuration.
+    #[track_caller]
+    fn refused(flags: &[&str], file: &str) -> String {
+        match load(flags, file) {
+            Err(ConfigError::Invalid(m)) => m,
+            other => panic!("expected ConfigError::Invalid for {flags:?} / {file:?}, got {other:?}"),
+        }
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn no_peers_is_a_single_node_as_before() {
+        let c = load(&[], "").unwrap();
+        assert_eq!((c.node_id, c.cluster_listen, c.peers.len(), c.is_cluster()), (1, None, 0, false));
+        let c = load(&["--peers", "", "--node-id", "7"], "").unwrap();
+        assert_eq!((c.node_id, c.is_cluster()), (7, false));
+    }
+
+    #[test]
+    fn peers_flag_and_default_cluster_listen() {
+        let c = load(&["--node-id", "2", "--peers", PEERS], "").unwrap();
+        assert!(c.is_cluster());
+        assert_eq!(c.node_id, 2);
+        assert_eq!(c.cluster_listen, Some(addr("127.0.0.1:25673")));
+        let want: BTreeMap<u64, SocketAddr> =
+            [(1, addr("127.0.0.1:25672")), (2, addr("127.0.0.1:25673")), (3, addr("127.0.0.1:25674"))].into();
+        assert_eq!(c.peers, want);
+        // spaces around entries, IPv6, another bind IP on the same port
+        let c = load(&["--peers", " 1=[::1]:25672 , 2=10.0.0.2:25672", "--cluster-listen", "0.0.0.0:25672"], "").unwrap();
+        assert_eq!(c.peers[&1], addr("[::1]:25672"));
+        assert_eq!(c.cluster_listen, Some(addr("0.0.0.0:25672")));
+    }
+
+    #[test]
+    fn peers_table_in_the_file_and_the_flag_wins() {
+        let file = "node_id = 3\ncluster_listen = \"127.0.0.1:25674\"\n[peers]\n1 = \"127.0.0.1:25672\"\n2 = \"127.0.0.1:25673\"\n3 = \"127.0.0.1:25674\"\n";
+        let c = load(&[], file).unwrap();
+        assert_eq!((c.node_id, c.cluster_listen, c.peers.len()), (3, Some(addr("127.0.0.1:25674")), 3));
+        let c = load(&["--node-id", "1", "--peers", "1=127.0.0.1:26000,3=127.0.0.1:26001", "--cluster-listen", "127.0.0.1:26000"], file)
+            .unwrap();
+        assert_eq!(c.node_id, 1);
+        assert_eq!(c.peers.keys().copied().collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(c.cluster_listen, Some(addr("127.0.0.1:26000")));
+        // a bad TOML entry is reported like a bad flag entry
+        let m = refused(&[], "[peers]\n1 = \"127.0.0.1:25672\"\nx = \"1.2.3.4:5\"\n");
+        assert!(m.contains("\"x=1.2.3.4:5\""), "{m}");
+    }
+
+    #[test]
+    fn peers_in_a_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ringmq.toml");
+        std::fs::write(&path, "node_id = 2\n[peers]\n1 = \"127.0.0.1:25672\"\n2 = \"127.0.0.1:25673\"\n").unwrap();
+        let c = Config::load(Cli::try_parse_from(["ringmq", "--config", path.to_str().unwrap()]).unwrap()).unwrap();
+        assert_eq!((c.node_id, c.cluster_listen), (2, Some(addr("127.0.0.1:25673"))));
+    }
+
+    #[test]
+    fn node_id_zero_is_refused() {
+        assert!(refused(&["--node-id", "0"], "").contains("node_id must be at least 1"));
+        assert!(refused(&[], "node_id = 0").contains("node_id must be at least 1"));
+        let m = refused(&["--peers", "0=127.0.0.1:25672,1=127.0.0.1:25673"], "");
+        assert!(m.contains("\"0=127.0.0.1:25672\"") && m.contains("reserved"), "{m}");
+    }
+
+    #[test]
+    fn duplicate_ids_are_refused() {
+        let m = refused(&["--peers", "1=127.0.0.1:25672,2=127.0.0.1:25673,2=127.0.0.1:25674"], "");
+        assert!(m.contains("node 2 twice"), "{m}");
+        // "2" and "02" are one id
+        let m = refused(&[], "[peers]\n1 = \"127.0.0.1:25672\"\n2 = \"127.0.0.1:25673\"\n02 = \"127.0.0.1:25674\"\n");
+        assert!(m.contains("node 2 twice"), "{m}");
+    }
+
+    #[test]
+    fn duplicate_addresses_are_refused() {
+        let m = refused(&["--peers", "1=127.0.0.1:25672,2=127.0.0.1:25672"], "");
+        assert!(m.contains("127.0.0.1:25672 to node 1 and node 2"), "{m}");
+    }
+
+    #[test]
+    fn peers_must_name_this_node() {
+        let m = refused(&["--node-id", "4", "--peers", PEERS], "");
+        assert!(m.contains("do not name this node (node_id 4)") && m.contains("1, 2, 3"), "{m}");
+        // the default node id 1 must be listed too
+        let m = refused(&["--peers", "2=127.0.0.1:25673,3=127.0.0.1:25674"], "");
+        assert!(m.contains("node_id 1"), "{m}");
+    }
+
+    #[test]
+    fn cluster_listen_needs_peers() {
+        let m = refused(&["--cluster-listen", "127.0.0.1:25672"], "");
+        assert!(m.contains("cluster_listen 127.0.0.1:25672") && m.contains("peers is empty"), "{m}");
+    }
+
+    #[test]
+    fn cluster_listen_must_be_on_this_nodes_port() {
+        let m = refused(&["--node-id", "2", "--peers", PEERS, "--cluster-listen", "127.0.0.1:25672"], "");
+        assert!(m.contains("not on this node's port in peers (2=127.0.0.1:25673)") && m.contains("dial port 25673"), "{m}");
+    }
+
+    #[test]
+    fn cluster_address_must_not_be_the_amqp_or_metrics_address() {
+        let m = refused(&["--peers", "1=127.0.0.1:5672,2=127.0.0.1:5673"], "");
+        assert!(m.contains("cluster address 127.0.0.1:5672 is also the AMQP listen address"), "{m}");
+        let m = refused(&["--peers", PEERS, "--metrics-listen", "127.0.0.1:25672"], "");
+        assert!(m.contains("is also the metrics listen address 127.0.0.1:25672"), "{m}");
+        // 0.0.0.0 takes the port on every address
+        let m = refused(&["--peers", PEERS, "--listen", "0.0.0.0:25672"], "");
+        assert!(m.contains("AMQP listen address 0.0.0.0:25672"), "{m}");
+        let m = refused(&["--peers", PEERS, "--cluster-listen", "0.0.0.0:25672", "--listen", "127.0.0.1:25672"], "");
+        assert!(m.contains("cluster address 0.0.0.0:25672"), "{m}");
+    }
+
+    #[test]
+    fn malformed_entries_are_named() {
+        let cases = [
+            ("1=127.0.0.1:25672,2=", "\"2=\": no address"),
+            ("1=127.0.0.1:25672,x=1.2.3.4:5", "\"x=1.2.3.4:5\": node id \"x\""),
+            ("1=127.0.0.1:25672,2=127.0.0.1", "\"2=127.0.0.1\": address \"127.0.0.1\" has no port"),
+            ("1=127.0.0.1:25672,2=[::1]", "has no port"),
+            ("1=127.0.0.1:25672,2=localhost:25673", "\"2=localhost:25673\": address \"localhost:25673\" is not IP:PORT"),
+            ("1=127.0.0.1:25672,2=127.0.0.1:0", "\"2=127.0.0.1:0\": port 0"),
+            ("1=127.0.0.1:25672,127.0.0.1:25673", "\"127.0.0.1:25673\" is not ID=ADDR:PORT"),
+            ("1=127.0.0.1:25672,,2=127.0.0.1:25673", "entry 2 of"),
+            ("1=127.0.0.1:25672,-1=127.0.0.1:25673", "\"-1=127.0.0.1:25673\""),
+        ];
+        for (list, want) in cases {
+            let m = refused(&["--peers", list], "");
+            assert!(m.contains(want), "--peers {list:?}: {m:?} does not contain {want:?}");
+        }
+    }
 }

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lapin::{Channel, Connection, ConnectionProperties};
 
+pub mod cluster;
 pub mod python;
 pub mod raw;
 pub mod script;

@@ -1,0 +1,370 @@
+//! A ringmq cluster of real processes on loopback, for the cluster tests.
+//!
+//! [`Cluster::start`] runs `n` `ringmq` processes, node index `i` (0-based) being node id
+//! `i + 1`, each with its own temp dir (data in `<tmp>/data`, stdout and stderr in
+//! `<tmp>/node.log`), its own free loopback ports for AMQP, metrics and the cluster transport,
+//! `--cores 1` (the test machine has 2 cores for 3 brokers and the test), and one `--peers`
+//! list naming every node. It returns once every node is ready: its AMQP port answers the
+//! protocol header with a frame and its `/metrics` answers 200 (a free loopback port can
+//! "connect" to itself, so an accepted TCP connection alone proves nothing).
+//!
+//! # Invariants
+//! - Every wait is bounded: [`CLUSTER_START_TIMEOUT`] for a start, 5 s per HTTP request.
+//! - Processes are only ever signalled by the PID of a child this harness spawned:
+//!   [`Cluster::kill9`] and `Drop` send SIGKILL to that PID and reap it.
+//! - A node keeps its data dir and its three ports across [`Cluster::kill9`] and
+//!   [`Cluster::start_node`], as a restarted machine would.
+//!
+//! When the owning test panics, `Drop` prints the end of every node's log.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{broker_binary, free_port, http_get};
+
+/// How long a start (of the whole cluster, or of one node) may take until every started node
+/// is ready.
+pub const CLUSTER_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Lines of each node's log printed when a test panics.
+const LOG_TAIL_LINES: usize = 150;
+
+/// One node: its ports and directory (fixed for the life of the cluster) and its process.
+struct Node {
+    /// Raft node id (index + 1).
+    id: u64,
+    /// AMQP listen address.
+    amqp: SocketAddr,
+    /// Metrics listen address.
+    metrics: SocketAddr,
+    /// Cluster (Raft transport) listen address, as listed in `--peers`.
+    cluster: SocketAddr,
+    /// Holds `data/` and `node.log`; removed on drop.
+    dir: tempfile::TempDir,
+    /// The running process, if any.
+    child: Option<Child>,
+}
+
+impl Node {
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("node.log")
+    }
+}
+
+/// A cluster of ringmq processes on 127.0.0.1 (see the module doc).
+pub struct Cluster {
+    nodes: Vec<Node>,
+    /// The `--peers` value every node gets.
+    peers: String,
+    /// Extra flags for every node at every start.
+    extra_args: Vec<String>,
+}
+
+impl Cluster {
+    /// Starts `n` nodes and waits (bounded by [`CLUSTER_START_TIMEOUT`]) until all are ready.
+    pub fn start(n: usize) -> Cluster {
+        Self::start_with_args(n, &[])
+    }
+
+    /// [`Cluster::start`] with extra flags given to every node at every start.
+    pub fn start_with_args(n: usize, extra: &[&str]) -> Cluster {
+        assert!(n >= 1, "a cluster has at least one node");
+        let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let nodes: Vec<Node> = (0..n)
+            .map(|i| Node {
+                id: i as u64 + 1,
+                amqp: loopback(free_port()),
+                metrics: loopback(free_port()),
+                cluster: loopback(free_port()),
+                dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
+                child: None,
+            })
+            .collect();
+        let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
+        let mut c = Cluster { nodes, peers, extra_args: extra.iter().map(|s| s.to_string()).collect() };
+        // All first, then wait: a node may not serve before a majority of its peers is up.
+        for i in 0..n {
+            c.spawn(i);
+        }
+        let all: Vec<usize> = (0..n).collect();
+        if let Err(e) = c.wait_ready(&all, Instant::now() + CLUSTER_START_TIMEOUT) {
+            panic!("cluster of {n} did not start: {e}");
+        }
+        c
+    }
+
+    /// Number of nodes (running or not).
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Raft node id of node index `i` (`i + 1`).
+    pub fn node_id(&self, i: usize) -> u64 {
+        self.nodes[i].id
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f` of node `i`.
+    pub fn amqp_uri(&self, i: usize) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.nodes[i].amqp)
+    }
+
+    /// AMQP address of node `i`.
+    pub fn amqp_addr(&self, i: usize) -> SocketAddr {
+        self.nodes[i].amqp
+    }
+
+    /// Cluster (Raft transport) address of node `i`.
+    pub fn cluster_addr(&self, i: usize) -> SocketAddr {
+        self.nodes[i].cluster
+    }
+
+    /// The `--peers` list every node was given.
+    pub fn peers(&self) -> &str {
+        &self.peers
+    }
+
+    /// The data directory of node `i`.
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.nodes[i].data_dir()
+    }
+
+    /// PID of node `i`'s process (None when it is not running).
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].child.as_ref().map(|c| c.id())
+    }
+
+    /// Is node `i`'s process running? (reaps it, and forgets it, if it exited)
+    pub fn is_running(&mut self, i: usize) -> bool {
+        let node = &mut self.nodes[i];
+        match node.child.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(None)) => true,
+            Some(_) => {
+                node.child = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Indexes of the nodes whose process runs.
+    pub fn running(&mut self) -> Vec<usize> {
+        (0..self.len()).filter(|&i| self.is_running(i)).collect()
+    }
+
+    /// GET /metrics on node `i`: the body. Panics (with the node's log) when it does not answer
+    /// 200 within 5 s.
+    pub fn metrics(&self, i: usize) -> String {
+        self.try_metrics(i).unwrap_or_else(|e| panic!("node {}: {e}; log:\n{}", self.node_id(i), self.log_tail(i)))
+    }
+
+    /// GET /metrics on node `i`: the body, or why not.
+    pub fn try_metrics(&self, i: usize) -> Result<String, String> {
+        let resp = http_get(self.nodes[i].metrics.port(), "/metrics")?;
+        let (head, body) = resp.split_once("\r\n\r\n").ok_or_else(|| format!("no end of headers in {resp:?}"))?;
+        let status = head.lines().next().unwrap_or("");
+        if status.split_whitespace().nth(1) != Some("200") {
+            return Err(format!("GET /metrics on {}: {status:?}", self.nodes[i].metrics));
+        }
+        Ok(body.to_string())
+    }
+
+    /// The value of the series `name{label="value"}` (one label) in node `i`'s metrics, when it
+    /// answers and has the series.
+    pub fn metric(&self, i: usize, name: &str, label: Option<(&str, &str)>) -> Option<f64> {
+        let text = self.try_metrics(i).ok()?;
+        match label {
+            None => super::metric_value(&text, name),
+            Some((k, v)) => labelled_metric_value(&text, name, k, v),
+        }
+    }
+
+    /// Running nodes that report `ringmq_raft_is_leader 1` now.
+    pub fn leaders(&mut self) -> Vec<usize> {
+        self.running().into_iter().filter(|&i| self.metric(i, "ringmq_raft_is_leader", None) == Some(1.0)).collect()
+    }
+
+    /// Polls (every 50 ms, up to `limit`) until exactly one running node reports itself leader;
+    /// returns its index. Panics with what each node reported otherwise.
+    pub fn wait_one_leader(&mut self, limit: Duration) -> usize {
+        let deadline = Instant::now() + limit;
+        loop {
+            let leaders = self.leaders();
+            if let [one] = leaders[..] {
+                return one;
+            }
+            if Instant::now() > deadline {
+                let seen: Vec<String> = self
+                    .running()
+                    .into_iter()
+                    .map(|i| format!("node {}: {:?}", self.node_id(i), self.metric(i, "ringmq_raft_is_leader", None)))
+                    .collect();
+                panic!("not exactly one leader within {limit:?} (leaders: {leaders:?}); ringmq_raft_is_leader: {}", seen.join(", "));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL node `i` by its PID and reap it. Panics if it is not running.
+    pub fn kill9(&mut self, i: usize) {
+        let mut child = self.nodes[i].child.take().unwrap_or_else(|| panic!("kill9: node {} is not running", i + 1));
+        let _ = child.kill(); // kill(pid, SIGKILL)
+        let _ = child.wait();
+    }
+
+    /// Starts node `i` again (after [`Cluster::kill9`]) on the same data dir and ports, and waits
+    /// (bounded by [`CLUSTER_START_TIMEOUT`]) until it is ready. A process that exits at once
+    /// (a port not yet bindable after the previous one) is started again, a few times.
+    pub fn start_node(&mut self, i: usize) {
+        assert!(!self.is_running(i), "start_node: node {} is already running", i + 1);
+        let deadline = Instant::now() + CLUSTER_START_TIMEOUT;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            self.spawn(i);
+            match self.wait_ready(&[i], deadline) {
+                Ok(()) => return,
+                Err(e) if attempt >= 20 || Instant::now() > deadline || self.is_running(i) => {
+                    panic!("node {} did not start again (attempt {attempt}): {e}", i + 1)
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+    }
+
+    /// Node `i`'s captured stdout and stderr (every start appends).
+    pub fn log(&self, i: usize) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(self.nodes[i].log_path()) {
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    /// The last [`LOG_TAIL_LINES`] lines of node `i`'s log.
+    fn log_tail(&self, i: usize) -> String {
+        let log = self.log(i);
+        let lines: Vec<&str> = log.lines().collect();
+        let skip = lines.len().saturating_sub(LOG_TAIL_LINES);
+        let note = if skip > 0 { format!("({skip} earlier lines left out)\n") } else { String::new() };
+        format!("{note}{}", lines[skip..].join("\n"))
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        let log = File::options().create(true).append(true).open(node.log_path()).expect("node log file");
+        let out = log.try_clone().expect("dup log file");
+        let child = Command::new(broker_binary())
+            .arg("--node-id")
+            .arg(node.id.to_string())
+            .arg("--listen")
+            .arg(node.amqp.to_string())
+            .arg("--metrics-listen")
+            .arg(node.metrics.to_string())
+            .arg("--cluster-listen")
+            .arg(node.cluster.to_string())
+            .arg("--peers")
+            .arg(&self.peers)
+            .arg("--data-dir")
+            .arg(node.data_dir())
+            .arg("--cores")
+            .arg("1")
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn ringmq node {}: {e}", node.id));
+        node.child = Some(child);
+    }
+
+    /// Waits until every node in `which` is ready (AMQP answers the protocol header, /metrics
+    /// answers 200), or one of them exits, or `deadline` passes.
+    fn wait_ready(&mut self, which: &[usize], deadline: Instant) -> Result<(), String> {
+        let mut pending: Vec<usize> = which.to_vec();
+        loop {
+            let mut still = Vec::new();
+            for &i in &pending {
+                if !self.is_running(i) {
+                    return Err(format!("node {} exited during start-up; log:\n{}", i + 1, self.log_tail(i)));
+                }
+                if !(amqp_answers(self.nodes[i].amqp) && self.try_metrics(i).is_ok()) {
+                    still.push(i);
+                }
+            }
+            pending = still;
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let logs: Vec<String> = pending.iter().map(|&i| format!("----- node {} log -----\n{}", i + 1, self.log_tail(i))).collect();
+                return Err(format!("nodes {:?} (0-based) not ready by the deadline\n{}", pending, logs.join("\n")));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        for i in 0..self.nodes.len() {
+            if let Some(mut child) = self.nodes[i].child.take() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    eprintln!("ringmq node {} had already exited: {status}", i + 1);
+                }
+                let _ = child.kill(); // by PID, SIGKILL
+                let _ = child.wait();
+            }
+            if panicking {
+                let n = &self.nodes[i];
+                eprintln!(
+                    "----- ringmq node {} (amqp {}, metrics {}, cluster {}) log -----\n{}\n----- end of node {} log -----",
+                    n.id,
+                    n.amqp,
+                    n.metrics,
+                    n.cluster,
+                    self.log_tail(i),
+                    n.id
+                );
+            }
+        }
+    }
+}
+
+/// True when `addr` is a real AMQP listener: it answers the 0-9-1 protocol header with a frame
+/// (connection.start: frame type 1 on channel 0). A self-connected socket would echo the header
+/// back instead. Bounded to about 1 s.
+pub fn amqp_answers(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+        return false;
+    };
+    if s.local_addr().ok() == s.peer_addr().ok() {
+        return false;
+    }
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+    if s.write_all(b"AMQP\x00\x00\x09\x01").is_err() {
+        return false;
+    }
+    let mut head = [0u8; 3];
+    s.read_exact(&mut head).is_ok() && head == [1, 0, 0]
+}
+
+/// The value of the series `name{...label="value"...}` in a Prometheus/OpenMetrics text.
+pub fn labelled_metric_value(text: &str, name: &str, label: &str, value: &str) -> Option<f64> {
+    let want = format!("{label}=\"{value}\"");
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?.strip_prefix('{')?;
+        let (labels, tail) = rest.split_once('}')?;
+        labels.split(',').any(|kv| kv.trim() == want).then_some(())?;
+        tail.split_whitespace().next()?.parse().ok()
+    })
+}
