@@ -5,7 +5,7 @@
 //! Raft group. Existing AMQP clients connect to it as they would to RabbitMQ.
 //!
 //! # Layout (arrows point down only)
-//! `main.rs → server → amqp → broker → {meta, observe, core, shards, config}`
+//! `main.rs → server → amqp → broker → {meta, cluster, observe, core, shards, config}`
 //! - [`server`]: the wiring — puts [`broker::node::Node`] and [`amqp::connection::serve`] on
 //!   the runtime; the only module naming every layer.
 //! - [`amqp`]: the protocol (codec, connection, channels, unacked ledger, one handler per
@@ -16,6 +16,8 @@
 //! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
 //!   placement, fatal errors). Names no protocol and no queue.
 //! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs).
+//! - [`cluster`]: the node-to-node TCP transport of raft-rs messages (plain threads; imports
+//!   nothing else of the crate).
 //! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
 //! - [`config`]: flags, TOML file, defaults.
 //!
@@ -60,6 +62,7 @@
 
 pub mod amqp;
 pub mod broker;
+pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod meta;
