@@ -10,10 +10,54 @@ use std::time::Duration;
 
 use crate::broker::alarms::{self, Alarms};
 use crate::broker::node::{Node, NodeMsg, PeerLinks, Shared};
+use crate::cluster::{Report, Transport, TransportConfig};
 use crate::config::Config;
 use crate::core::{accept, mesh, Runtime};
-use crate::meta::MetaHandle;
+use crate::meta::{ClusterSpec, MetaConfig, MetaHandle, RaftNet};
 use crate::{amqp, core, observe};
+
+/// How long a cluster node waits at start for a majority of its peers (RabbitMQ retries
+/// its peers for 5 minutes by default: 10 × 30 s).
+pub const CLUSTER_START_WAIT: Duration = Duration::from_secs(300);
+
+/// Opens the metadata group: a single voter without `--peers`; with them, one voter of the
+/// cluster, its node-to-node transport listening on `--cluster-listen`. Returns the handle and,
+/// in a cluster, what `/metrics` reads of each peer's link. Blocks until this node's boot is
+/// applied (a cluster: until a majority answers, at most [`CLUSTER_START_WAIT`]).
+///
+/// # Errors
+/// The metadata group's errors ([`crate::meta::MetaError`]); the transport's
+/// ([`crate::cluster::TransportError`]: the cluster port is taken).
+pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<PeerLinks>), Box<dyn std::error::Error>> {
+    if !config.is_cluster() {
+        return Ok((MetaHandle::start(&config.meta_dir(), config.node_id)?, None));
+    }
+    let me = config.node_id;
+    let listen = config.cluster_listen.unwrap_or(config.peers[&me]);
+    let (inbox, inbox_rx) = crate::meta::net::inbox();
+    let on_message = {
+        let inbox = inbox.clone();
+        Arc::new(move |m| inbox.step(m))
+    };
+    let on_report = Arc::new(move |r| match r {
+        Report::Unreachable(id) => inbox.unreachable(id),
+        Report::SnapshotFinished(id) => inbox.snapshot_done(id, true),
+        Report::SnapshotFailed(id) => inbox.snapshot_done(id, false),
+    });
+    let transport = Arc::new(Transport::start(TransportConfig::new(me, listen, config.peers.clone()), on_message, on_report)?);
+    struct Net(Arc<Transport>);
+    impl RaftNet for Net {
+        fn send(&self, msgs: Vec<raft::eraftpb::Message>) {
+            self.0.send_all(msgs);
+        }
+    }
+    let voters: Vec<u64> = config.peers.keys().copied().collect();
+    tracing::info!(node = me, cluster_listen = %listen, ?voters, "joining the cluster's metadata group");
+    let spec = ClusterSpec { voters, net: Arc::new(Net(transport.clone())) };
+    let meta = MetaHandle::start_cluster(&config.meta_dir(), me, MetaConfig::default(), spec, inbox_rx, CLUSTER_START_WAIT)?;
+    let links: PeerLinks = Arc::new(move || transport.peers().into_iter().map(|p| (p.id, p.connected)).collect());
+    Ok((meta, Some(links)))
+}
 
 /// Runs the broker: starts `config.cores` executors and blocks until they stop.
 ///

@@ -4,7 +4,7 @@
 //! What is checked: one leader is elected; a declare on one node is visible on every node at
 //! once (reads the same everywhere); the cluster survives a kill -9 of its leader and the killed
 //! node catches up when it comes back; a minority refuses metadata changes (with a reply, not a
-//! hang) and recovers with a majority; a queue is served by the node it was declared on (540
+//! hang) and recovers with a majority; a queue is served by the node it was declared on (404
 //! elsewhere until forwarding lands).
 //!
 //! The tests of this file run one at a time (three brokers each, on a 2-core machine), and
@@ -299,16 +299,23 @@ fn a_queue_is_served_by_its_own_node() {
         assert!(confirm.is_ack(), "persistent publish on the queue's node not confirmed: {confirm:?}");
         assert_eq!(get_body(&ch1, &q).await.as_deref(), Some(&b"at home"[..]), "basic.get on the queue's node");
 
-        // For now a queue lives on the node where it was declared: from another node it is refused
-        // with 540 NOT_IMPLEMENTED. This changes when forwarding to the queue's node lands (then:
+        // For now a queue lives on the node where it was declared. From another node a publish
+        // routed to it is nacked (never confirmed: it is stored nowhere), and the queue methods are
+        // refused with 404 naming the node that has it (RabbitMQ's reply for a queue whose node it
+        // cannot reach). This changes when forwarding to the queue's node lands (then: confirmed,
         // declare-ok here, and the same messages as on node 1).
         let conn2 = connect_uri(&c.amqp_uri(1)).await;
         let ch2 = channel(&conn2).await;
+        confirm_mode(&ch2).await;
+        let confirm = publish_confirmed(&ch2, "", &q, b"from node 2", BasicProperties::default().with_delivery_mode(2)).await;
+        assert!(confirm.is_nack(), "a publish from node 2 to node 1's queue was confirmed: {confirm:?}");
         let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-        assert_code(
-            t("passive queue.declare on node 2", ch2.queue_declare(q.as_str().into(), passive, FieldTable::default())).await,
-            540,
-            "node 2: passive declare of node 1's queue",
-        );
+        let refused = t("passive queue.declare on node 2", ch2.queue_declare(q.as_str().into(), passive, FieldTable::default())).await;
+        let text = format!("{refused:?}");
+        assert!(text.contains("lives on node 1"), "the refusal names the queue's node: {text}");
+        assert_code(refused, 404, "node 2: passive declare of node 1's queue");
+        // Node 1 still has its queue, without the nacked message.
+        let ch1 = channel(&conn1).await;
+        assert_eq!(ready_count(&ch1, &q).await, 0, "the nacked publish reached node 1's queue");
     });
 }
