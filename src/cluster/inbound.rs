@@ -76,31 +76,37 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
             return;
         }
     };
-    let hello = match link::accept(&stream, shared.me, |id| shared.peers.contains_key(&id)) {
+    let hello = match link::read_offer(&stream, shared.me, |id| shared.peers.contains_key(&id)) {
         Ok(hello) => hello,
-        Err(LinkError::Stopped) => return,
         Err(err) => {
             warn!(%addr, %err, "cluster: inbound connection refused");
             return;
         }
     };
     let from = hello.from;
-    let result = match hello.lane {
-        Lane::Raft => {
-            replace_raft_lane(shared, from, &registered);
-            info!(peer = from, %addr, "cluster: raft lane from peer up");
-            let result = read_raft_lane(shared, &stream, from);
-            let mut lanes = shared.inbound_raft.lock();
-            if lanes.get(&from) == Some(&registered.id) {
-                lanes.remove(&from);
-            }
-            result
+    // The lane becomes the current one before the dialer hears it is accepted (invariant 5).
+    if hello.lane == Lane::Raft {
+        replace_raft_lane(shared, from, &registered);
+    }
+    let result = match link::answer(&stream, shared.me, &hello) {
+        Err(err) => {
+            debug!(peer = from, %addr, %err, "cluster: handshake answer failed");
+            Err(LinkError::Stopped) // nothing came up: nothing to log as down
         }
-        Lane::Snapshot => {
+        Ok(()) if hello.lane == Lane::Raft => {
+            info!(peer = from, %addr, "cluster: raft lane from peer up");
+            read_raft_lane(shared, &stream, from)
+        }
+        Ok(()) => {
             debug!(peer = from, %addr, "cluster: snapshot lane from peer opened");
             read_snapshot_lane(shared, &stream, from)
         }
     };
+    if hello.lane == Lane::Raft && !release_raft_lane(shared, from, registered.id) {
+        // A newer lane from the same peer logged "up"; this one going is no transition.
+        debug!(peer = from, %addr, "cluster: replaced raft lane from peer closed");
+        return;
+    }
     match (hello.lane, result) {
         (_, Err(LinkError::Stopped)) => {}
         (Lane::Raft, Err(LinkError::Closed)) => info!(peer = from, %addr, "cluster: raft lane from peer down (closed)"),
@@ -109,6 +115,17 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
         (Lane::Snapshot, Err(err)) => warn!(peer = from, %addr, %err, "cluster: snapshot lane from peer failed"),
         (_, Ok(())) => {}
     }
+}
+
+/// Forgets the raft lane `id` from `from` if it is still the current one (true), else leaves
+/// the newer lane alone (false).
+fn release_raft_lane(shared: &Shared, from: NodeId, id: u64) -> bool {
+    let mut lanes = shared.inbound_raft.lock();
+    let current = lanes.get(&from) == Some(&id);
+    if current {
+        lanes.remove(&from);
+    }
+    current
 }
 
 /// Makes `registered` the raft lane from `from`, shutting down the one it replaces.

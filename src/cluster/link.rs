@@ -81,25 +81,34 @@ pub(super) fn dial<'a>(shared: &'a Shared, to: NodeId, addr: SocketAddr, lane: L
     Ok((stream, registered))
 }
 
-/// The acceptor's side of the handshake: read the dialer's hello (within
-/// [`HANDSHAKE_TIMEOUT`]), check it ([`check_offer`]), answer with ours. Returns the dialer's
-/// hello; the socket is left with no read timeout and [`WRITE_TIMEOUT`] for writes.
+/// The acceptor's side of the handshake, first half: read the dialer's hello (within
+/// [`HANDSHAKE_TIMEOUT`]) and check it ([`check_offer`]). The caller then records the lane and
+/// calls [`answer`], so that a dialer which saw the answer knows its lane is the current one.
 ///
 /// # Errors
 /// I/O errors (including the timeout), [`LinkError::Frame`] for bytes that are no hello,
 /// [`LinkError::Handshake`] for a hello from or to the wrong node.
-pub(super) fn accept(stream: &TcpStream, me: NodeId, known: impl Fn(NodeId) -> bool) -> Result<Hello, LinkError> {
+pub(super) fn read_offer(stream: &TcpStream, me: NodeId, known: impl Fn(NodeId) -> bool) -> Result<Hello, LinkError> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let offer = read_hello(&mut &*stream)?;
     check_offer(&offer, me, known)?;
+    Ok(offer)
+}
+
+/// The acceptor's side of the handshake, second half: answer `offer` with our hello. The
+/// socket is left with no read timeout and [`WRITE_TIMEOUT`] for writes.
+///
+/// # Errors
+/// I/O errors.
+pub(super) fn answer(stream: &TcpStream, me: NodeId, offer: &Hello) -> Result<(), LinkError> {
     let mut out = Vec::with_capacity(HEADER_LEN + HELLO_LEN);
     frame::encode_hello(&Hello { version: VERSION, lane: offer.lane, from: me, to: offer.from }, &mut out);
     let mut w = stream;
     w.write_all(&out)?;
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
-    Ok(offer)
+    Ok(())
 }
 
 /// Checks a dialer's hello as the acceptor `me`: our version, addressed to `me`, from a known

@@ -380,3 +380,59 @@ fn start_refuses_a_taken_port_and_bad_configs() {
         assert!(matches!(err, TransportError::Config(_)), "{err}");
     }
 }
+
+#[test]
+fn a_newer_raft_lane_from_a_peer_replaces_the_older_one() {
+    let addrs = free_addrs(2);
+    let a = start(1, &addrs);
+    let answer_len = HEADER_LEN + HELLO_LEN;
+    let mut old = raw(addrs[0], &hello(2, 1));
+    let mut buf = vec![0u8; answer_len];
+    old.read_exact(&mut buf).unwrap();
+    let mut new = raw(addrs[0], &hello(2, 1));
+    new.read_exact(&mut buf).unwrap();
+    assert!(read_to_close(old).is_empty(), "the older lane is closed");
+
+    let mut frames = Vec::new();
+    frame::encode_raft(&heartbeat(2, 1, 42), &mut frames).unwrap();
+    frame::encode_raft(&append(2, 1, 42, 2), &mut frames).unwrap();
+    new.write_all(&frames).unwrap();
+    assert_eq!(recv(&a.inbox), heartbeat(2, 1, 42));
+    assert_eq!(recv(&a.inbox), append(2, 1, 42, 2));
+}
+
+#[test]
+fn a_snapshot_whose_receiver_goes_away_fails_exactly_once() {
+    let addrs = free_addrs(2);
+    let a = start(1, &addrs);
+    let (gate_tx, gate_rx) = flume::bounded::<()>(1);
+    let (seen_tx, seen_rx) = flume::unbounded();
+    let hook: Hook = Arc::new(move |m: &Message| {
+        if m.msg_type == MessageType::MsgSnapshot {
+            let _ = seen_tx.send(());
+            let _ = gate_rx.recv_timeout(WAIT);
+        }
+    });
+    let b = start_with(TransportConfig::new(2, addrs[1], peer_map(&addrs)), Some(hook));
+    let mut snap = Snapshot { data: vec![7u8; 3 << 20].into(), ..Default::default() };
+    snap.mut_metadata().index = 10;
+    a.t.send(Message { msg_type: MessageType::MsgSnapshot, from: 1, to: 2, snapshot: Some(snap).into(), ..Default::default() });
+    seen_rx.recv_timeout(WAIT).expect("snapshot reached node 2");
+
+    // Node 2 stops while its driver still holds the snapshot: no ack ever comes.
+    std::thread::scope(|s| {
+        s.spawn(|| b.t.shutdown());
+        assert_eq!(a.reports.recv_timeout(WAIT), Ok(Report::SnapshotFailed(2)));
+        gate_tx.send(()).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(a.reports.try_iter().all(|r| r == Report::Unreachable(2)), "one snapshot report only");
+    let st = status(&a, 2);
+    assert_eq!((st.snapshots_sent, st.snapshots_failed), (0, 1));
+}
+
+#[test]
+fn transport_is_send_and_sync() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Transport>();
+}
