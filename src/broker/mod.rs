@@ -27,6 +27,7 @@ pub mod ids;
 pub mod message;
 pub mod node;
 pub mod queue;
+pub mod remote;
 pub mod router;
 
 use std::sync::Arc;
