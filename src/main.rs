@@ -46,7 +46,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
     }
     std::fs::create_dir_all(&transient)?;
     std::fs::create_dir_all(config.durable_dir())?;
-    let (meta, peer_links) = ringmq::server::start_meta(&config)?;
+    let (meta, cluster) = ringmq::server::start_meta(&config)?;
     for vhost in &config.vhosts {
         if !meta.topology().vhosts.contains(vhost) {
             futures_lite::future::block_on(meta.propose(Command::DeclareVhost { name: vhost.clone() }))?;
@@ -60,7 +60,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
             let _ = stop_tx.send(());
         }
     })?;
-    ringmq::server::start(Arc::new(config), meta, peer_links, stop_rx)?;
+    ringmq::server::start(Arc::new(config), meta, cluster, stop_rx)?;
     Ok(())
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::broker::alarms::{self, Alarms};
 use crate::broker::node::{Node, NodeMsg, PeerLinks, Shared};
+use crate::broker::remote::{DataNet, Remote, RemoteSlot};
 use crate::cluster::{Report, Transport, TransportConfig};
 use crate::config::Config;
 use crate::core::{accept, mesh, Runtime};
@@ -20,15 +21,32 @@ use crate::{amqp, core, observe};
 /// its peers for 5 minutes by default: 10 × 30 s).
 pub const CLUSTER_START_WAIT: Duration = Duration::from_secs(300);
 
+/// A cluster node's parts that outlive [`start_meta`]: the transport, and the slot its data
+/// callbacks read the node's [`Remote`] from once [`start`] made it.
+pub struct ClusterParts {
+    transport: Arc<Transport>,
+    slot: RemoteSlot,
+}
+
+/// The data lane of the cluster transport, as `broker::remote` sends on it.
+struct DataLane(Arc<Transport>);
+
+impl DataNet for DataLane {
+    fn send(&self, to: u64, payload: Vec<u8>) -> Result<(), String> {
+        self.0.send_data(to, payload).map_err(|e| e.to_string())
+    }
+}
+
 /// Opens the metadata group: a single voter without `--peers`; with them, one voter of the
 /// cluster, its node-to-node transport listening on `--cluster-listen`. Returns the handle and,
-/// in a cluster, what `/metrics` reads of each peer's link. Blocks until this node's boot is
-/// applied (a cluster: until a majority answers, at most [`CLUSTER_START_WAIT`]).
+/// in a cluster, the parts [`start`] needs to serve other nodes' queues. Blocks until this
+/// node's boot is applied (a cluster: until a majority answers, at most
+/// [`CLUSTER_START_WAIT`]).
 ///
 /// # Errors
 /// The metadata group's errors ([`crate::meta::MetaError`]); the transport's
 /// ([`crate::cluster::TransportError`]: the cluster port is taken).
-pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<PeerLinks>), Box<dyn std::error::Error>> {
+pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>), Box<dyn std::error::Error>> {
     if !config.is_cluster() {
         return Ok((MetaHandle::start(&config.meta_dir(), config.node_id)?, None));
     }
@@ -44,7 +62,25 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<PeerLinks>), Bo
         Report::SnapshotFinished(id) => inbox.snapshot_done(id, true),
         Report::SnapshotFailed(id) => inbox.snapshot_done(id, false),
     });
-    let transport = Arc::new(Transport::start(TransportConfig::new(me, listen, config.peers.clone()), on_message, on_report)?);
+    let slot: RemoteSlot = Default::default();
+    let on_data = {
+        let slot = slot.clone();
+        Arc::new(move |from, payload| {
+            if let Some(remote) = slot.get() {
+                remote.on_payload(from, payload);
+            }
+        })
+    };
+    let on_link = {
+        let slot = slot.clone();
+        Arc::new(move |peer, up| {
+            if let Some(remote) = slot.get() {
+                remote.on_link(peer, up);
+            }
+        })
+    };
+    let tcfg = TransportConfig::new(me, listen, config.peers.clone());
+    let transport = Arc::new(Transport::start_with_data(tcfg, on_message, on_report, on_data, on_link)?);
     struct Net(Arc<Transport>);
     impl RaftNet for Net {
         fn send(&self, msgs: Vec<raft::eraftpb::Message>) {
@@ -55,8 +91,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<PeerLinks>), Bo
     tracing::info!(node = me, cluster_listen = %listen, ?voters, "joining the cluster's metadata group");
     let spec = ClusterSpec { voters, net: Arc::new(Net(transport.clone())) };
     let meta = MetaHandle::start_cluster(&config.meta_dir(), me, MetaConfig::default(), spec, inbox_rx, CLUSTER_START_WAIT)?;
-    let links: PeerLinks = Arc::new(move || transport.peers().into_iter().map(|p| (p.id, p.connected)).collect());
-    Ok((meta, Some(links)))
+    Ok((meta, Some(ClusterParts { transport, slot })))
 }
 
 /// Runs the broker: starts `config.cores` executors and blocks until they stop.
@@ -65,12 +100,13 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<PeerLinks>), Bo
 /// its connections with 320 and its shards (up to 10 s per core), and the metadata group
 /// stops.
 ///
-/// `peer_links` (a cluster only) reports each other member's link for `/metrics`.
+/// `cluster` (a cluster node only): its transport, for `/metrics` and for serving other nodes'
+/// queues ([`Remote`]).
 ///
 /// # Errors
 /// Fails when an executor cannot start, the AMQP port cannot be bound, or the alarm
 /// monitor cannot start.
-pub fn start(config: Arc<Config>, meta: MetaHandle, peer_links: Option<PeerLinks>, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
+pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts>, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
     let cores = config.cores.max(1);
     accept::wait_port_free(config.listen)?;
     let (inboxes, receivers) = mesh::Inboxes::<NodeMsg>::new(cores);
@@ -87,8 +123,15 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, peer_links: Option<PeerLinks
     } else {
         tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
     }
-    let mut shared = Shared::new(config.clone(), meta, inboxes, alarms.clone());
-    shared.peer_links = peer_links;
+    let mut shared = Shared::new(config.clone(), meta.clone(), inboxes.clone(), alarms.clone());
+    if let Some(parts) = cluster {
+        let transport = parts.transport.clone();
+        let links: PeerLinks = Arc::new(move || transport.peers().into_iter().map(|p| (p.id, p.connected)).collect());
+        shared.peer_links = Some(links);
+        let remote = Arc::new(Remote::new(config.node_id, Arc::new(DataLane(parts.transport)), meta, inboxes, cores));
+        let _ = parts.slot.set(remote.clone());
+        shared.remote = Some(remote);
+    }
     let shared = Arc::new(shared);
     {
         let inboxes = shared.inboxes.clone();

@@ -4,47 +4,22 @@
 //! What is checked: one leader is elected; a declare on one node is visible on every node at
 //! once (reads the same everywhere); the cluster survives a kill -9 of its leader and the killed
 //! node catches up when it comes back; a minority refuses metadata changes (with a reply, not a
-//! hang) and recovers with a majority; a queue is served by the node it was declared on (404
-//! elsewhere until forwarding lands).
+//! hang) and recovers with a majority. Queues across nodes: `tests/cluster_queues.rs`.
 //!
 //! The tests of this file run one at a time (three brokers each, on a 2-core machine), and
 //! every step is bounded. Against an external broker (RINGMQ_TEST_BROKER) they are skipped.
 
 mod common;
 
-use common::cluster::Cluster;
+use common::cluster::{channel, my_turn, run, Cluster};
 use common::*;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
-use std::future::Future;
-use std::sync::{Mutex, MutexGuard};
+use lapin::{BasicProperties, Connection, ExchangeKind};
 use std::time::{Duration, Instant};
 
 /// Leader election after a start or a loss.
 const ELECTION: Duration = Duration::from_secs(10);
-
-/// One cluster at a time (three brokers per test already share two cores with the test): the
-/// guard of the test's turn, or None (with a note) against an external broker.
-fn my_turn() -> Option<MutexGuard<'static, ()>> {
-    if std::env::var_os("RINGMQ_TEST_BROKER").is_some() {
-        eprintln!("SKIPPED against an external broker: the cluster tests start their own ringmq nodes");
-        return None;
-    }
-    static ONE: Mutex<()> = Mutex::new(());
-    Some(ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
-}
-
-/// Runs an async test body in its turn (see [`my_turn`]) on its own runtime: a multi-thread one,
-/// so that the harness's blocking waits do not stall lapin's I/O.
-fn run<F: Future<Output = ()>>(body: F) {
-    let Some(_turn) = my_turn() else { return };
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime").block_on(body);
-}
-
-async fn channel(conn: &Connection) -> Channel {
-    t("channel.open", conn.create_channel()).await.expect("channel.open")
-}
 
 fn durable() -> ExchangeDeclareOptions {
     ExchangeDeclareOptions { durable: true, ..Default::default() }
@@ -283,39 +258,5 @@ fn a_minority_cannot_change_metadata() {
         // a majority is back, as with any timeout); recorded only.
         let conn = connect_uri(&c.amqp_uri(0)).await;
         eprintln!("the refused exchange exists after recovery: {}", passive_exchange(&conn, &lost).await.is_ok());
-    });
-}
-
-#[test]
-fn a_queue_is_served_by_its_own_node() {
-    run(async {
-        let c = Cluster::start(3);
-        let q = uniq("home");
-        let conn1 = connect_uri(&c.amqp_uri(0)).await;
-        let ch1 = channel(&conn1).await;
-        confirm_mode(&ch1).await;
-        declare_queue(&ch1, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
-        let confirm = publish_confirmed(&ch1, "", &q, b"at home", BasicProperties::default().with_delivery_mode(2)).await;
-        assert!(confirm.is_ack(), "persistent publish on the queue's node not confirmed: {confirm:?}");
-        assert_eq!(get_body(&ch1, &q).await.as_deref(), Some(&b"at home"[..]), "basic.get on the queue's node");
-
-        // For now a queue lives on the node where it was declared. From another node a publish
-        // routed to it is nacked (never confirmed: it is stored nowhere), and the queue methods are
-        // refused with 404 naming the node that has it (RabbitMQ's reply for a queue whose node it
-        // cannot reach). This changes when forwarding to the queue's node lands (then: confirmed,
-        // declare-ok here, and the same messages as on node 1).
-        let conn2 = connect_uri(&c.amqp_uri(1)).await;
-        let ch2 = channel(&conn2).await;
-        confirm_mode(&ch2).await;
-        let confirm = publish_confirmed(&ch2, "", &q, b"from node 2", BasicProperties::default().with_delivery_mode(2)).await;
-        assert!(confirm.is_nack(), "a publish from node 2 to node 1's queue was confirmed: {confirm:?}");
-        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-        let refused = t("passive queue.declare on node 2", ch2.queue_declare(q.as_str().into(), passive, FieldTable::default())).await;
-        let text = format!("{refused:?}");
-        assert!(text.contains("lives on node 1"), "the refusal names the queue's node: {text}");
-        assert_code(refused, 404, "node 2: passive declare of node 1's queue");
-        // Node 1 still has its queue, without the nacked message.
-        let ch1 = channel(&conn1).await;
-        assert_eq!(ready_count(&ch1, &q).await, 0, "the nacked publish reached node 1's queue");
     });
 }

@@ -107,6 +107,9 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     futures_lite::future::or(reader(session.clone(), r, tuned.leftover), writer(session.clone(), rx, w)).await;
     session.teardown();
     core.conns.borrow_mut().remove(&id);
+    if let Some(remote) = &core.shared.remote {
+        remote.connection_closed(id);
+    }
     Stats::add(&core.stats().connections_closed, 1);
     tracing::debug!(?peer, %id, "connection closed");
 }

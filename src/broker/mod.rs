@@ -244,6 +244,8 @@ pub struct Holder {
 pub struct ConfirmTo {
     /// Publisher's event channel.
     pub tx: ClientTx,
+    /// Publisher's connection.
+    pub conn: ConnId,
     /// Publishing channel.
     pub channel: ChannelId,
     /// Incarnation of that channel ([`Holder::chan_uid`]).

@@ -55,6 +55,8 @@ pub struct Shared {
     pub alarms: Arc<Alarms>,
     /// In a cluster: (peer id, link up) for every other member, from the transport.
     pub peer_links: Option<PeerLinks>,
+    /// In a cluster: serving other nodes' queues and ours to them (`broker::remote`).
+    pub remote: Option<Arc<super::remote::Remote>>,
 }
 
 /// Reports (peer id, link up) for every other member of the cluster.
@@ -74,6 +76,7 @@ impl Shared {
             stats: (0..cores).map(|_| Stats::default()).collect(),
             alarms,
             peer_links: None,
+            remote: None,
         }
     }
 
@@ -133,6 +136,15 @@ pub enum NodeMsg {
     },
     /// The disk alarm was raised (true) or cleared: tell every connection of this core.
     DiskAlarm(bool),
+    /// A peer's operation on a queue this core owns (`broker::remote`).
+    Remote {
+        /// The peer.
+        from: crate::meta::NodeId,
+        /// The queue (this node's).
+        qref: QueueRef,
+        /// The operation.
+        req: Box<super::remote::wire::Request>,
+    },
     /// Stop: close connections with 320, sync and close shards, then reply.
     Shutdown {
         /// Answered when this core is done.
@@ -200,6 +212,12 @@ impl Node {
                 }
                 None
             }
+            NodeMsg::Remote { from, qref, req } => {
+                if let Some(remote) = &self.shared.remote {
+                    remote.run_request(self, from, qref, *req);
+                }
+                None
+            }
             NodeMsg::Shutdown { done } => Some(done),
         }
     }
@@ -219,7 +237,10 @@ impl Node {
     fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
         let here = self.shared.meta.node_id();
         if qref.owner_node != here {
-            refuse_remote(&qref, here, op);
+            match &self.shared.remote {
+                Some(remote) => remote.forward(&qref, op),
+                None => refuse_remote(&qref, here, op),
+            }
             return;
         }
         let mut queues = self.queues.borrow_mut();

@@ -24,7 +24,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{broker_binary, free_port, http_get};
+use std::future::Future;
+use std::sync::{Mutex, MutexGuard};
+
+use lapin::{Channel, Connection};
+
+use super::{broker_binary, free_port, http_get, t};
 
 /// How long a start (of the whole cluster, or of one node) may take until every started node
 /// is ready.
@@ -367,4 +372,26 @@ pub fn labelled_metric_value(text: &str, name: &str, label: &str, value: &str) -
         labels.split(',').any(|kv| kv.trim() == want).then_some(())?;
         tail.split_whitespace().next()?.parse().ok()
     })
+}
+
+/// One cluster at a time (three brokers per test already share two cores with the test): the
+/// guard of the test's turn, or None (with a note) against an external broker.
+pub fn my_turn() -> Option<MutexGuard<'static, ()>> {
+    if std::env::var_os("RINGMQ_TEST_BROKER").is_some() {
+        eprintln!("SKIPPED against an external broker: the cluster tests start their own ringmq nodes");
+        return None;
+    }
+    static ONE: Mutex<()> = Mutex::new(());
+    Some(ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+}
+
+/// Runs an async test body in its turn (see [`my_turn`]) on its own runtime: a multi-thread one,
+/// so that the harness's blocking waits do not stall lapin's I/O.
+pub fn run<F: Future<Output = ()>>(body: F) {
+    let Some(_turn) = my_turn() else { return };
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime").block_on(body);
+}
+
+pub async fn channel(conn: &Connection) -> Channel {
+    t("channel.open", conn.create_channel()).await.expect("channel.open")
 }

@@ -343,7 +343,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
     for (i, q) in route.queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
         let chan_uid = chan_uid(s, channel);
-        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), channel: ChannelId(channel), chan_uid, seq });
+        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), conn: s.id, channel: ChannelId(channel), chan_uid, seq });
         s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
     }
     Ok(())

@@ -26,7 +26,8 @@ pub async fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), Amq
         .await?
         .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
     let router = s.core.router();
-    if def.exclusive_owner.is_some_and(|o| o != s.id.0) {
+    // Connection ids are per node: an exclusive queue belongs to a connection of its own node.
+    if def.exclusive_owner.is_some_and(|o| o != s.id.0 || def.owner_node != s.core.shared.meta.node_id()) {
         return Err(AmqpError::resource_locked(format!(
             "cannot obtain exclusive access to locked queue '{name}' in vhost '{vhost}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
         )));

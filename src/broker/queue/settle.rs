@@ -342,10 +342,12 @@ fn dead_letter(cell: &QueueCell, offsets: Vec<u64>) {
             let copy = Message::new(&dlx, &new_rk, &encode_properties(&props), original.body.clone(), original.persistent());
             let route = env.route(&source.vhost, &dlx, &new_rk, props.headers().as_ref());
             let (tx, rx) = flume::unbounded();
+            // Its own "connection" id: a target on another node answers this flow, not another.
+            let conn = crate::broker::ConnId(crate::broker::remote::pseudo_conn());
             let n = route.queues.len();
             let published = crate::observe::sample().then(Instant::now);
             for target in &route.queues {
-                let confirm = ConfirmTo { tx: tx.clone(), channel: crate::broker::ChannelId(0), chan_uid: 0, seq: off };
+                let confirm = ConfirmTo { tx: tx.clone(), conn, channel: crate::broker::ChannelId(0), chan_uid: 0, seq: off };
                 env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
             }
             drop(tx);

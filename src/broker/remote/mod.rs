@@ -1,5 +1,150 @@
-//! Serving a queue from any node: the client's node forwards queue operations to the queue's
-//! node and hands what comes back to its connections (DESIGN.md, "Cluster": "any node serves
-//! any queue").
+//! Serving a queue from any node (DESIGN.md, "Cluster": any node serves any queue): the
+//! client's node (A) forwards every operation on a queue whose store is on another node (B)
+//! over the cluster transport's data lane, and hands what comes back to its connections.
+//! Delivery tags stay per channel on A; routing happens on A (the routing tables are the
+//! replicated metadata); B runs the operation on the queue's core as if a local connection
+//! had sent it.
+//!
+//! # Layout
+//! - [`wire`]: the frames ([`wire::Frame`]) and their binary form.
+//! - `client.rs`: A's side: [`Remote::forward`] turns a [`QueueOp`] into a request and keeps
+//!   what the answer needs (reply channels, each connection's event channel, its remote
+//!   consumers and unanswered confirms); events and replies from B go to them.
+//! - `owner.rs`: B's side, on the queue's core: a proxy per remote connection (an event
+//!   channel whose events a task sends back to A), local ids for A's connections and
+//!   consumers, and the answers to A's requests.
+//!
+//! # Invariants
+//! 1. One lane per pair of nodes carries a connection's operations in order, and B runs
+//!    them on the queue's core in that order, so a connection's operations on one queue keep
+//!    the order they have on a single node.
+//! 2. A publish is confirmed only by B's queue (its `Stored` event): nothing stored on B, no
+//!    confirm on A (DESIGN.md rule 9). A publish that cannot be sent is nacked at once.
+//! 3. When the lane to a peer goes down, each side acts at once, not after a timeout: B
+//!    requeues everything A's channels held (their channels are closed as far as B knows);
+//!    A nacks the confirms B had not answered, answers A's waiting requests with an error,
+//!    and cancels its consumers of B's queues (basic.cancel to clients that asked for it).
+//! 4. B never runs an operation on a queue it does not own: the metadata decides (the
+//!    queue's `owner_node`).
 
+mod client;
+mod owner;
 pub mod wire;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use super::node::NodeMsg;
+use super::{QueueKey, QueueRef};
+use crate::core::mesh::Inboxes;
+use crate::meta::{MetaHandle, NodeId};
+
+pub use client::ClientSide;
+pub use owner::OwnerSide;
+
+/// First id of the connection ids the broker makes up for its own publishes (dead-letter
+/// copies): far above what the id counter reaches, below the 48 bits a peer's id keeps.
+pub const PSEUDO_CONNS: u64 = 1 << 47;
+
+/// A fresh made-up connection id for one of the broker's own publishes (see
+/// [`PSEUDO_CONNS`]); its confirms from another node come back to that publish alone.
+pub fn pseudo_conn() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(PSEUDO_CONNS);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The data lane as the broker sees it (a `cluster::Transport` in a cluster).
+pub trait DataNet: Send + Sync {
+    /// Queues `payload` for `to`; never blocks. Errors: the lane is down, its queue is full,
+    /// or `to` is no peer (the text says which).
+    fn send(&self, to: NodeId, payload: Vec<u8>) -> Result<(), String>;
+}
+
+/// One node's forwarding state, shared by its cores and the transport's reader threads.
+pub struct Remote {
+    /// This node's id.
+    pub me: NodeId,
+    net: Arc<dyn DataNet>,
+    meta: MetaHandle,
+    inboxes: Inboxes<NodeMsg>,
+    cores: u32,
+    next_req: AtomicU64,
+    /// A's side.
+    pub(crate) client: Mutex<ClientSide>,
+    /// B's side.
+    pub(crate) owner: Mutex<OwnerSide>,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote").field("me", &self.me).finish_non_exhaustive()
+    }
+}
+
+/// Where the transport's callbacks find the node's [`Remote`] once the broker is up (frames
+/// that arrive before are dropped: nothing can be waiting for them).
+pub type RemoteSlot = Arc<OnceLock<Arc<Remote>>>;
+
+impl Remote {
+    /// Forwarding state for node `me` with `cores` cores.
+    pub fn new(me: NodeId, net: Arc<dyn DataNet>, meta: MetaHandle, inboxes: Inboxes<NodeMsg>, cores: u32) -> Remote {
+        Remote {
+            me,
+            net,
+            meta,
+            inboxes,
+            cores: cores.max(1),
+            next_req: AtomicU64::new(1),
+            client: Mutex::new(ClientSide::default()),
+            owner: Mutex::new(OwnerSide::default()),
+        }
+    }
+
+    /// A payload arrived from peer `from` (on a transport thread). Requests go to the queue's
+    /// core; events and replies to this node's connections. A frame that does not decode is
+    /// logged and dropped (peers run the same version).
+    pub fn on_payload(&self, from: NodeId, payload: Vec<u8>) {
+        let bytes = bytes::Bytes::from(payload);
+        match wire::decode_bytes(&bytes) {
+            Ok(wire::Frame::Request(req)) => self.route_request(from, req),
+            Ok(wire::Frame::Event { conn, event }) => self.client_event(from, conn, event),
+            Ok(wire::Frame::Reply { req, reply }) => self.client_reply(req, reply),
+            Err(e) => tracing::warn!(from, error = %e, "undecodable frame from a peer dropped"),
+        }
+    }
+
+    /// The data lane to `peer` went down (`false`) or up (invariant 3).
+    pub fn on_link(&self, peer: NodeId, up: bool) {
+        if up {
+            tracing::info!(peer, "data lane to node {peer} is up: its queues are served from here again");
+            return;
+        }
+        tracing::warn!(peer, "data lane to node {peer} is down: requeueing what its clients held here, cancelling consumers of its queues");
+        self.client_link_down(peer);
+        self.owner_link_down(peer);
+    }
+
+    fn send_frame(&self, to: NodeId, frame: &wire::Frame) -> Result<(), String> {
+        let mut out = Vec::with_capacity(64);
+        wire::encode(frame, &mut out);
+        self.net.send(to, out)
+    }
+
+    fn next_req(&self) -> u64 {
+        self.next_req.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This node's reference to queue `key` when this node owns it.
+    fn own_queue(&self, key: &QueueKey) -> Option<QueueRef> {
+        let topo = self.meta.topology();
+        let def = topo.queue(&key.vhost, &key.name)?;
+        (def.owner_node == self.me).then(|| QueueRef {
+            key: key.clone(),
+            owner_core: def.owner_core % self.cores,
+            owner_node: self.me,
+            durable: def.durable,
+        })
+    }
+}

@@ -1,0 +1,316 @@
+//! A's side: forwarding a connection's operations to the queue's node, and handing events and
+//! replies back to the connection (module doc of `remote`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::wire::{Event, Frame, GotMessage, RemoteConfirm, RemoteConsumer, RemoteHolder, Reply as WireReply, Request};
+use super::Remote;
+use crate::broker::queue::consumer::pending_weight;
+use crate::broker::{
+    ChannelId, ClientEvent, ClientTx, ConnId, ConsumerTag, Delivery, GetReply, Offset, QueueError, QueueOp, QueueRef, Reply,
+};
+use crate::meta::NodeId;
+
+/// A request waiting for its reply.
+enum Waiting {
+    Get(Reply<Result<Option<GetReply>, QueueError>>),
+    Consume(Reply<Result<(), QueueError>>),
+    Stats(Reply<Result<(u32, u32), QueueError>>),
+    Count(Reply<Result<u32, QueueError>>),
+}
+
+impl Waiting {
+    fn fail(self, e: QueueError) {
+        match self {
+            Waiting::Get(r) => drop(r.send(Err(e))),
+            Waiting::Consume(r) => drop(r.send(Err(e))),
+            Waiting::Stats(r) => drop(r.send(Err(e))),
+            Waiting::Count(r) => drop(r.send(Err(e))),
+        }
+    }
+}
+
+/// One of this node's connections that has used another node's queue.
+struct Conn {
+    tx: ClientTx,
+    /// Its `pending_bytes` (known once it consumed remotely): deliveries from a peer weigh
+    /// there as local ones do (the connection's writer takes the weight off again).
+    pending_bytes: Option<Arc<AtomicUsize>>,
+    /// Peers it sent operations to (told when it closes).
+    peers: HashSet<NodeId>,
+}
+
+/// A consumer of another node's queue.
+struct Consumer {
+    peer: NodeId,
+    conn: u64,
+    channel: u16,
+    tag: String,
+    cancel_notify: bool,
+}
+
+/// A's forwarding state (under `Remote::client`).
+#[derive(Default)]
+pub struct ClientSide {
+    waiting: HashMap<u64, (NodeId, Waiting)>,
+    conns: HashMap<u64, Conn>,
+    consumers: HashMap<u64, Consumer>,
+    /// Confirms not answered yet: (peer, conn, chan_uid, seq) → (channel, answers due: one
+    /// per target queue on that peer).
+    confirms: HashMap<(NodeId, u64, u64, u64), (u16, u32)>,
+}
+
+impl ClientSide {
+    fn conn(&mut self, conn: ConnId, tx: &ClientTx, peer: NodeId) -> &mut Conn {
+        let c = self.conns.entry(conn.0).or_insert_with(|| Conn { tx: tx.clone(), pending_bytes: None, peers: HashSet::new() });
+        c.peers.insert(peer);
+        c
+    }
+}
+
+fn unreachable(qref: &QueueRef, why: &str) -> QueueError {
+    QueueError::NotFound(format!(
+        "home node {} of queue '{}' in vhost '{}' is down or inaccessible ({why})",
+        qref.owner_node, qref.key.name, qref.key.vhost
+    ))
+}
+
+impl Remote {
+    /// Sends `op` on `qref` (a queue of another node) to its node. Never blocks; when the
+    /// lane is down the operation is answered at once as refused (a publish is nacked).
+    pub fn forward(&self, qref: &QueueRef, op: QueueOp) {
+        let peer = qref.owner_node;
+        let queue = qref.key.clone();
+        let mut cl = self.client.lock();
+        let (req, waiting) = match op {
+            QueueOp::Publish { message, confirm, .. } => {
+                let rc = confirm.as_ref().map(|c| {
+                    cl.conn(c.conn, &c.tx, peer);
+                    cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
+                    RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
+                });
+                let sent = self.send_frame(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc }));
+                if let (Err(why), Some(c)) = (sent, confirm) {
+                    tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
+                    let key = (peer, c.conn.0, c.chan_uid, c.seq);
+                    if let Some(e) = cl.confirms.get_mut(&key) {
+                        e.1 -= 1;
+                        if e.1 == 0 {
+                            cl.confirms.remove(&key);
+                        }
+                    }
+                    drop(cl);
+                    c.answer(false);
+                }
+                return;
+            }
+            QueueOp::Get { no_ack, holder, reply } => {
+                cl.conn(holder.conn, &holder.tx, peer);
+                let req = self.next_req();
+                let h = RemoteHolder { conn: holder.conn.0, channel: holder.channel.0, chan_uid: holder.chan_uid };
+                (Request::Get { req, queue, no_ack, holder: h }, Some((req, Waiting::Get(reply))))
+            }
+            QueueOp::Consume { consumer: c, reply } => {
+                let conn = cl.conn(c.conn, &c.tx, peer);
+                conn.pending_bytes = Some(c.pending_bytes.clone());
+                let cancel_notify = c.cancel_notify;
+                cl.consumers.insert(c.id, Consumer { peer, conn: c.conn.0, channel: c.channel.0, tag: c.tag.0.to_string(), cancel_notify });
+                let req = self.next_req();
+                let consumer = RemoteConsumer {
+                    id: c.id,
+                    holder: RemoteHolder { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid },
+                    tag: c.tag.0.to_string(),
+                    no_ack: c.no_ack,
+                    exclusive: c.exclusive,
+                    prefetch: c.prefetch,
+                    channel_prefetch: c.channel_credit.limit.load(Ordering::Relaxed),
+                    cancel_notify,
+                    send_consume_ok: c.send_consume_ok,
+                };
+                (Request::Consume { req, queue, consumer }, Some((req, Waiting::Consume(reply))))
+            }
+            QueueOp::Cancel { consumer, send_ok } => (Request::Cancel { queue, consumer, send_ok }, None),
+            QueueOp::Settle { chan_uid, ack, requeue, reject } => {
+                let offs = |v: Vec<Offset>| v.into_iter().map(|o| o.0).collect();
+                (Request::Settle { queue, chan_uid, ack: offs(ack), requeue: offs(requeue), reject: offs(reject) }, None)
+            }
+            QueueOp::ChannelClosed { chan_uid } => (Request::ChannelClosed { queue, chan_uid }, None),
+            QueueOp::Redeliver { offsets } => (Request::Redeliver { queue, offsets: offsets.into_iter().map(|o| o.0).collect() }, None),
+            // The queue's node keeps its own window for this channel (settlements there give
+            // it back); nothing to wake from here.
+            QueueOp::Wake => return,
+            QueueOp::Stats { reply } => {
+                let req = self.next_req();
+                (Request::Stats { req, queue }, Some((req, Waiting::Stats(reply))))
+            }
+            QueueOp::Purge { reply } => {
+                let req = self.next_req();
+                (Request::Purge { req, queue }, Some((req, Waiting::Count(reply))))
+            }
+            QueueOp::Delete { if_unused, if_empty, reply } => {
+                let req = self.next_req();
+                (Request::Delete { req, queue, if_unused, if_empty }, Some((req, Waiting::Count(reply))))
+            }
+        };
+        if let Some((id, w)) = waiting {
+            cl.waiting.insert(id, (peer, w));
+        }
+        let cancel = match &req {
+            Request::Cancel { consumer, send_ok, .. } => Some((*consumer, *send_ok)),
+            _ => None,
+        };
+        let req_id = match &req {
+            Request::Get { req, .. }
+            | Request::Consume { req, .. }
+            | Request::Stats { req, .. }
+            | Request::Purge { req, .. }
+            | Request::Delete { req, .. } => Some(*req),
+            _ => None,
+        };
+        if let Err(why) = self.send_frame(peer, &Frame::Request(req)) {
+            tracing::debug!(peer, %why, "operation on another node's queue not sent");
+            if let Some((_, w)) = req_id.and_then(|id| cl.waiting.remove(&id)) {
+                w.fail(unreachable(qref, &why));
+            }
+            // A cancel that cannot reach the queue: the consumer is gone with the link.
+            if let Some((consumer, send_ok)) = cancel {
+                if let Some(c) = cl.consumers.remove(&consumer) {
+                    if let (true, Some(conn)) = (send_ok, cl.conns.get(&c.conn)) {
+                        let _ = conn
+                            .tx
+                            .send(ClientEvent::CancelOk { channel: ChannelId(c.channel), consumer_tag: ConsumerTag::from(c.tag.as_str()) });
+                    }
+                }
+            }
+        }
+    }
+
+    /// An event from `from` for this node's connection `conn` (on a transport thread).
+    pub(super) fn client_event(&self, from: NodeId, conn: u64, event: Event) {
+        let mut cl = self.client.lock();
+        let Some(c) = cl.conns.get(&conn) else { return };
+        let tx = c.tx.clone();
+        let ev = match event {
+            Event::Deliver { channel, chan_uid, consumer_tag, queue, durable, owner_core, offset, redelivered, message, track } => {
+                if let Some(p) = &c.pending_bytes {
+                    p.fetch_add(pending_weight(message.body.len()), Ordering::Relaxed);
+                }
+                ClientEvent::Deliver(Delivery {
+                    channel: ChannelId(channel),
+                    chan_uid,
+                    consumer_tag: ConsumerTag::from(consumer_tag.as_str()),
+                    queue: QueueRef { key: queue, owner_core, owner_node: from, durable },
+                    offset: Offset(offset),
+                    redelivered,
+                    message,
+                    track,
+                })
+            }
+            Event::ConsumeOk { channel, consumer_tag } => {
+                ClientEvent::ConsumeOk { channel: ChannelId(channel), consumer_tag: ConsumerTag::from(consumer_tag.as_str()) }
+            }
+            Event::CancelOk { channel, consumer_tag } => {
+                cl.consumers.retain(|_, k| !(k.peer == from && k.conn == conn && k.channel == channel && k.tag == consumer_tag));
+                ClientEvent::CancelOk { channel: ChannelId(channel), consumer_tag: ConsumerTag::from(consumer_tag.as_str()) }
+            }
+            Event::Cancelled { channel, consumer_tag } => {
+                cl.consumers.retain(|_, k| !(k.peer == from && k.conn == conn && k.channel == channel && k.tag == consumer_tag));
+                ClientEvent::Cancelled { channel: ChannelId(channel), consumer_tag: ConsumerTag::from(consumer_tag.as_str()) }
+            }
+            Event::Stored { channel, chan_uid, seq, ok } => {
+                let key = (from, conn, chan_uid, seq);
+                if let Some(e) = cl.confirms.get_mut(&key) {
+                    e.1 = e.1.saturating_sub(1);
+                    if e.1 == 0 {
+                        cl.confirms.remove(&key);
+                    }
+                }
+                // The broker's own publish (a dead-letter copy) is done with once answered.
+                if conn >= super::PSEUDO_CONNS && !cl.confirms.keys().any(|k| k.1 == conn) {
+                    cl.conns.remove(&conn);
+                }
+                ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok }
+            }
+            Event::AckTimeout { channel, chan_uid, timeout_ms } => {
+                ClientEvent::AckTimeout { channel: ChannelId(channel), chan_uid, timeout_ms }
+            }
+        };
+        drop(cl);
+        let _ = tx.send(ev);
+    }
+
+    /// The reply to this node's request `req`.
+    pub(super) fn client_reply(&self, req: u64, reply: WireReply) {
+        let Some((_, waiting)) = self.client.lock().waiting.remove(&req) else { return };
+        match (waiting, reply) {
+            (Waiting::Get(r), WireReply::Get(got)) => {
+                let got = got.map(|o| {
+                    o.map(|g: GotMessage| GetReply {
+                        offset: Offset(g.offset),
+                        redelivered: g.redelivered,
+                        message: g.message,
+                        message_count: g.message_count,
+                    })
+                });
+                let _ = r.send(got);
+            }
+            (Waiting::Consume(r), WireReply::Consume(x)) => drop(r.send(x)),
+            (Waiting::Stats(r), WireReply::Stats(x)) => drop(r.send(x)),
+            (Waiting::Count(r), WireReply::Count(x)) => drop(r.send(x)),
+            (w, other) => {
+                tracing::warn!(req, ?other, "reply of the wrong kind from a peer");
+                w.fail(QueueError::InternalError("a peer answered with the wrong kind of reply".into()));
+            }
+        }
+    }
+
+    /// Invariant 3, A's half: the lane to `peer` is down.
+    pub(super) fn client_link_down(&self, peer: NodeId) {
+        let mut cl = self.client.lock();
+        let waiting: Vec<u64> = cl.waiting.iter().filter(|(_, (p, _))| *p == peer).map(|(id, _)| *id).collect();
+        let failed: Vec<Waiting> = waiting.into_iter().filter_map(|id| cl.waiting.remove(&id)).map(|(_, w)| w).collect();
+        let gone: Vec<u64> = cl.consumers.iter().filter(|(_, c)| c.peer == peer).map(|(id, _)| *id).collect();
+        let mut events: Vec<(ClientTx, ClientEvent)> = Vec::new();
+        for id in gone {
+            if let Some(c) = cl.consumers.remove(&id) {
+                if let (true, Some(conn)) = (c.cancel_notify, cl.conns.get(&c.conn)) {
+                    let ev = ClientEvent::Cancelled { channel: ChannelId(c.channel), consumer_tag: ConsumerTag::from(c.tag.as_str()) };
+                    events.push((conn.tx.clone(), ev));
+                }
+            }
+        }
+        let unanswered: Vec<_> = cl.confirms.keys().filter(|k| k.0 == peer).copied().collect();
+        for key in unanswered {
+            let Some((channel, due)) = cl.confirms.remove(&key) else { continue };
+            let (_, conn, chan_uid, seq) = key;
+            if let Some(c) = cl.conns.get(&conn) {
+                for _ in 0..due {
+                    events.push((c.tx.clone(), ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok: false }));
+                }
+            }
+        }
+        drop(cl);
+        let why = format!("home node {peer} of the queue is down or inaccessible");
+        for w in failed {
+            w.fail(QueueError::NotFound(why.clone()));
+        }
+        for (tx, ev) in events {
+            let _ = tx.send(ev);
+        }
+    }
+
+    /// This node's connection `conn` closed (after its channels' `ChannelClosed`): the
+    /// peers it used forget it.
+    pub fn connection_closed(&self, conn: ConnId) {
+        let mut cl = self.client.lock();
+        let Some(c) = cl.conns.remove(&conn.0) else { return };
+        cl.consumers.retain(|_, k| k.conn != conn.0);
+        cl.confirms.retain(|k, _| k.1 != conn.0);
+        drop(cl);
+        for peer in c.peers {
+            let _ = self.send_frame(peer, &Frame::Request(Request::ConnectionClosed { conn: conn.0 }));
+        }
+    }
+}
