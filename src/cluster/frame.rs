@@ -11,14 +11,16 @@
 //!
 //! Payloads by kind (integers big-endian):
 //! - `1` [`Kind::Hello`], exactly [`HELLO_LEN`] bytes: magic `RMQT` (4), version u16, lane u8
-//!   (`0` raft, `1` snapshot), from node id u64, to node id u64. The first frame each way on
-//!   every connection.
+//!   (`0` raft, `1` snapshot, `2` data), from node id u64, to node id u64. The first frame each
+//!   way on every connection.
 //! - `2` [`Kind::Raft`]: one raft-rs `eraftpb::Message` in raft-rs's protobuf encoding.
 //! - `3` [`Kind::SnapshotChunk`]: snapshot sequence u64, byte offset u64, total bytes u64, then
 //!   the chunk's bytes. The chunks of one snapshot, in order, concatenate to the protobuf
 //!   encoding of one `MsgSnapshot` message of `total` bytes (at most [`MAX_SNAPSHOT_BYTES`]).
 //! - `4` [`Kind::SnapshotAck`]: snapshot sequence u64; the receiver's answer once it has
 //!   reassembled and decoded that snapshot and handed it on.
+//! - `5` [`Kind::Data`]: one opaque payload of the data lane, as the sender gave it (the
+//!   transport never looks inside).
 //!
 //! # Invariants
 //! 1. A decoder never allocates or reads more than [`MAX_FRAME_BYTES`] for one frame: the
@@ -55,6 +57,27 @@ pub enum Lane {
     Raft,
     /// Snapshot chunks one way, [`Kind::SnapshotAck`] frames the other way.
     Snapshot,
+    /// Opaque payloads, one [`Kind::Data`] frame each, one way.
+    Data,
+}
+
+impl Lane {
+    fn to_byte(self) -> u8 {
+        match self {
+            Lane::Raft => 0,
+            Lane::Snapshot => 1,
+            Lane::Data => 2,
+        }
+    }
+
+    fn from_byte(b: u8) -> Result<Lane, FrameError> {
+        Ok(match b {
+            0 => Lane::Raft,
+            1 => Lane::Snapshot,
+            2 => Lane::Data,
+            other => return Err(FrameError::UnknownLane(other)),
+        })
+    }
 }
 
 /// The kind byte of a frame.
@@ -68,6 +91,8 @@ pub enum Kind {
     SnapshotChunk = 3,
     /// The receipt of a reassembled snapshot.
     SnapshotAck = 4,
+    /// One opaque data-lane payload.
+    Data = 5,
 }
 
 impl Kind {
@@ -77,6 +102,7 @@ impl Kind {
             2 => Kind::Raft,
             3 => Kind::SnapshotChunk,
             4 => Kind::SnapshotAck,
+            5 => Kind::Data,
             other => return Err(FrameError::UnknownKind(other)),
         })
     }
@@ -109,7 +135,7 @@ impl Header {
     ///
     /// # Errors
     /// [`FrameError::TooLarge`] when the length exceeds [`MAX_FRAME_BYTES`],
-    /// [`FrameError::UnknownKind`] for a kind byte outside 1..=4.
+    /// [`FrameError::UnknownKind`] for a kind byte outside 1..=5.
     pub fn decode(bytes: [u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
         if len > MAX_FRAME_BYTES {
@@ -146,6 +172,8 @@ pub enum Frame<'a> {
         /// The acknowledged snapshot's sequence number.
         seq: u64,
     },
+    /// One data-lane payload.
+    Data(&'a [u8]),
 }
 
 /// A frame that cannot be encoded or decoded.
@@ -175,7 +203,7 @@ pub enum FrameError {
     /// A hello that does not start with [`MAGIC`].
     #[error("bad handshake magic {0:02x?}")]
     BadMagic([u8; 4]),
-    /// A hello with a lane byte other than 0 or 1.
+    /// A hello with a lane byte other than 0, 1 or 2.
     #[error("unknown lane {0}")]
     UnknownLane(u8),
     /// The raft message does not encode or parse (the protobuf error's text).
@@ -188,10 +216,7 @@ pub fn encode_hello(hello: &Hello, out: &mut Vec<u8>) {
     put_header(out, Kind::Hello, HELLO_LEN);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&hello.version.to_be_bytes());
-    out.push(match hello.lane {
-        Lane::Raft => 0,
-        Lane::Snapshot => 1,
-    });
+    out.push(hello.lane.to_byte());
     out.extend_from_slice(&hello.from.to_be_bytes());
     out.extend_from_slice(&hello.to.to_be_bytes());
 }
@@ -238,6 +263,20 @@ pub fn encode_ack(seq: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(&seq.to_be_bytes());
 }
 
+/// Appends a [`Kind::Data`] frame carrying `payload` to `out`.
+///
+/// # Errors
+/// [`FrameError::TooLarge`] when `payload` exceeds [`MAX_FRAME_BYTES`]; `out` is then left as
+/// it was.
+pub fn encode_data(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    if payload.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len: payload.len(), max: MAX_FRAME_BYTES });
+    }
+    put_header(out, Kind::Data, payload.len());
+    out.extend_from_slice(payload);
+    Ok(())
+}
+
 /// Decodes the payload of a frame whose header was `kind` (the payload is exactly the frame's
 /// `len` bytes).
 ///
@@ -261,11 +300,7 @@ pub fn decode_payload(kind: Kind, payload: &[u8]) -> Result<Frame<'_>, FrameErro
             if magic != MAGIC {
                 return Err(FrameError::BadMagic(magic));
             }
-            let lane = match payload[6] {
-                0 => Lane::Raft,
-                1 => Lane::Snapshot,
-                other => return Err(FrameError::UnknownLane(other)),
-            };
+            let lane = Lane::from_byte(payload[6])?;
             Ok(Frame::Hello(Hello {
                 version: u16::from_be_bytes([payload[4], payload[5]]),
                 lane,
@@ -293,6 +328,7 @@ pub fn decode_payload(kind: Kind, payload: &[u8]) -> Result<Frame<'_>, FrameErro
             exact(8)?;
             Ok(Frame::SnapshotAck { seq: be_u64(payload) })
         }
+        Kind::Data => Ok(Frame::Data(payload)),
     }
 }
 
@@ -355,6 +391,9 @@ mod tests {
         encode_raft(&msg, &mut buf).unwrap();
         encode_chunk(&chunk, &mut buf).unwrap();
         encode_ack(9, &mut buf);
+        encode_data(b"opaque \x00\xff bytes", &mut buf).unwrap();
+        encode_data(b"", &mut buf).unwrap();
+        encode_hello(&Hello { version: VERSION, lane: Lane::Data, from: 1, to: 2 }, &mut buf);
 
         let mut at = 1;
         let mut frames = Vec::new();
@@ -363,7 +402,19 @@ mod tests {
             at += used;
         }
         assert_eq!(at, buf.len());
-        assert_eq!(frames, vec![Frame::Hello(hello), Frame::Raft(msg), Frame::SnapshotChunk(chunk), Frame::SnapshotAck { seq: 9 }]);
+        let data_hello = Hello { version: VERSION, lane: Lane::Data, from: 1, to: 2 };
+        assert_eq!(
+            frames,
+            vec![
+                Frame::Hello(hello),
+                Frame::Raft(msg),
+                Frame::SnapshotChunk(chunk),
+                Frame::SnapshotAck { seq: 9 },
+                Frame::Data(b"opaque \x00\xff bytes"),
+                Frame::Data(b""),
+                Frame::Hello(data_hello),
+            ]
+        );
     }
 
     #[test]
@@ -431,6 +482,17 @@ mod tests {
             let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8).collect();
             let _ = decode(&bytes);
         }
+    }
+
+    #[test]
+    fn data_frame_is_the_payload_as_given_and_bounded() {
+        let mut buf = Vec::new();
+        encode_data(&[1, 2, 3], &mut buf).unwrap();
+        assert_eq!(buf, [0, 0, 0, 3, Kind::Data as u8, 1, 2, 3]);
+        let mut out = vec![9];
+        assert!(matches!(encode_data(&vec![0u8; MAX_FRAME_BYTES + 1], &mut out), Err(FrameError::TooLarge { .. })));
+        assert_eq!(out, [9]);
+        assert_eq!(Header::decode([0, 0, 0, 0, 5]), Ok(Header { kind: Kind::Data, len: 0 }));
     }
 
     #[test]

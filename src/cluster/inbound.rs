@@ -1,6 +1,6 @@
 //! The listener thread and one reader thread per accepted connection: handshake, then raft
 //! messages (raft lane) or snapshot chunks reassembled into one message (snapshot lane), each
-//! handed to `on_message`.
+//! handed to `on_message`, or opaque payloads (data lane, `data.rs`) handed to `on_data`.
 
 use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -12,12 +12,14 @@ use protobuf::Message as _;
 use raft::eraftpb::{Message, MessageType};
 use tracing::{debug, info, warn};
 
+use super::data;
 use super::frame::{self, Chunk, Frame, Kind, Lane};
 use super::link::{self, LinkError};
 use super::transport::{Registered, Shared};
 use super::NodeId;
 
-/// Most accepted connections alive at once; more are closed at once (3 nodes need 4 each).
+/// Most accepted connections alive at once; more are closed at once (a node takes up to 3 from
+/// each peer: raft, snapshot and data lanes).
 const MAX_INBOUND: usize = 64;
 /// A snapshot lane on which nothing arrives this long is dropped (with its partial snapshot).
 const SNAPSHOT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -84,33 +86,55 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
         }
     };
     let from = hello.from;
-    // The lane becomes the current one before the dialer hears it is accepted (invariant 5).
-    if hello.lane == Lane::Raft {
-        replace_raft_lane(shared, from, &registered);
+    if let Err(err) = link::configure_lane(&stream, hello.lane) {
+        debug!(peer = from, %addr, %err, "cluster: inbound connection dropped before its answer");
+        return;
     }
-    let result = match link::answer(&stream, shared.me, &hello) {
-        Err(err) => {
+    // The lane becomes the current one before the dialer hears it is accepted (invariant 5).
+    let live = match hello.lane {
+        Lane::Raft => {
+            replace_raft_lane(shared, from, &registered);
+            None
+        }
+        Lane::Data => Some(shared.peer(from).data.accepted(shared, from, registered.id)),
+        Lane::Snapshot => None,
+    };
+    // `live` is set for a data lane only.
+    let result = match (link::answer(&stream, shared.me, &hello), live.as_deref()) {
+        (Err(err), _) => {
             debug!(peer = from, %addr, %err, "cluster: handshake answer failed");
             Err(LinkError::Stopped) // nothing came up: nothing to log as down
         }
-        Ok(()) if hello.lane == Lane::Raft => {
+        (Ok(()), Some(live)) => {
+            info!(peer = from, %addr, "cluster: data lane from peer up");
+            data::read_data_lane(shared, &stream, from, live)
+        }
+        (Ok(()), None) if hello.lane == Lane::Raft => {
             info!(peer = from, %addr, "cluster: raft lane from peer up");
             read_raft_lane(shared, &stream, from)
         }
-        Ok(()) => {
+        (Ok(()), None) => {
             debug!(peer = from, %addr, "cluster: snapshot lane from peer opened");
             read_snapshot_lane(shared, &stream, from)
         }
     };
-    if hello.lane == Lane::Raft && !release_raft_lane(shared, from, registered.id) {
-        // A newer lane from the same peer logged "up"; this one going is no transition.
-        debug!(peer = from, %addr, "cluster: replaced raft lane from peer closed");
+    let current = match hello.lane {
+        Lane::Raft => release_raft_lane(shared, from, registered.id),
+        Lane::Data => shared.peer(from).data.released(shared, from, registered.id),
+        Lane::Snapshot => true,
+    };
+    if !current {
+        // A newer lane from the same peer logged "up" (or the data link's session ended and
+        // closed this one); this one going is no transition.
+        debug!(peer = from, %addr, lane = ?hello.lane, "cluster: replaced lane from peer closed");
         return;
     }
     match (hello.lane, result) {
         (_, Err(LinkError::Stopped)) => {}
-        (Lane::Raft, Err(LinkError::Closed)) => info!(peer = from, %addr, "cluster: raft lane from peer down (closed)"),
-        (Lane::Raft, Err(err)) => info!(peer = from, %addr, %err, "cluster: raft lane from peer down"),
+        (Lane::Raft | Lane::Data, Err(LinkError::Closed)) => {
+            info!(peer = from, %addr, lane = ?hello.lane, "cluster: lane from peer down (closed)")
+        }
+        (Lane::Raft | Lane::Data, Err(err)) => info!(peer = from, %addr, lane = ?hello.lane, %err, "cluster: lane from peer down"),
         (Lane::Snapshot, Err(LinkError::Closed)) => debug!(peer = from, %addr, "cluster: snapshot lane from peer closed"),
         (Lane::Snapshot, Err(err)) => warn!(peer = from, %addr, %err, "cluster: snapshot lane from peer failed"),
         (_, Ok(())) => {}

@@ -24,6 +24,14 @@ const USER_TIMEOUT: Duration = Duration::from_secs(10);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 const KEEPALIVE_RETRIES: u32 = 3;
+/// The data lane's tighter timings (its loss is what the broker acts on, [`super::OnLink`]):
+/// unacknowledged data, or an idle connection whose keepalive probes go unanswered, drop it
+/// after `DATA_USER_TIMEOUT` (first probe after `DATA_KEEPALIVE_IDLE`, then every
+/// `KEEPALIVE_INTERVAL`; with TCP_USER_TIMEOUT set, Linux aborts once that much time passed
+/// since the peer last answered, whatever the probe count). Linux applies it to a zero window
+/// too: a receiver that reads nothing for this long also drops the connection.
+pub(super) const DATA_USER_TIMEOUT: Duration = Duration::from_secs(5);
+const DATA_KEEPALIVE_IDLE: Duration = Duration::from_secs(2);
 
 /// Why a link failed or was refused. Logged, never returned from the public API.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +48,8 @@ pub(super) enum LinkError {
     Closed,
     #[error("transport stopped")]
     Stopped,
+    #[error("data link to the peer ended (the other direction broke, or a newer lane replaced it)")]
+    Ended,
 }
 
 /// Sets TCP_NODELAY, keepalive and TCP_USER_TIMEOUT on a new connection.
@@ -49,6 +59,18 @@ pub(super) fn configure(stream: &TcpStream) -> io::Result<()> {
     let keepalive = TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_RETRIES);
     sock.set_tcp_keepalive(&keepalive)?;
     sock.set_tcp_user_timeout(Some(USER_TIMEOUT))?;
+    Ok(())
+}
+
+/// Applies the data lane's timings to a configured connection once its lane is known.
+pub(super) fn configure_lane(stream: &TcpStream, lane: Lane) -> io::Result<()> {
+    if lane != Lane::Data {
+        return Ok(());
+    }
+    let sock = SockRef::from(stream);
+    let keepalive = TcpKeepalive::new().with_time(DATA_KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_RETRIES);
+    sock.set_tcp_keepalive(&keepalive)?;
+    sock.set_tcp_user_timeout(Some(DATA_USER_TIMEOUT))?;
     Ok(())
 }
 
@@ -68,6 +90,7 @@ pub(super) fn dial<'a>(shared: &'a Shared, to: NodeId, addr: SocketAddr, lane: L
         return Err(LinkError::Handshake(format!("connection to {addr} is connected to itself")));
     }
     configure(&stream)?;
+    configure_lane(&stream, lane)?;
     let registered = shared.sockets.register(&stream)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
@@ -199,7 +222,7 @@ pub(super) fn check_open(stream: &TcpStream) -> Result<(), LinkError> {
     stream.set_nonblocking(false)?;
     match peeked {
         Ok(0) => Err(LinkError::Closed),
-        Ok(_) => Err(LinkError::Protocol("bytes received on a one-way raft lane".into())),
+        Ok(_) => Err(LinkError::Protocol("bytes received on a one-way lane".into())),
         Err(err) if err.kind() == io::ErrorKind::WouldBlock => Ok(()),
         Err(err) => Err(err.into()),
     }

@@ -16,25 +16,25 @@ use super::transport::{Peer, PeerStats, Shared};
 use super::{NodeId, Report};
 
 /// First reconnect delay; doubled after each failed attempt up to `MAX_BACKOFF`.
-const MIN_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
+pub(super) const MIN_BACKOFF: Duration = Duration::from_millis(100);
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// An idle writer checks this often that the peer has not closed its lane.
-const IDLE_CHECK: Duration = Duration::from_millis(500);
+pub(super) const IDLE_CHECK: Duration = Duration::from_millis(500);
 /// A batch is written once it holds this many bytes even if more messages are queued.
-const MAX_BATCH_BYTES: usize = 4 << 20;
+pub(super) const MAX_BATCH_BYTES: usize = 4 << 20;
 /// The batch buffer is shrunk back to this capacity after a batch that grew it past 4×.
-const BATCH_CAPACITY: usize = 256 << 10;
+pub(super) const BATCH_CAPACITY: usize = 256 << 10;
 /// Most time a snapshot's receiver may take to reassemble, decode and hand it on.
 const SNAPSHOT_ACK_TIMEOUT: Duration = Duration::from_secs(30);
 
-enum Wake {
-    Msg(Message),
+pub(super) enum Wake<T> {
+    Msg(T),
     Idle,
     Stop,
 }
 
 /// Waits up to `timeout` for a queued message or the stop signal.
-fn next(shared: &Shared, rx: &flume::Receiver<Message>, timeout: Duration) -> Wake {
+pub(super) fn next<T>(shared: &Shared, rx: &flume::Receiver<T>, timeout: Duration) -> Wake<T> {
     if shared.stop.is_set() {
         return Wake::Stop;
     }

@@ -12,15 +12,15 @@ use raft::eraftpb::{Entry, Message, MessageType, Snapshot};
 use super::frame::{self, Hello, Lane, HEADER_LEN, HELLO_LEN, VERSION};
 use super::*;
 
-const WAIT: Duration = Duration::from_secs(10);
+pub(super) const WAIT: Duration = Duration::from_secs(10);
 
 /// `n` loopback addresses whose ports were free a moment ago.
-fn free_addrs(n: usize) -> Vec<SocketAddr> {
+pub(super) fn free_addrs(n: usize) -> Vec<SocketAddr> {
     let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     listeners.iter().map(|l| l.local_addr().unwrap()).collect()
 }
 
-fn peer_map(addrs: &[SocketAddr]) -> BTreeMap<NodeId, SocketAddr> {
+pub(super) fn peer_map(addrs: &[SocketAddr]) -> BTreeMap<NodeId, SocketAddr> {
     addrs.iter().enumerate().map(|(i, a)| (i as NodeId + 1, *a)).collect()
 }
 
@@ -52,7 +52,7 @@ fn start(me: NodeId, addrs: &[SocketAddr]) -> Node {
     start_with(TransportConfig::new(me, addrs[me as usize - 1], peer_map(addrs)), None)
 }
 
-fn heartbeat(from: NodeId, to: NodeId, term: u64) -> Message {
+pub(super) fn heartbeat(from: NodeId, to: NodeId, term: u64) -> Message {
     Message { msg_type: MessageType::MsgHeartbeat, from, to, term, commit: term * 10, ..Default::default() }
 }
 
@@ -73,7 +73,7 @@ fn append(from: NodeId, to: NodeId, term: u64, n: u64) -> Message {
     }
 }
 
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(super) fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + WAIT;
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
@@ -85,7 +85,7 @@ fn wait_connected(node: &Node, peer: NodeId) {
     wait_until(&format!("link {} -> {peer}", node.t.me()), || node.t.peers().iter().any(|p| p.id == peer && p.connected));
 }
 
-fn recv(rx: &flume::Receiver<Message>) -> Message {
+pub(super) fn recv(rx: &flume::Receiver<Message>) -> Message {
     rx.recv_timeout(WAIT).expect("a message within 10 s")
 }
 
@@ -249,7 +249,7 @@ fn a_late_peer_is_connected_and_a_restarted_one_reconnected() {
 }
 
 /// Opens a raw connection to `addr` and sends `bytes`.
-fn raw(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
+pub(super) fn raw(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
     s.write_all(bytes).unwrap();
@@ -263,7 +263,7 @@ fn hello(from: NodeId, to: NodeId) -> Vec<u8> {
 }
 
 /// Reads until the peer closes; the bytes it sent before.
-fn read_to_close(mut s: TcpStream) -> Vec<u8> {
+pub(super) fn read_to_close(mut s: TcpStream) -> Vec<u8> {
     let mut got = Vec::new();
     let mut buf = [0u8; 256];
     loop {

@@ -1,5 +1,5 @@
-//! [`Transport`]: start, send, status, shutdown; and [`Shared`], the state its threads share
-//! (peers and their queues, the stop signal, the registry of open sockets).
+//! [`Transport`]: start, send, send_data, status, shutdown; and [`Shared`], the state its
+//! threads share (peers and their queues, the stop signal, the registry of open sockets).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -12,9 +12,10 @@ use parking_lot::{Mutex, RwLock};
 use raft::eraftpb::{Message, MessageType};
 use tracing::{debug, info, warn};
 
+use super::data::{self, DataLink};
 use super::frame::MAX_CHUNK_DATA;
 use super::link::LinkError;
-use super::{inbound, outbound, NodeId, PeerStatus, Report, TransportConfig, TransportError};
+use super::{inbound, outbound, DataError, NodeId, OnData, OnLink, PeerStatus, Report, TransportConfig, TransportError};
 
 /// How long [`Transport::shutdown`] waits for its threads before leaving them detached.
 const JOIN_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -27,14 +28,15 @@ pub(super) type OnMessage = Arc<dyn Fn(Message) + Send + Sync>;
 /// The callback receiving every [`Report`].
 pub(super) type OnReport = Arc<dyn Fn(Report) + Send + Sync>;
 
-/// The cluster transport of this node: one listener, and per peer a raft-lane writer and a
-/// snapshot sender (module doc, "Lanes"). `Send + Sync`; dropping it shuts it down.
+/// The cluster transport of this node: one listener, and per peer a raft-lane writer, a
+/// snapshot sender and a data-lane writer (module doc, "Lanes"). `Send + Sync`; dropping it
+/// shuts it down.
 pub struct Transport {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
     /// A clone of the listening socket, shut down (2) on shutdown to wake the listener thread.
     listener: TcpListener,
-    /// Listener, writer and snapshot threads (reader threads are in `Shared::readers`).
+    /// Listener, writer, snapshot and data threads (reader threads are in `Shared::readers`).
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -45,6 +47,8 @@ pub(super) struct Shared {
     pub(super) peers: BTreeMap<NodeId, Peer>,
     pub(super) on_message: OnMessage,
     pub(super) on_report: OnReport,
+    pub(super) on_data: OnData,
+    pub(super) on_link: OnLink,
     pub(super) stop: Stop,
     pub(super) sockets: Sockets,
     /// Snapshot chunk size, bytes (1..=MAX_CHUNK_DATA).
@@ -69,6 +73,8 @@ pub(super) struct Peer {
     /// Kept so shutdown can fail what is still queued (the sender thread holds a clone).
     snap_rx: flume::Receiver<Message>,
     pub(super) stats: PeerStats,
+    /// The data lane: queue, link state, counters.
+    pub(super) data: DataLink,
 }
 
 /// Counters and the link flag behind [`PeerStatus`].
@@ -196,22 +202,39 @@ impl Drop for Registered<'_> {
 }
 
 impl Transport {
-    /// Binds `cfg.listen` and spawns the listener thread and, per peer, a raft-lane writer
-    /// thread (which connects at once and reconnects with a 100 ms → 1 s backoff) and a
-    /// snapshot sender thread. `on_message` gets every message peers send to this node (on a
-    /// reader thread; blocking in it is backpressure on that lane); `on_report` gets every
-    /// [`Report`] (on transport threads, or inside [`Transport::send`]).
+    /// [`Transport::start_with_data`] with data callbacks that ignore what they hear: the data
+    /// lanes still come up (a peer may use them), their payloads are discarded.
     ///
     /// # Errors
-    /// [`TransportError::Config`] when `me` is 0 or not in `peers`, a peer id is 0,
-    /// `queue_capacity` is 0, or `snapshot_chunk_bytes` is 0 or above
-    /// [`MAX_CHUNK_DATA`](super::frame::MAX_CHUNK_DATA); [`TransportError::Bind`] when the
-    /// address is taken or not local; [`TransportError::Spawn`] when a thread cannot start
-    /// (what was started is shut down).
+    /// As [`Transport::start_with_data`].
     pub fn start(
         cfg: TransportConfig,
         on_message: Arc<dyn Fn(Message) + Send + Sync>,
         on_report: Arc<dyn Fn(Report) + Send + Sync>,
+    ) -> Result<Transport, TransportError> {
+        Transport::start_with_data(cfg, on_message, on_report, Arc::new(|_, _| {}), Arc::new(|_, _| {}))
+    }
+
+    /// Binds `cfg.listen` and spawns the listener thread and, per peer, a raft-lane writer
+    /// thread and a data-lane writer thread (each connects at once and reconnects with a
+    /// 100 ms → 1 s backoff) and a snapshot sender thread. `on_message` gets every message
+    /// peers send to this node (on a reader thread; blocking in it is backpressure on that
+    /// lane); `on_report` gets every [`Report`] (on transport threads, or inside
+    /// [`Transport::send`]); `on_data` every data payload ([`OnData`]); `on_link` every change
+    /// of a peer's data link ([`OnLink`]).
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] when `me` is 0 or not in `peers`, a peer id is 0,
+    /// `queue_capacity` or `data_queue_capacity` is 0, or `snapshot_chunk_bytes` is 0 or above
+    /// [`MAX_CHUNK_DATA`](super::frame::MAX_CHUNK_DATA); [`TransportError::Bind`] when the
+    /// address is taken or not local; [`TransportError::Spawn`] when a thread cannot start
+    /// (what was started is shut down).
+    pub fn start_with_data(
+        cfg: TransportConfig,
+        on_message: Arc<dyn Fn(Message) + Send + Sync>,
+        on_report: Arc<dyn Fn(Report) + Send + Sync>,
+        on_data: OnData,
+        on_link: OnLink,
     ) -> Result<Transport, TransportError> {
         validate(&cfg)?;
         let listener = TcpListener::bind(cfg.listen).map_err(|source| TransportError::Bind { addr: cfg.listen, source })?;
@@ -222,14 +245,17 @@ impl Transport {
         for (&id, &addr) in cfg.peers.iter().filter(|(&id, _)| id != cfg.me) {
             let (raft_tx, raft_rx) = flume::bounded(cfg.queue_capacity);
             let (snap_tx, snap_rx) = flume::bounded(SNAPSHOT_QUEUE);
-            receivers.push((id, raft_rx, snap_rx.clone()));
-            peers.insert(id, Peer { id, addr, raft_tx, snap_tx, snap_rx, stats: PeerStats::default() });
+            let (data, data_rx) = DataLink::new(cfg.data_queue_capacity);
+            receivers.push((id, raft_rx, snap_rx.clone(), data_rx));
+            peers.insert(id, Peer { id, addr, raft_tx, snap_tx, snap_rx, stats: PeerStats::default(), data });
         }
         let shared = Arc::new(Shared {
             me: cfg.me,
             peers,
             on_message,
             on_report,
+            on_data,
+            on_link,
             stop: Stop::new(),
             sockets: Sockets::new(),
             chunk_bytes: cfg.snapshot_chunk_bytes,
@@ -253,11 +279,13 @@ impl Transport {
         let started = (|| {
             let s = shared.clone();
             spawn("cluster-listen".into(), Box::new(move || inbound::run_listener(s, listener)))?;
-            for (id, raft_rx, snap_rx) in receivers {
+            for (id, raft_rx, snap_rx, data_rx) in receivers {
                 let s = shared.clone();
                 spawn(format!("cluster-raft-{id}"), Box::new(move || outbound::run_raft_writer(s, id, raft_rx)))?;
                 let s = shared.clone();
                 spawn(format!("cluster-snap-{id}"), Box::new(move || outbound::run_snapshot_sender(s, id, snap_rx)))?;
+                let s = shared.clone();
+                spawn(format!("cluster-data-{id}"), Box::new(move || data::run_data_writer(s, id, data_rx)))?;
             }
             Ok(())
         })();
@@ -321,6 +349,29 @@ impl Transport {
         }
     }
 
+    /// Queues one opaque payload (at most [`MAX_FRAME_BYTES`](super::frame::MAX_FRAME_BYTES)
+    /// bytes) for `to`'s data lane; never blocks. The peer's `on_data` gets it once, whole and
+    /// in order — unless the lane goes down first (then it is dropped and counted in
+    /// [`PeerStatus::data_dropped`]; the `on_link(to, false)` that follows says so).
+    ///
+    /// # Errors
+    /// Nothing is queued on any error: [`DataError::UnknownPeer`] when `to` is no peer,
+    /// [`DataError::TooLarge`] for a payload over the frame limit, [`DataError::Down`] when the
+    /// outbound data lane to `to` is not up (or the transport is shut down),
+    /// [`DataError::Full`] when `data_queue_capacity` payloads are already queued for `to`.
+    pub fn send_data(&self, to: NodeId, payload: Vec<u8>) -> Result<(), DataError> {
+        let Some(peer) = self.shared.peers.get(&to) else { return Err(DataError::UnknownPeer) };
+        if self.shared.stop.is_set() {
+            return Err(DataError::Down);
+        }
+        peer.data.send(payload)
+    }
+
+    /// Whether the outbound data lane to `to` is up (false for no peer).
+    pub fn data_up(&self, to: NodeId) -> bool {
+        !self.shared.stop.is_set() && self.shared.peers.get(&to).is_some_and(|p| p.data.out_up())
+    }
+
     /// The state of the links to every peer (this node excluded), by id.
     pub fn peers(&self) -> Vec<PeerStatus> {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -336,13 +387,19 @@ impl Transport {
                 dropped: load(&p.stats.dropped),
                 snapshots_sent: load(&p.stats.snapshots_sent),
                 snapshots_failed: load(&p.stats.snapshots_failed),
+                data_up: p.data.out_up(),
+                data_link: p.data.link_up(),
+                data_sent: load(&p.data.sent),
+                data_writes: load(&p.data.writes),
+                data_dropped: load(&p.data.dropped),
             })
             .collect()
     }
 
     /// Stops every thread and closes every socket: the listener stops accepting, links close,
-    /// queued raft messages are dropped (no reports), queued snapshots are reported
-    /// [`Report::SnapshotFailed`]. Idempotent. Waits up to 1.5 s for the threads (a thread
+    /// queued raft messages and data payloads are dropped (no reports), queued snapshots are
+    /// reported [`Report::SnapshotFailed`], and each data link that was up is reported down
+    /// (`on_link(peer, false)`, from the thread that saw it go). Idempotent. Waits up to 1.5 s for the threads (a thread
     /// still inside a callback past that is left to finish on its own, with a warning).
     pub fn shutdown(&self) {
         if !self.shared.stop.set() {
@@ -405,6 +462,9 @@ fn validate(cfg: &TransportConfig) -> Result<(), TransportError> {
     }
     if cfg.queue_capacity == 0 {
         return bad("queue_capacity must be at least 1".into());
+    }
+    if cfg.data_queue_capacity == 0 {
+        return bad("data_queue_capacity must be at least 1".into());
     }
     if cfg.snapshot_chunk_bytes == 0 || cfg.snapshot_chunk_bytes > MAX_CHUNK_DATA {
         return bad(format!("snapshot_chunk_bytes must be in 1..={MAX_CHUNK_DATA}, not {}", cfg.snapshot_chunk_bytes));
