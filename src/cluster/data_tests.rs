@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,6 +58,11 @@ fn no_link_events(node: &DNode, what: &str) {
     assert!(extra.is_empty(), "{what}: unexpected link reports {extra:?}");
 }
 
+/// Waits for the raft lane to `peer` (the data link says nothing of it).
+fn wait_raft(node: &DNode, peer: NodeId) {
+    wait_until("raft lane up", || data_status(node, peer).connected);
+}
+
 fn data_status(node: &DNode, peer: NodeId) -> PeerStatus {
     node.t.peers().into_iter().find(|p| p.id == peer).unwrap()
 }
@@ -98,6 +103,8 @@ fn payloads_flow_both_ways_intact_and_in_order_while_raft_keeps_flowing() {
     assert_eq!(link_event(&a), (2, true));
     assert_eq!(link_event(&b), (1, true));
     assert!(a.t.data_up(2) && b.t.data_up(1));
+    wait_raft(&a, 2);
+    wait_raft(&b, 1);
 
     let sizes = sizes();
     std::thread::scope(|s| {
@@ -144,32 +151,36 @@ fn a_blocked_receiver_is_backpressure_fills_a_tiny_queue_and_leaves_raft_alone()
     // Node 2's on_data holds the first payload until the gate opens.
     let (gate_tx, gate_rx) = flume::bounded::<()>(1);
     let (seen_tx, seen_rx) = flume::bounded::<()>(1);
+    let first = AtomicBool::new(true);
     let hook: DataHook = Arc::new(move |_| {
-        if seen_tx.try_send(()).is_ok() {
+        if first.swap(false, Ordering::Relaxed) {
+            let _ = seen_tx.send(());
             let _ = gate_rx.recv_timeout(WAIT);
         }
     });
     let b = dstart_with(TransportConfig::new(2, addrs[1], peer_map(&addrs)), Some(hook));
     assert_eq!(link_event(&a), (2, true));
+    assert_eq!(link_event(&b), (1, true));
+    wait_raft(&a, 2);
 
-    // Fill the socket buffers, then the queue of 4: send_data says Full, at once.
-    let mut accepted = 0u32;
+    // For 300 ms, send what the lane takes: the socket buffers fill, then the writer blocks
+    // and the queue of 4 stays full. send_data says Full, at once.
+    a.t.send_data(2, payload(0, 256 << 10)).unwrap();
+    seen_rx.recv_timeout(WAIT).expect("node 2 is inside on_data");
+    let (mut accepted, mut fulls) = (1u32, 0u32);
     let began = Instant::now();
-    let full_at = loop {
+    while began.elapsed() < Duration::from_millis(300) {
         match a.t.send_data(2, payload(accepted, 256 << 10)) {
             Ok(()) => accepted += 1,
-            Err(DataError::Full) => break Instant::now(),
+            Err(DataError::Full) => fulls += 1,
             Err(err) => panic!("send_data: {err}"),
         }
-        assert!(began.elapsed() < WAIT, "the queue never filled");
-        if accepted == 1 {
-            seen_rx.recv_timeout(WAIT).expect("node 2 is inside on_data");
-        }
-    };
+    }
     let t = Instant::now();
-    assert_eq!(a.t.send_data(2, vec![1; 100]), Err(DataError::Full));
+    assert_eq!(a.t.send_data(2, vec![1; 100]), Err(DataError::Full), "the writer is stalled");
     assert!(t.elapsed() < Duration::from_millis(50), "Full is immediate");
-    eprintln!("queue full after {accepted} payloads of 256 KiB in {:?}", full_at - began);
+    eprintln!("stalled after {accepted} payloads of 256 KiB ({fulls} refused as Full)");
+    assert!(fulls > 0 && accepted < 1000, "{accepted} accepted: backpressure holds");
 
     // For 2 s (under DATA_LINK_TIMEOUT) the receiver blocks: heartbeats still arrive at once,
     // and the link stays up.
@@ -422,4 +433,69 @@ fn data_lane_throughput_of_1_kib_payloads() {
     drop(b.t);
     drop(a);
     drain.join().unwrap();
+}
+
+/// A silent peer (its packets vanish: no close, no reset) is reported down within about
+/// [`DATA_LINK_TIMEOUT`]. Needs a network namespace of its own, where it takes the loopback
+/// interface down, so it is ignored by default; run it as root with
+/// `unshare -n sh -c 'ip link set lo up && <test binary> --ignored silent_peer'`.
+#[test]
+#[ignore = "needs a private network namespace (unshare -n) and root"]
+fn a_silent_peer_is_reported_down_within_the_data_link_timeout() {
+    let ip = |state: &str| {
+        let ok = std::process::Command::new("ip").args(["link", "set", "lo", state]).status().map(|s| s.success());
+        assert_eq!(ok.ok(), Some(true), "ip link set lo {state}");
+    };
+    let addrs = free_addrs(2);
+    let (a, b) = (dstart(1, &addrs), dstart(2, &addrs));
+    assert_eq!(link_event(&a), (2, true));
+    assert_eq!(link_event(&b), (1, true));
+    a.t.send_data(2, vec![1; 1000]).unwrap();
+    b.data.recv_timeout(WAIT).unwrap();
+
+    let began = Instant::now();
+    ip("down");
+    // Keep data in flight one way so both the idle (keepalive) and busy (retransmit) cases run.
+    let _ = a.t.send_data(2, vec![2; 1000]);
+    let (ea, eb) = (link_event(&a), link_event(&b));
+    let noticed = began.elapsed();
+    ip("up");
+    eprintln!("silent peer: link down noticed after {noticed:?} ({ea:?}, {eb:?})");
+    assert_eq!((ea, eb), ((2, false), (1, false)));
+    assert!(noticed < DATA_LINK_TIMEOUT + Duration::from_secs(2), "{noticed:?}");
+    assert_eq!(link_event(&a), (2, true), "back once the network is");
+    assert_eq!(link_event(&b), (1, true));
+}
+
+/// The other side of the backpressure bound: a receiver that reads nothing for longer than
+/// [`DATA_LINK_TIMEOUT`] while the sender has data waiting makes the sender's kernel drop the
+/// connection (Linux applies TCP_USER_TIMEOUT to a zero window), and the link goes down.
+/// Ignored by default: it takes [`DATA_LINK_TIMEOUT`] and then some.
+#[test]
+#[ignore = "slow: waits out DATA_LINK_TIMEOUT"]
+fn a_receiver_blocked_past_the_data_link_timeout_loses_the_link() {
+    let addrs = free_addrs(2);
+    let a = dstart(1, &addrs);
+    let (gate_tx, gate_rx) = flume::bounded::<()>(1);
+    let first = AtomicBool::new(true);
+    let hook: DataHook = Arc::new(move |_| {
+        if first.swap(false, Ordering::Relaxed) {
+            let _ = gate_rx.recv_timeout(Duration::from_secs(30));
+        }
+    });
+    let b = dstart_with(TransportConfig::new(2, addrs[1], peer_map(&addrs)), Some(hook));
+    assert_eq!(link_event(&a), (2, true));
+    assert_eq!(link_event(&b), (1, true));
+    let began = Instant::now();
+    let mut seq = 0;
+    while began.elapsed() < Duration::from_millis(300) {
+        if a.t.send_data(2, payload(seq, 256 << 10)).is_ok() {
+            seq += 1;
+        }
+    }
+    let event = a.links.recv_timeout(DATA_LINK_TIMEOUT + WAIT).expect("the link goes down");
+    eprintln!("receiver blocked: link down after {:?}", began.elapsed());
+    assert_eq!(event, (2, false));
+    assert!(began.elapsed() >= DATA_LINK_TIMEOUT - Duration::from_millis(500));
+    gate_tx.send(()).unwrap();
 }

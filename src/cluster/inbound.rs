@@ -99,25 +99,24 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
         Lane::Data => Some(shared.peer(from).data.accepted(shared, from, registered.id)),
         Lane::Snapshot => None,
     };
-    let result = match link::answer(&stream, shared.me, &hello) {
-        Err(err) => {
+    // `live` is set for a data lane only.
+    let result = match (link::answer(&stream, shared.me, &hello), live.as_deref()) {
+        (Err(err), _) => {
             debug!(peer = from, %addr, %err, "cluster: handshake answer failed");
             Err(LinkError::Stopped) // nothing came up: nothing to log as down
         }
-        Ok(()) => match (hello.lane, &live) {
-            (Lane::Raft, _) => {
-                info!(peer = from, %addr, "cluster: raft lane from peer up");
-                read_raft_lane(shared, &stream, from)
-            }
-            (Lane::Data, Some(live)) => {
-                info!(peer = from, %addr, "cluster: data lane from peer up");
-                data::read_data_lane(shared, &stream, from, live)
-            }
-            _ => {
-                debug!(peer = from, %addr, "cluster: snapshot lane from peer opened");
-                read_snapshot_lane(shared, &stream, from)
-            }
-        },
+        (Ok(()), Some(live)) => {
+            info!(peer = from, %addr, "cluster: data lane from peer up");
+            data::read_data_lane(shared, &stream, from, live)
+        }
+        (Ok(()), None) if hello.lane == Lane::Raft => {
+            info!(peer = from, %addr, "cluster: raft lane from peer up");
+            read_raft_lane(shared, &stream, from)
+        }
+        (Ok(()), None) => {
+            debug!(peer = from, %addr, "cluster: snapshot lane from peer opened");
+            read_snapshot_lane(shared, &stream, from)
+        }
     };
     let current = match hello.lane {
         Lane::Raft => release_raft_lane(shared, from, registered.id),

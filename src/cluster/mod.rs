@@ -39,8 +39,9 @@
 //! (`data.rs` has the details). When the link goes down the transport closes both data
 //! connections, so the peer's link goes down too: a session is a pair of connections, seen
 //! by both nodes, and payloads accepted in one are never written in another. A peer's death
-//! shows at once when its sockets close (a process killed or stopped); a silent peer (a host
-//! gone, a cable pulled) within [`DATA_LINK_TIMEOUT`] (keepalive and TCP_USER_TIMEOUT).
+//! shows at once when its sockets close (its process exits or is killed, its transport shuts
+//! down); a silent peer (a host gone, a cable pulled) within about [`DATA_LINK_TIMEOUT`]
+//! (keepalive and TCP_USER_TIMEOUT: 5.1 s measured with loopback taken down).
 //!
 //! # Invariants
 //! 1. [`Transport::send`] never blocks: a message goes to a bounded per-peer queue or is
