@@ -11,13 +11,14 @@
 //! - [`amqp`]: the protocol (codec, connection, channels, unacked ledger, one handler per
 //!   class). Never touches a file; maps [`broker::QueueError`] to reply codes.
 //! - [`broker`]: the domain (each core's queue registry and tick, exchanges, routing,
-//!   queues, consumers, the ack path, dead-lettering, alarms). Never touches a socket and
-//!   names nothing of `amqp`.
+//!   queues, consumers, the ack path, dead-lettering, alarms, and `broker::remote`: serving
+//!   other nodes' queues and ours to them). Never touches a socket and names nothing of
+//!   `amqp`.
 //! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
 //!   placement, fatal errors). Names no protocol and no queue.
 //! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs).
-//! - [`cluster`]: the node-to-node TCP transport of raft-rs messages (plain threads; imports
-//!   nothing else of the crate).
+//! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the
+//!   crate): raft-rs messages, snapshots, and the data lane of `broker::remote`.
 //! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
 //! - [`config`]: flags, TOML file, defaults.
 //!
@@ -29,7 +30,8 @@
 //!    routing tables (`broker/router.rs`, `broker/exchange/`).
 //! 3. The message (`broker/message.rs`, shared `Bytes`) goes to each target queue's owner
 //!    core as a `QueueOp::Publish` (`broker/node.rs`: directly on this core, else through
-//!    the owner's inbox, `core/mesh.rs`).
+//!    the owner's inbox, `core/mesh.rs`; a queue of another node: over the cluster's data
+//!    lane to that node, `broker/remote/`, which does the same there).
 //! 4. The queue appends it to its shard (`broker/queue/mod.rs`, `Queue::publish` →
 //!    `ringmq-shards`) and puts the offset in its ready set (`broker/queue/ready.rs`); a
 //!    persistent message in a durable queue is confirmed after the group commit's sync
