@@ -25,7 +25,7 @@ pub const CLUSTER_START_WAIT: Duration = Duration::from_secs(300);
 /// callbacks read the node's [`Remote`] from once [`start`] made it.
 pub struct ClusterParts {
     transport: Arc<Transport>,
-    slot: RemoteSlot,
+    slot: Arc<RemoteSlot>,
 }
 
 /// The data lane of the cluster transport, as `broker::remote` sends on it.
@@ -62,22 +62,14 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
         Report::SnapshotFinished(id) => inbox.snapshot_done(id, true),
         Report::SnapshotFailed(id) => inbox.snapshot_done(id, false),
     });
-    let slot: RemoteSlot = Default::default();
+    let slot: Arc<RemoteSlot> = Default::default();
     let on_data = {
         let slot = slot.clone();
-        Arc::new(move |from, payload| {
-            if let Some(remote) = slot.get() {
-                remote.on_payload(from, payload);
-            }
-        })
+        Arc::new(move |from, payload| slot.payload(from, payload))
     };
     let on_link = {
         let slot = slot.clone();
-        Arc::new(move |peer, up| {
-            if let Some(remote) = slot.get() {
-                remote.on_link(peer, up);
-            }
-        })
+        Arc::new(move |peer, up| slot.link(peer, up))
     };
     let tcfg = TransportConfig::new(me, listen, config.peers.clone());
     let transport = Arc::new(Transport::start_with_data(tcfg, on_message, on_report, on_data, on_link)?);
@@ -129,7 +121,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         let links: PeerLinks = Arc::new(move || transport.peers().into_iter().map(|p| (p.id, p.connected)).collect());
         shared.peer_links = Some(links);
         let remote = Arc::new(Remote::new(config.node_id, Arc::new(DataLane(parts.transport)), meta, inboxes, cores));
-        let _ = parts.slot.set(remote.clone());
+        parts.slot.set(remote.clone());
         shared.remote = Some(remote);
     }
     let shared = Arc::new(shared);

@@ -21,8 +21,9 @@
 //!    the topology changed, unlocks, then resolves the entry's waiters with their outcomes (in
 //!    proposal order).
 //! 6. Fail proposals and read barriers older than the propose timeout (10 s,
-//!    [`MetaError::NoQuorum`]);
-//!    compact when the log passed 10,000 entries or 16 MiB (`snapshot.rs`).
+//!    [`MetaError::NoQuorum`]); compact when the log passed 10,000 entries or 16 MiB
+//!    (`snapshot.rs`); a leader takes the state then and writes it once every follower has
+//!    its index (at most until twice that).
 //!
 //! # Cluster (raft-rs's driver contract)
 //! `check_quorum` and `pre_vote` are on in a cluster: a leader cut off from a majority steps
@@ -164,6 +165,10 @@ pub(super) struct PendingEntry {
     since: Instant,
 }
 
+/// Tests only: an applied entry as the simulator reads it: (index, term, commands, outcomes).
+#[cfg(test)]
+pub(super) type AppliedEntry = (u64, u64, Vec<Command>, Vec<Outcome>);
+
 pub(super) struct Driver {
     pub(super) raw: RawNode<DiskStorage>,
     pub(super) shared: Arc<Shared>,
@@ -180,7 +185,8 @@ pub(super) struct Driver {
     /// Read barriers sent to raft-rs, by request id, with the time they were asked.
     pub(super) reads: HashMap<u64, (Instant, flume::Sender<Result<(), MetaError>>)>,
     /// Read barriers whose read index is known: resolved once applied reaches it.
-    pub(super) reads_at: Vec<(u64, flume::Sender<Result<(), MetaError>>)>,
+    /// (read index, when asked, reply).
+    pub(super) reads_at: Vec<(u64, Instant, flume::Sender<Result<(), MetaError>>)>,
     next_read: u64,
     /// The clock of the last `turn` (the simulator drives it).
     pub(super) now: Instant,
@@ -190,10 +196,16 @@ pub(super) struct Driver {
     pub(super) leader_changes: u64,
     /// No compaction before this instant (set after a failed one).
     compact_after: Option<Instant>,
+    /// The state a compaction waits to write (taken when the log first wanted it).
+    compact_state: Option<MetaState>,
     pub(super) shutdown_done: Vec<flume::Sender<()>>,
     pub(super) voters: Vec<NodeId>,
     /// [`MetaConfig::propose_timeout`].
     propose_timeout: Duration,
+    /// Tests only (the simulator, `sim.rs`): when set, every applied normal entry; a leader's
+    /// no-op has no commands.
+    #[cfg(test)]
+    pub(super) applied_log: Option<Vec<AppliedEntry>>,
 }
 
 impl Driver {
@@ -267,9 +279,12 @@ impl Driver {
             last_leader: 0,
             leader_changes: 0,
             compact_after: None,
+            compact_state: None,
             shutdown_done: Vec::new(),
             voters: wanted,
             propose_timeout: meta_config.propose_timeout,
+            #[cfg(test)]
+            applied_log: None,
         })
     }
 
@@ -377,18 +392,39 @@ impl Driver {
         self.expire();
         self.publish_figures();
         if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| now >= t) {
-            let state = self.shared.state.lock().clone();
-            // A failed compaction (no disk space for the snapshot or the new log) leaves
-            // the old log in use, consistent with memory: retried later, not fatal.
-            match self.raw.mut_store().compact(&state) {
-                Ok(()) => self.compact_after = None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
-                    self.compact_after = Some(now + Duration::from_secs(10));
+            // The state to snapshot is taken when the log first wants compaction; a leader
+            // writes it once every follower has its index (`follower_lags`).
+            let state = self.compact_state.take().unwrap_or_else(|| self.shared.state.lock().clone());
+            if self.follower_lags(state.applied_index) {
+                self.compact_state = Some(state);
+            } else {
+                // A failed compaction (no disk space for the snapshot or the new log) leaves
+                // the old log in use, consistent with memory: retried later, not fatal.
+                match self.raw.mut_store().compact(&state) {
+                    Ok(()) => self.compact_after = None,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
+                        self.compact_after = Some(now + Duration::from_secs(10));
+                    }
                 }
             }
         }
         Ok(stopping)
+    }
+
+    /// True while this leader's compaction up to `index` would drop entries a follower still
+    /// lacks: that follower would need the whole snapshot, and its proposals in those entries
+    /// would never be answered (it learns an outcome only by applying the entry; found by the
+    /// simulator, `sim.rs`). Compaction waits for it, but not past twice the thresholds (a
+    /// follower that is down or cut off).
+    fn follower_lags(&self, index: u64) -> bool {
+        let r = &self.raw.raft;
+        let store = self.raw.store();
+        let (entries, bytes) = store.compact_at;
+        if r.state != StateRole::Leader || store.entry_count() > 2 * entries || store.log_bytes() > 2 * bytes {
+            return false;
+        }
+        r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index)
     }
 
     /// Files one request; returns true for a shutdown request.
@@ -542,6 +578,14 @@ impl Driver {
                 let _ = reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
             }
         }
+        // A barrier whose index is known but not applied in time (this node cut off since).
+        self.reads_at.retain(|(_, since, reply)| {
+            let late = old(*since);
+            if late {
+                let _ = reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
+            }
+            !late
+        });
     }
 
     /// Answers every waiter with `err()` (shutdown, fatal error).
@@ -559,7 +603,7 @@ impl Driver {
         for (_, (_, reply)) in self.reads.drain() {
             let _ = reply.send(Err(err()));
         }
-        for (_, reply) in self.reads_at.drain(..) {
+        for (_, _, reply) in self.reads_at.drain(..) {
             let _ = reply.send(Err(err()));
         }
     }

@@ -72,8 +72,8 @@ impl Driver {
     /// A read index arrived for barrier `ctx`: it resolves once applied reaches `index`.
     fn read_state(&mut self, index: u64, ctx: &[u8]) {
         let Ok(id) = <[u8; 8]>::try_from(ctx).map(u64::from_le_bytes) else { return };
-        if let Some((_, reply)) = self.reads.remove(&id) {
-            self.reads_at.push((index, reply));
+        if let Some((since, reply)) = self.reads.remove(&id) {
+            self.reads_at.push((index, since, reply));
         }
     }
 
@@ -82,7 +82,7 @@ impl Driver {
             return;
         }
         let applied = self.shared.state.lock().applied_index;
-        self.reads_at.retain(|(index, reply)| {
+        self.reads_at.retain(|(index, _, reply)| {
             if *index <= applied {
                 let _ = reply.send(Ok(()));
                 false
@@ -178,6 +178,10 @@ impl Driver {
         if e.data.is_empty() {
             // A new leader's no-op.
             self.shared.state.lock().applied_index = e.index;
+            #[cfg(test)]
+            if let Some(log) = &mut self.applied_log {
+                log.push((e.index, e.term, Vec::new(), Vec::new()));
+            }
             return Ok(());
         }
         let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry { index: e.index, source })?;
@@ -196,6 +200,10 @@ impl Driver {
             }
         }
         self.counters.commands_applied.add(cmds.len() as u64);
+        #[cfg(test)]
+        if let Some(log) = &mut self.applied_log {
+            log.push((e.index, e.term, cmds.clone(), outcomes.clone()));
+        }
         let ctx: &[u8] = &e.context;
         if ctx.len() == 16 && ctx[..8] == self.nonce.to_le_bytes() {
             let seq = u64::from_le_bytes(ctx[8..].try_into().unwrap_or_default());

@@ -49,12 +49,15 @@ struct Consumer {
     channel: u16,
     tag: String,
     cancel_notify: bool,
+    /// basic.cancel sent, its cancel-ok not back yet: `Some(send_ok)`.
+    cancelling: Option<bool>,
 }
 
 /// A's forwarding state (under `Remote::client`).
 #[derive(Default)]
 pub struct ClientSide {
-    waiting: HashMap<u64, (NodeId, Waiting)>,
+    /// Requests waiting for their reply, with their queue (whose node answers).
+    waiting: HashMap<u64, (QueueRef, Waiting)>,
     conns: HashMap<u64, Conn>,
     consumers: HashMap<u64, Consumer>,
     /// Confirms not answered yet: (peer, conn, chan_uid, seq) → (channel, answers due: one
@@ -116,7 +119,10 @@ impl Remote {
                 let conn = cl.conn(c.conn, &c.tx, peer);
                 conn.pending_bytes = Some(c.pending_bytes.clone());
                 let cancel_notify = c.cancel_notify;
-                cl.consumers.insert(c.id, Consumer { peer, conn: c.conn.0, channel: c.channel.0, tag: c.tag.0.to_string(), cancel_notify });
+                cl.consumers.insert(
+                    c.id,
+                    Consumer { peer, conn: c.conn.0, channel: c.channel.0, tag: c.tag.0.to_string(), cancel_notify, cancelling: None },
+                );
                 let req = self.next_req();
                 let consumer = RemoteConsumer {
                     id: c.id,
@@ -131,7 +137,12 @@ impl Remote {
                 };
                 (Request::Consume { req, queue, consumer }, Some((req, Waiting::Consume(reply))))
             }
-            QueueOp::Cancel { consumer, send_ok } => (Request::Cancel { queue, consumer, send_ok }, None),
+            QueueOp::Cancel { consumer, send_ok } => {
+                if let Some(c) = cl.consumers.get_mut(&consumer) {
+                    c.cancelling = Some(send_ok);
+                }
+                (Request::Cancel { queue, consumer, send_ok }, None)
+            }
             QueueOp::Settle { chan_uid, ack, requeue, reject } => {
                 let offs = |v: Vec<Offset>| v.into_iter().map(|o| o.0).collect();
                 (Request::Settle { queue, chan_uid, ack: offs(ack), requeue: offs(requeue), reject: offs(reject) }, None)
@@ -155,7 +166,7 @@ impl Remote {
             }
         };
         if let Some((id, w)) = waiting {
-            cl.waiting.insert(id, (peer, w));
+            cl.waiting.insert(id, (qref.clone(), w));
         }
         let cancel = match &req {
             Request::Cancel { consumer, send_ok, .. } => Some((*consumer, *send_ok)),
@@ -269,14 +280,22 @@ impl Remote {
     /// Invariant 3, A's half: the lane to `peer` is down.
     pub(super) fn client_link_down(&self, peer: NodeId) {
         let mut cl = self.client.lock();
-        let waiting: Vec<u64> = cl.waiting.iter().filter(|(_, (p, _))| *p == peer).map(|(id, _)| *id).collect();
-        let failed: Vec<Waiting> = waiting.into_iter().filter_map(|id| cl.waiting.remove(&id)).map(|(_, w)| w).collect();
+        let waiting: Vec<u64> = cl.waiting.iter().filter(|(_, (q, _))| q.owner_node == peer).map(|(id, _)| *id).collect();
+        let failed: Vec<(QueueRef, Waiting)> = waiting.into_iter().filter_map(|id| cl.waiting.remove(&id)).collect();
         let gone: Vec<u64> = cl.consumers.iter().filter(|(_, c)| c.peer == peer).map(|(id, _)| *id).collect();
         let mut events: Vec<(ClientTx, ClientEvent)> = Vec::new();
         for id in gone {
             if let Some(c) = cl.consumers.remove(&id) {
-                if let (true, Some(conn)) = (c.cancel_notify, cl.conns.get(&c.conn)) {
-                    let ev = ClientEvent::Cancelled { channel: ChannelId(c.channel), consumer_tag: ConsumerTag::from(c.tag.as_str()) };
+                let Some(conn) = cl.conns.get(&c.conn) else { continue };
+                let (channel, consumer_tag) = (ChannelId(c.channel), ConsumerTag::from(c.tag.as_str()));
+                // A cancel on its way gets its cancel-ok (the consumer is gone either way);
+                // otherwise basic.cancel to a client that asked for it.
+                let ev = match c.cancelling {
+                    Some(true) => Some(ClientEvent::CancelOk { channel, consumer_tag }),
+                    Some(false) => None,
+                    None => c.cancel_notify.then_some(ClientEvent::Cancelled { channel, consumer_tag }),
+                };
+                if let Some(ev) = ev {
                     events.push((conn.tx.clone(), ev));
                 }
             }
@@ -292,9 +311,8 @@ impl Remote {
             }
         }
         drop(cl);
-        let why = format!("home node {peer} of the queue is down or inaccessible");
-        for w in failed {
-            w.fail(QueueError::NotFound(why.clone()));
+        for (qref, w) in failed {
+            w.fail(unreachable(&qref, "the link to it went down"));
         }
         for (tx, ev) in events {
             let _ = tx.send(ev);

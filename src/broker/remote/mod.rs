@@ -83,9 +83,71 @@ impl std::fmt::Debug for Remote {
     }
 }
 
-/// Where the transport's callbacks find the node's [`Remote`] once the broker is up (frames
-/// that arrive before are dropped: nothing can be waiting for them).
-pub type RemoteSlot = Arc<OnceLock<Arc<Remote>>>;
+/// Where the transport's callbacks find the node's [`Remote`] once the broker is up. Peers
+/// may send requests as soon as the lane is up, before this node has made its `Remote`: what
+/// arrives before is kept, in order (up to 65,536 frames and link changes), and handed over
+/// when it is set.
+#[derive(Default)]
+pub struct RemoteSlot {
+    remote: OnceLock<Arc<Remote>>,
+    early: Mutex<Vec<Early>>,
+}
+
+/// A callback that came before the [`Remote`] existed.
+enum Early {
+    Payload(NodeId, Vec<u8>),
+    Link(NodeId, bool),
+}
+
+/// Most callbacks kept before the [`Remote`] exists.
+const MAX_EARLY: usize = 1 << 16;
+
+impl RemoteSlot {
+    /// The transport's `on_data`.
+    pub fn payload(&self, from: NodeId, payload: Vec<u8>) {
+        if let Some(r) = self.remote.get() {
+            return r.on_payload(from, payload);
+        }
+        let mut early = self.early.lock();
+        match self.remote.get() {
+            Some(r) => {
+                drop(early);
+                r.on_payload(from, payload);
+            }
+            None if early.len() < MAX_EARLY => early.push(Early::Payload(from, payload)),
+            None => tracing::warn!(from, "frame from a peer dropped: this node is still starting"),
+        }
+    }
+
+    /// The transport's `on_link`.
+    pub fn link(&self, peer: NodeId, up: bool) {
+        if let Some(r) = self.remote.get() {
+            return r.on_link(peer, up);
+        }
+        let mut early = self.early.lock();
+        match self.remote.get() {
+            Some(r) => {
+                drop(early);
+                r.on_link(peer, up);
+            }
+            None => early.push(Early::Link(peer, up)),
+        }
+    }
+
+    /// Sets the node's [`Remote`] (once) and hands it what came before, in order.
+    pub fn set(&self, remote: Arc<Remote>) {
+        let mut early = self.early.lock();
+        if self.remote.set(remote.clone()).is_err() {
+            return;
+        }
+        for e in early.drain(..) {
+            match e {
+                Early::Payload(from, p) => remote.on_payload(from, p),
+                Early::Link(peer, up) => remote.on_link(peer, up),
+            }
+        }
+    }
+}
 
 impl Remote {
     /// Forwarding state for node `me` with `cores` cores.
