@@ -136,6 +136,9 @@ impl Shared {
     }
 }
 
+/// Where a read barrier is answered.
+pub(super) type ReadReply = flume::Sender<Result<(), MetaError>>;
+
 /// Requests drained in one loop iteration, packed into entries.
 pub(super) struct Waiter {
     /// How many of the entry's commands (consecutive, in order) are this waiter's.
@@ -186,7 +189,7 @@ pub(super) struct Driver {
     pub(super) reads: HashMap<u64, (Instant, flume::Sender<Result<(), MetaError>>)>,
     /// Read barriers whose read index is known: resolved once applied reaches it.
     /// (read index, when asked, reply).
-    pub(super) reads_at: Vec<(u64, Instant, flume::Sender<Result<(), MetaError>>)>,
+    pub(super) reads_at: Vec<(u64, Instant, ReadReply)>,
     next_read: u64,
     /// The clock of the last `turn` (the simulator drives it).
     pub(super) now: Instant,
