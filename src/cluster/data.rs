@@ -27,7 +27,7 @@ use tracing::{debug, info};
 
 use super::frame::{self, Kind, Lane, MAX_FRAME_BYTES};
 use super::link::{self, LinkError};
-use super::outbound::{next, Wake, BATCH_CAPACITY, IDLE_CHECK, MAX_BACKOFF, MAX_BATCH_BYTES, MIN_BACKOFF};
+use super::outbound::{next, Wake, BATCH_CAPACITY, IDLE_CHECK, MAX_BATCH_BYTES};
 use super::transport::{PeerStats, Shared};
 use super::{DataError, NodeId};
 
@@ -193,29 +193,11 @@ impl DataLink {
 pub(super) fn run_data_writer(shared: Arc<Shared>, id: NodeId, rx: flume::Receiver<Queued>) {
     let peer = shared.peer(id);
     let link = &peer.data;
-    let mut backoff = MIN_BACKOFF;
     let mut down_logged = false;
     let mut batch = Vec::with_capacity(BATCH_CAPACITY);
-    while !shared.stop.is_set() {
-        drop_queued(link, &rx);
-        let (stream, registered) = match link::dial(&shared, id, peer.addr, Lane::Data) {
-            Ok(conn) => conn,
-            Err(LinkError::Stopped) => break,
-            Err(err) => {
-                if down_logged {
-                    debug!(peer = id, addr = %peer.addr, %err, "cluster: data lane connect failed");
-                } else {
-                    info!(peer = id, addr = %peer.addr, %err, "cluster: data lane to peer down");
-                    down_logged = true;
-                }
-                if shared.stop.wait(backoff) {
-                    break;
-                }
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                continue;
-            }
-        };
-        backoff = MIN_BACKOFF;
+    while let Some((stream, registered)) =
+        link::dial_until_up(&shared, id, peer.addr, Lane::Data, &mut down_logged, || drop_queued(link, &rx))
+    {
         // Anything queued now was accepted before this session: stale.
         drop_queued(link, &rx);
         let session = link.opened(&shared, id, registered.id);

@@ -6,8 +6,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
+use tracing::{debug, info};
 
 use super::frame::{self, FrameError, Header, Hello, Kind, Lane, HEADER_LEN, HELLO_LEN, MAX_FRAME_BYTES, VERSION};
+use super::outbound::{MAX_BACKOFF, MIN_BACKOFF};
 use super::transport::{Registered, Shared};
 use super::NodeId;
 
@@ -82,6 +84,47 @@ pub(super) fn configure_lane(stream: &TcpStream, lane: Lane) -> io::Result<()> {
 /// # Errors
 /// Connect and I/O errors, [`LinkError::Handshake`] for a socket connected to itself or a
 /// wrong answer, [`LinkError::Stopped`] during shutdown.
+/// A lane writer's way to its peer: dials `lane` to `to` at `addr` until it connects, calling
+/// `before_each` ahead of every attempt (a writer drops there what was queued while its lane
+/// was down), waiting [`MIN_BACKOFF`] doubling to [`MAX_BACKOFF`] between failed attempts. The
+/// first failure since the lane was last up is logged at info ("down", which sets
+/// `down_logged`), later ones at debug. `None` once the transport stops.
+pub(super) fn dial_until_up<'a>(
+    shared: &'a Shared,
+    to: NodeId,
+    addr: SocketAddr,
+    lane: Lane,
+    down_logged: &mut bool,
+    mut before_each: impl FnMut(),
+) -> Option<(TcpStream, Registered<'a>)> {
+    let name = match lane {
+        Lane::Raft => "raft",
+        Lane::Snapshot => "snapshot",
+        Lane::Data => "data",
+    };
+    let mut backoff = MIN_BACKOFF;
+    while !shared.stop.is_set() {
+        before_each();
+        match dial(shared, to, addr, lane) {
+            Ok(conn) => return Some(conn),
+            Err(LinkError::Stopped) => return None,
+            Err(err) => {
+                if *down_logged {
+                    debug!(peer = to, %addr, %err, "cluster: {name} lane connect failed");
+                } else {
+                    info!(peer = to, %addr, %err, "cluster: {name} lane to peer down");
+                    *down_logged = true;
+                }
+                if shared.stop.wait(backoff) {
+                    return None;
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+    None
+}
+
 pub(super) fn dial<'a>(shared: &'a Shared, to: NodeId, addr: SocketAddr, lane: Lane) -> Result<(TcpStream, Registered<'a>), LinkError> {
     let stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
     // A connect to a free local port in the ephemeral range can pick that same port as its

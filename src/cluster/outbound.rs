@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
 use raft::eraftpb::Message;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::frame::{self, Chunk, Frame, Kind, Lane, MAX_SNAPSHOT_BYTES};
 use super::link::{self, LinkError};
@@ -49,30 +49,12 @@ pub(super) fn next<T>(shared: &Shared, rx: &flume::Receiver<T>, timeout: Duratio
 /// its own thread, so `send` never waits on a connect) and writes what `rx` holds.
 pub(super) fn run_raft_writer(shared: std::sync::Arc<Shared>, id: NodeId, rx: flume::Receiver<Message>) {
     let peer = shared.peer(id);
-    let mut backoff = MIN_BACKOFF;
     // Whether "down" was logged since the last "up" (one info line per transition).
     let mut down_logged = false;
     let mut batch = Vec::with_capacity(BATCH_CAPACITY);
-    while !shared.stop.is_set() {
-        drop_queued(&shared, peer, &rx);
-        let (stream, registered) = match link::dial(&shared, id, peer.addr, Lane::Raft) {
-            Ok(link) => link,
-            Err(LinkError::Stopped) => break,
-            Err(err) => {
-                if down_logged {
-                    debug!(peer = id, addr = %peer.addr, %err, "cluster: raft lane connect failed");
-                } else {
-                    info!(peer = id, addr = %peer.addr, %err, "cluster: raft lane to peer down");
-                    down_logged = true;
-                }
-                if shared.stop.wait(backoff) {
-                    break;
-                }
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                continue;
-            }
-        };
-        backoff = MIN_BACKOFF;
+    while let Some((stream, registered)) =
+        link::dial_until_up(&shared, id, peer.addr, Lane::Raft, &mut down_logged, || drop_queued(&shared, peer, &rx))
+    {
         peer.stats.connected.store(true, std::sync::atomic::Ordering::Release);
         info!(peer = id, addr = %peer.addr, "cluster: raft lane to peer up");
         let result = pump(&shared, peer, &rx, &stream, &mut batch);
