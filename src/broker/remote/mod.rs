@@ -102,35 +102,44 @@ enum Early {
 /// Most callbacks kept before the [`Remote`] exists.
 const MAX_EARLY: usize = 1 << 16;
 
+impl Early {
+    fn hand_to(self, remote: &Remote) {
+        match self {
+            Early::Payload(from, p) => remote.on_payload(from, p),
+            Early::Link(peer, up) => remote.on_link(peer, up),
+        }
+    }
+}
+
 impl RemoteSlot {
     /// The transport's `on_data`.
     pub fn payload(&self, from: NodeId, payload: Vec<u8>) {
-        if let Some(r) = self.remote.get() {
-            return r.on_payload(from, payload);
-        }
-        let mut early = self.early.lock();
-        match self.remote.get() {
-            Some(r) => {
-                drop(early);
-                r.on_payload(from, payload);
-            }
-            None if early.len() < MAX_EARLY => early.push(Early::Payload(from, payload)),
-            None => tracing::warn!(from, "frame from a peer dropped: this node is still starting"),
-        }
+        self.hand(Early::Payload(from, payload));
     }
 
     /// The transport's `on_link`.
     pub fn link(&self, peer: NodeId, up: bool) {
+        self.hand(Early::Link(peer, up));
+    }
+
+    /// Hands `e` to the [`Remote`], or keeps it until there is one (payloads: at most
+    /// [`MAX_EARLY`] kept; link changes always, so none is lost).
+    fn hand(&self, e: Early) {
         if let Some(r) = self.remote.get() {
-            return r.on_link(peer, up);
+            return e.hand_to(r);
         }
         let mut early = self.early.lock();
         match self.remote.get() {
             Some(r) => {
                 drop(early);
-                r.on_link(peer, up);
+                e.hand_to(r);
             }
-            None => early.push(Early::Link(peer, up)),
+            None if matches!(e, Early::Link(..)) || early.len() < MAX_EARLY => early.push(e),
+            None => {
+                if let Early::Payload(from, _) = e {
+                    tracing::warn!(from, "frame from a peer dropped: this node is still starting");
+                }
+            }
         }
     }
 
@@ -141,10 +150,7 @@ impl RemoteSlot {
             return;
         }
         for e in early.drain(..) {
-            match e {
-                Early::Payload(from, p) => remote.on_payload(from, p),
-                Early::Link(peer, up) => remote.on_link(peer, up),
-            }
+            e.hand_to(&remote);
         }
     }
 }
