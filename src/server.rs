@@ -125,6 +125,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         shared.remote = Some(remote);
     }
     let shared = Arc::new(shared);
+    crate::broker::replicas::attach(&shared);
     {
         let inboxes = shared.inboxes.clone();
         alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;

@@ -218,7 +218,8 @@ fn a_killed_queue_node_cancels_remote_consumers_and_nacks_publishes() {
 
         // Node 2 publishes on while node 1 restarts: every publish is answered (ack or nack,
         // never silence, also in the moment the lane is up and node 1 is still starting), and
-        // acks come back once node 1 serves again.
+        // acks come back once the queue is served again (by a survivor after failover, or by
+        // node 1 back).
         let back = confirming(&n2).await;
         let queue = q.clone();
         let publisher = tokio::spawn(async move {

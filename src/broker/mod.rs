@@ -28,6 +28,7 @@ pub mod message;
 pub mod node;
 pub mod queue;
 pub mod remote;
+pub mod replicas;
 pub mod router;
 
 use std::sync::Arc;
@@ -59,8 +60,9 @@ pub struct QueueRef {
     pub key: QueueKey,
     /// Executor index that owns it.
     pub owner_core: u32,
-    /// Node whose store holds it (its `owner_node` in the metadata). Only that node serves
-    /// it for now: elsewhere every operation is refused ([`node::Node`]).
+    /// Node that serves it (its `owner_node` in the metadata): other nodes forward their
+    /// operations there (`remote`). A replicated queue's copies live on every member
+    /// (`queue::replica`); failover changes this node (`replicas`).
     pub owner_node: crate::meta::NodeId,
     /// Durable queue: persistent messages are synced before a confirm.
     pub durable: bool,
@@ -344,6 +346,9 @@ pub enum QueueOp {
         /// Messages deleted.
         reply: Reply<Result<u32, QueueError>>,
     },
+    /// Replicated data the metadata group applied (`meta::data`): every member's store of a
+    /// replicated queue takes it, whichever node serves the queue (never forwarded).
+    Replicated(crate::meta::data::DataOp),
 }
 
 /// How the domain reaches queues on any core. Implemented by [`node::Node`] over the

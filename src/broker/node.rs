@@ -145,6 +145,12 @@ pub enum NodeMsg {
         /// The operation.
         req: Box<super::remote::wire::Request>,
     },
+    /// Sync the shards of every replicated queue of this core, then reply (true: all synced;
+    /// `replicas.rs`).
+    SyncReplicas {
+        /// Answered when done.
+        done: flume::Sender<bool>,
+    },
     /// Stop: close connections with 320, sync and close shards, then reply.
     Shutdown {
         /// Answered when this core is done.
@@ -218,6 +224,10 @@ impl Node {
                 }
                 None
             }
+            NodeMsg::SyncReplicas { done } => {
+                glommio::spawn_local(self.clone().sync_replicas(done)).detach();
+                None
+            }
             NodeMsg::Shutdown { done } => Some(done),
         }
     }
@@ -236,7 +246,9 @@ impl Node {
 
     fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
         let here = self.shared.meta.node_id();
-        if qref.owner_node != here {
+        // Replicated data is for this node's own store, whoever serves the queue.
+        let replicated = matches!(op, QueueOp::Replicated(_));
+        if qref.owner_node != here && !replicated {
             match &self.shared.remote {
                 Some(remote) => remote.forward(&qref, op),
                 None => refuse_remote(&qref, here, op),
@@ -256,6 +268,11 @@ impl Node {
                 let topo = self.router();
                 let Some(def) = topo.topology.queue(&qref.key.vhost, &qref.key.name).cloned() else {
                     drop(queues);
+                    if let QueueOp::Replicated(crate::meta::data::DataOp::Dropped { .. }) = op {
+                        // A replica this run never opened: its files go.
+                        glommio::spawn_local(remove_replica_files(self.shared.config.queue_dir(&qref.key.vhost, &qref.key.name, true)))
+                            .detach();
+                    }
                     refuse(&qref.key, op);
                     return;
                 };
@@ -328,6 +345,7 @@ impl Node {
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
         match op {
+            QueueOp::Replicated(crate::meta::data::DataOp::Dropped { .. }) => self.drop_replica(cell),
             QueueOp::Delete { if_unused, if_empty, reply } => {
                 // Its own statement: the borrow ends before the arms borrow mutably.
                 let checked = cell.borrow().check_delete(if_unused, if_empty);
@@ -413,13 +431,63 @@ impl Node {
         self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
     }
 
+    /// [`Node::open_queues`], for `replicas.rs`.
+    pub(super) fn open_queue_cells(&self) -> Vec<QueueCell> {
+        self.open_queues()
+    }
+
+    /// True while a queue of this core is being opened.
+    pub(super) fn any_opening(&self) -> bool {
+        self.queues.borrow().values().any(|s| matches!(s, Slot::Opening(_)))
+    }
+
+    /// Marks `key` as being deleted (operations on it are refused meanwhile).
+    pub(super) fn set_deleting(&self, key: &QueueKey) {
+        self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
+    }
+
+    /// Forgets `key`'s slot (the next operation opens it again from the metadata).
+    pub(super) fn forget_slot(&self, key: &QueueKey) {
+        self.queues.borrow_mut().remove(key);
+    }
+
+    /// Takes a queue out of service here ([`Queue::retire`]), closes its shards and opens it
+    /// again from its store with its current definition (a replicated queue whose serving
+    /// member changed, `replicas.rs`). Operations arriving meanwhile wait in its slot.
+    pub(super) async fn reopen(self: &Rc<Self>, cell: &QueueCell) {
+        let key = cell.borrow().qref.key.clone();
+        self.queues.borrow_mut().insert(key.clone(), Slot::Opening(Vec::new()));
+        let (shard, index) = cell.borrow_mut().retire();
+        for s in [Some(shard), index].into_iter().flatten() {
+            if let Err(e) = s.close().await {
+                tracing::warn!(queue = %key.name, error = %e, "closing a queue to reopen it failed");
+            }
+        }
+        let topo = self.router();
+        let (Some(def), Some(qref)) = (topo.topology.queue(&key.vhost, &key.name).cloned(), topo.queue_ref(&key.vhost, &key.name)) else {
+            // Deleted meanwhile: what waited is answered as for a queue that is gone.
+            if let Some(Slot::Opening(pending)) = self.queues.borrow_mut().remove(&key) {
+                for op in pending {
+                    refuse(&key, op);
+                }
+            }
+            return;
+        };
+        self.clone().open_and_run(def, qref).await;
+    }
+
     /// The once-a-second tick, run for the life of the core: syncs queues with unsynced
     /// deletes, sends every channel that holds a delivery past its queue's acknowledgement
     /// timeout an [`ClientEvent::AckTimeout`], and reopens queues whose store failed once
     /// the disk alarm is clear.
     pub async fn tick(self: Rc<Self>) {
+        let mut down_since = HashMap::new();
         loop {
             glommio::timer::sleep(Duration::from_secs(1)).await;
+            if self.id == 0 {
+                self.move_queues_of_gone_peers(&mut down_since).await;
+            }
+            self.reconcile_replicas().await;
             let now = Instant::now();
             for c in self.open_queues() {
                 let failure = c.borrow().store_failure();
@@ -461,6 +529,12 @@ async fn writable(dir: PathBuf) -> bool {
             ok
         })
         .await
+}
+
+/// Removes a deleted replicated queue's directory and everything in it, on the blocking
+/// thread (a member that never opened it this run).
+async fn remove_replica_files(dir: PathBuf) {
+    glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir_all(&dir))).await
 }
 
 /// Removes a deleted queue's (now empty) directory, on the blocking thread.

@@ -11,7 +11,7 @@
 
 use super::state::Command;
 use super::topology::{Binding, DestKind, ExchangeDef, ExchangeKind, QueueDef};
-use super::wire::{put_str, put_table, put_varint, DecodeError, Reader};
+use super::wire::{put_blob, put_str, put_table, put_varint, DecodeError, Reader};
 
 /// Format byte at the start of every encoded batch.
 const BATCH_FORMAT_V1: u8 = 1;
@@ -61,6 +61,9 @@ const TAG_NODE_BOOT: u8 = 9;
 /// `NodeBoot` of one node of a cluster, with the epoch it boots from (tag 9 is a single
 /// node's, as in logs from before clusters).
 const TAG_NODE_BOOT_CLUSTER: u8 = 10;
+const TAG_ENQUEUE: u8 = 11;
+const TAG_SETTLE: u8 = 12;
+const TAG_MOVE_QUEUE: u8 = 13;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -131,6 +134,31 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
                 put_varint(out, *prev);
             }
         }
+        Command::Enqueue { vhost, queue, flags, header, body } => {
+            out.push(TAG_ENQUEUE);
+            put_str(out, vhost);
+            put_str(out, queue);
+            out.push(*flags);
+            put_blob(out, header);
+            put_blob(out, body);
+        }
+        Command::Settle { vhost, queue, offsets } => {
+            out.push(TAG_SETTLE);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, offsets.len() as u64);
+            for o in offsets {
+                put_varint(out, *o);
+            }
+        }
+        Command::MoveQueue { vhost, queue, from, to, to_epoch } => {
+            out.push(TAG_MOVE_QUEUE);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *from);
+            put_varint(out, *to);
+            put_varint(out, *to_epoch);
+        }
     }
 }
 
@@ -199,6 +227,19 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
         TAG_CURSOR_CAS => Command::CursorCas { vhost: r.string()?, queue: r.string()?, expected: r.varint()?, new: r.varint()? },
         TAG_NODE_BOOT => Command::NodeBoot { node: r.varint()?, cluster: None },
         TAG_NODE_BOOT_CLUSTER => Command::NodeBoot { node: r.varint()?, cluster: Some(r.varint()?) },
+        TAG_ENQUEUE => Command::Enqueue { vhost: r.string()?, queue: r.string()?, flags: r.u8()?, header: r.blob()?, body: r.blob()? },
+        TAG_SETTLE => {
+            let (vhost, queue) = (r.string()?, r.string()?);
+            let n = r.varint()?;
+            if n > r.buf.len() as u64 {
+                return Err(r.err("offset count larger than the entry"));
+            }
+            let offsets = (0..n).map(|_| r.varint()).collect::<Result<Vec<u64>, _>>()?;
+            Command::Settle { vhost, queue, offsets }
+        }
+        TAG_MOVE_QUEUE => {
+            Command::MoveQueue { vhost: r.string()?, queue: r.string()?, from: r.varint()?, to: r.varint()?, to_epoch: r.varint()? }
+        }
         _ => return Err(r.err("unknown command tag")),
     })
 }

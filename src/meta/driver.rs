@@ -62,6 +62,9 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`MetaError::NoQuorum`] (no leader, or no majority behind it); the default of
 /// [`MetaConfig::propose_timeout`].
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many times the compaction thresholds a leader's log may grow while it waits for a
+/// lagging follower, once the log carries replicated queue data (64 × 16 MiB = 1 GiB).
+pub const LAGGING_FOLLOWER_FACTOR: u64 = 64;
 /// Election timeout in ticks (1 s; raft-rs randomizes it in [1 s, 2 s)).
 const ELECTION_TICKS: usize = 10;
 
@@ -109,6 +112,11 @@ pub(super) struct Shared {
     pub(super) failure: Mutex<Option<String>>,
     /// The group's figures, refreshed by the driver after every loop iteration.
     pub(super) figures: Mutex<ClusterFigures>,
+    /// Applied replicated-queue data, on its way to the stores (`data.rs`).
+    pub(super) data: super::data::DataFeed,
+    /// The commit index the log held when the driver opened it: the node has replayed its
+    /// own log once `state.applied_index` reaches it.
+    pub(super) replay_to: AtomicU64,
 }
 
 impl Shared {
@@ -125,6 +133,8 @@ impl Shared {
             stopped: AtomicBool::new(false),
             failure: Mutex::new(None),
             figures: Mutex::new(ClusterFigures::default()),
+            data: Default::default(),
+            replay_to: AtomicU64::new(0),
         }
     }
 
@@ -245,6 +255,7 @@ impl Driver {
             }
         }
         let applied = store.snapshot_index();
+        shared.replay_to.store(store.hard_state().commit, Ordering::Release);
         if let Some(state) = rec.state {
             *shared.state.lock() = state;
         }
@@ -400,6 +411,11 @@ impl Driver {
             let state = self.compact_state.take().unwrap_or_else(|| self.shared.state.lock().clone());
             if self.follower_lags(state.applied_index) {
                 self.compact_state = Some(state);
+            } else if !self.shared.data.flush() {
+                // Replicated queue data not yet synced in its stores stays in the log
+                // (`data.rs`, invariant 2).
+                self.compact_state = Some(state);
+                self.compact_after = Some(now + Duration::from_secs(1));
             } else {
                 // A failed compaction (no disk space for the snapshot or the new log) leaves
                 // the old log in use, consistent with memory: retried later, not fatal.
@@ -419,12 +435,16 @@ impl Driver {
     /// lacks: that follower would need the whole snapshot, and its proposals in those entries
     /// would never be answered (it learns an outcome only by applying the entry; found by the
     /// simulator, `sim.rs`). Compaction waits for it, but not past twice the thresholds (a
-    /// follower that is down or cut off).
+    /// follower that is down or cut off). Once replicated queue data is in the log
+    /// (`data.rs`) the limit is [`LAGGING_FOLLOWER_FACTOR`] times them: a follower sent a
+    /// snapshot misses the messages committed meanwhile, so a node down for minutes under
+    /// load catches up from the log instead.
     fn follower_lags(&self, index: u64) -> bool {
         let r = &self.raw.raft;
         let store = self.raw.store();
         let (entries, bytes) = store.compact_at;
-        if r.state != StateRole::Leader || store.entry_count() > 2 * entries || store.log_bytes() > 2 * bytes {
+        let factor = if self.shared.data.carries_data() { LAGGING_FOLLOWER_FACTOR } else { 2 };
+        if r.state != StateRole::Leader || store.entry_count() > factor * entries || store.log_bytes() > factor * bytes {
             return false;
         }
         r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index)
@@ -622,6 +642,9 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::DeclareVhost { name } => 8 + name.len(),
         Command::DeleteExchange { vhost, name, .. } | Command::DeleteQueue { vhost, name } => 8 + vhost.len() + name.len(),
         Command::NodeBoot { .. } => 12,
+        Command::Enqueue { vhost, queue, header, body, .. } => 16 + vhost.len() + queue.len() + header.len() + body.len(),
+        Command::Settle { vhost, queue, offsets } => 8 + vhost.len() + queue.len() + 5 * offsets.len(),
+        Command::MoveQueue { vhost, queue, .. } => 24 + vhost.len() + queue.len(),
         // Definitions carry field tables; a generous flat guess keeps this cheap.
         Command::DeclareExchange(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),
         Command::DeclareQueue(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),

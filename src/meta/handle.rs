@@ -150,9 +150,18 @@ impl MetaHandle {
     /// most `wait`). In a cluster the command carries the epoch read here before the first
     /// attempt, so however many copies are applied (a timed-out attempt applied late, a copy
     /// re-sent after a leader change) the boot counts once. (Only this node proposes its own
-    /// boot, and it applied its last one before serving, so its own log has the latest epoch.)
+    /// boot, and it applied its last one before serving, so its own log, applied here first,
+    /// has the latest epoch.)
     fn boot(&self, wait: Duration) -> Result<u64, MetaError> {
         let node = self.shared.node;
+        // The epoch this node booted from is in its own log: read it once the log is applied
+        // (the driver opened with the snapshot's state only).
+        let replayed = Instant::now() + wait.min(Duration::from_secs(30));
+        let replay_to = self.shared.replay_to.load(Ordering::Acquire);
+        while self.with_state(|s| s.applied_index) < replay_to && Instant::now() < replayed && !self.shared.stopped.load(Ordering::Acquire)
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         let before = self.with_state(|s| s.boot_epochs.get(&node).copied().unwrap_or(0));
         let boot = Command::NodeBoot { node, cluster: self.shared.cluster.then_some(before) };
         let deadline = Instant::now() + wait;
@@ -305,6 +314,13 @@ impl MetaHandle {
     /// leader), as of the driver's last loop iteration (at most 100 ms old).
     pub fn cluster_figures(&self) -> ClusterFigures {
         self.shared.figures.lock().clone()
+    }
+
+    /// Attaches the stores of replicated queues (`data.rs`): applied `Enqueue`/`Settle` data
+    /// held since the start (a replay of the log, entries received meanwhile) goes to `sink`
+    /// first, in order, then everything applied from now on.
+    pub fn attach_data_sink(&self, sink: std::sync::Arc<dyn super::data::DataSink>) {
+        self.shared.data.attach(sink);
     }
 
     /// This node's Raft id.

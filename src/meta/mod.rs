@@ -42,6 +42,7 @@
 #[cfg(test)]
 mod cluster_tests;
 pub mod codec;
+pub mod data;
 pub mod driver;
 pub mod handle;
 pub mod net;

@@ -8,9 +8,10 @@ use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message};
 use raft::StateRole;
 
 use super::codec::decode_batch;
+use super::data::DataOp;
 use super::driver::Driver;
 use super::net::{ClusterFigures, PeerProgress, Role};
-use super::state::Outcome;
+use super::state::{Command, Outcome};
 use super::MetaError;
 
 /// Most Ready rounds handled per loop iteration (each round needs fresh raft-rs work).
@@ -40,6 +41,7 @@ impl Driver {
             if !rd.snapshot().is_empty() {
                 let state = self.raw.mut_store().install_snapshot(rd.snapshot())?;
                 tracing::info!(index = state.applied_index, "metadata snapshot installed from the leader");
+                self.shared.data.skipped_to(state.applied_index);
                 let mut st = self.shared.state.lock();
                 *st = state;
                 self.shared.version.fetch_add(1, Ordering::AcqRel);
@@ -186,10 +188,15 @@ impl Driver {
         }
         let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry { index: e.index, source })?;
         let mut outcomes = Vec::with_capacity(cmds.len());
+        let mut dropped_cores = Vec::new();
         {
             let mut st = self.shared.state.lock();
             let mut changed = false;
             for cmd in &cmds {
+                if let Command::DeleteQueue { vhost, name } = cmd {
+                    // The core of a deleted queue's store, for its `DataOp::Dropped`.
+                    dropped_cores.push(st.topology.queue(vhost, name).map(|d| d.owner_core).unwrap_or(0));
+                }
                 let o = st.apply(cmd);
                 changed |= cmd.changed_topology(&o);
                 outcomes.push(o);
@@ -200,6 +207,7 @@ impl Driver {
             }
         }
         self.counters.commands_applied.add(cmds.len() as u64);
+        self.shared.data.push(e.index, data_ops(&cmds, &outcomes, &dropped_cores));
         #[cfg(test)]
         if let Some(log) = &mut self.applied_log {
             log.push((e.index, e.term, cmds.clone(), outcomes.clone()));
@@ -217,4 +225,34 @@ impl Driver {
         }
         Ok(())
     }
+}
+
+/// The replicated-queue data of an applied entry (`data.rs`), in order.
+/// `dropped_cores`: the owner core of each `DeleteQueue` of the entry, in order.
+fn data_ops(cmds: &[Command], outcomes: &[Outcome], dropped_cores: &[u32]) -> Vec<DataOp> {
+    let mut ops = Vec::new();
+    let mut cores = dropped_cores.iter();
+    for (cmd, o) in cmds.iter().zip(outcomes) {
+        match (cmd, o) {
+            (Command::Enqueue { vhost, queue, flags, header, body }, Outcome::Enqueued { offset }) => ops.push(DataOp::Enqueue {
+                vhost: vhost.clone(),
+                queue: queue.clone(),
+                offset: *offset,
+                flags: *flags,
+                header: header.clone(),
+                body: body.clone(),
+            }),
+            (Command::Settle { vhost, queue, offsets }, Outcome::Settled) => {
+                ops.push(DataOp::Settle { vhost: vhost.clone(), queue: queue.clone(), offsets: offsets.clone() })
+            }
+            (Command::DeleteQueue { vhost, name }, o) => {
+                let owner_core = cores.next().copied().unwrap_or(0);
+                if *o == Outcome::Deleted {
+                    ops.push(DataOp::Dropped { vhost: vhost.clone(), queue: name.clone(), owner_core });
+                }
+            }
+            _ => {}
+        }
+    }
+    ops
 }

@@ -43,6 +43,9 @@ pub struct MetaState {
     pub cursors: BTreeMap<(String, String), u64>,
     /// Boot epoch per node: 1 after its first boot, +1 on every [`Command::NodeBoot`].
     pub boot_epochs: BTreeMap<NodeId, u64>,
+    /// Next offset per replicated queue, by `(vhost, queue)` (`data.rs`, invariant 1).
+    #[serde(with = "keyed_cursors", default)]
+    pub next_offsets: BTreeMap<(String, String), u64>,
     /// Index of the last Raft entry applied to this state (set by the driver, not by `apply`).
     pub applied_index: u64,
 }
@@ -112,6 +115,42 @@ pub enum Command {
         /// `Some(epoch before this boot)` for one voter of a cluster; `None` for a single node.
         cluster: Option<u64>,
     },
+    /// A message for a replicated queue (`data.rs`) → `Enqueued { offset }` | `NotFound`.
+    Enqueue {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// Record flags as the shard stores them.
+        flags: u8,
+        /// Stored header (`broker::message` form).
+        header: bytes::Bytes,
+        /// Body.
+        body: bytes::Bytes,
+    },
+    /// Deletes of a replicated queue's messages (`data.rs`) → `Settled` | `NotFound`.
+    Settle {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// Queue offsets.
+        offsets: Vec<u64>,
+    },
+    /// Moves a queue to another node while `from` serves it (`data.rs`, invariant 3)
+    /// → `Moved` | `Existed` (not served by `from` any more) | `NotFound`.
+    MoveQueue {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The node that served it.
+        from: NodeId,
+        /// The node to serve it.
+        to: NodeId,
+        /// `to`'s boot epoch, as the proposer read it.
+        to_epoch: u64,
+    },
 }
 
 /// Result of applying one [`Command`].
@@ -140,6 +179,15 @@ pub enum Outcome {
     },
     /// The node's boot epoch after `NodeBoot`.
     Epoch(u64),
+    /// `Enqueue`: the offset the message got.
+    Enqueued {
+        /// Queue offset.
+        offset: u64,
+    },
+    /// `Settle` applied.
+    Settled,
+    /// `MoveQueue` applied.
+    Moved,
 }
 
 impl Command {
@@ -147,8 +195,9 @@ impl Command {
     /// read). Cursor writes and no-op outcomes return false.
     pub fn changed_topology(&self, outcome: &Outcome) -> bool {
         match self {
-            Command::CursorCas { .. } => false,
+            Command::CursorCas { .. } | Command::Enqueue { .. } | Command::Settle { .. } => false,
             Command::NodeBoot { .. } => true,
+            Command::MoveQueue { .. } => matches!(outcome, Outcome::Moved),
             _ => matches!(outcome, Outcome::Created | Outcome::Deleted),
         }
     }
@@ -204,7 +253,8 @@ impl MetaState {
                     return Outcome::QueueExists(existing.clone());
                 }
                 topo.queues.insert(key.clone(), def.clone());
-                self.cursors.insert(key, 0);
+                self.cursors.insert(key.clone(), 0);
+                self.next_offsets.insert(key, 0);
                 Outcome::Created
             }
             Command::DeleteQueue { vhost, name } => {
@@ -213,6 +263,7 @@ impl MetaState {
                     return Outcome::NotFound;
                 }
                 self.cursors.remove(&key);
+                self.next_offsets.remove(&key);
                 let sources = topo.remove_bindings_where(|b| b.dest_kind == DestKind::Queue && b.vhost == *vhost && b.dest == *name);
                 topo.reap_auto_delete(sources);
                 Outcome::Deleted
@@ -270,6 +321,7 @@ impl MetaState {
                 for key in &gone_queues {
                     topo.queues.remove(key);
                     self.cursors.remove(key);
+                    self.next_offsets.remove(key);
                 }
                 let gone_exchanges: Vec<(String, String)> =
                     topo.exchanges.iter().filter(|(_, e)| !e.durable && !cluster).map(|(k, _)| k.clone()).collect();
@@ -297,6 +349,15 @@ impl MetaState {
                 }
                 Outcome::Epoch(epoch)
             }
+            Command::Enqueue { vhost, queue, .. } => super::data::enqueue(self, vhost, queue),
+            Command::Settle { vhost, queue, .. } => {
+                if topo.queues.contains_key(&(vhost.clone(), queue.clone())) {
+                    Outcome::Settled
+                } else {
+                    Outcome::NotFound
+                }
+            }
+            Command::MoveQueue { vhost, queue, from, to, to_epoch } => super::data::move_queue(self, vhost, queue, *from, *to, *to_epoch),
         }
     }
 

@@ -25,6 +25,12 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// A varint length, then the bytes.
+pub(crate) fn put_blob(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
 pub(crate) fn put_str(out: &mut Vec<u8>, s: &str) {
     put_varint(out, s.len() as u64);
     out.extend_from_slice(s.as_bytes());
@@ -104,6 +110,12 @@ impl<'a> Reader<'a> {
     fn len(&mut self) -> Result<usize, DecodeError> {
         let n = self.varint()?;
         usize::try_from(n).map_err(|_| self.err("length out of range"))
+    }
+
+    /// A varint-length-prefixed byte string.
+    pub(crate) fn blob(&mut self) -> Result<bytes::Bytes, DecodeError> {
+        let n = self.len()?;
+        Ok(bytes::Bytes::copy_from_slice(self.bytes(n)?))
     }
 
     pub(crate) fn string(&mut self) -> Result<String, DecodeError> {

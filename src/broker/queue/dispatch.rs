@@ -189,6 +189,11 @@ impl Queue {
         if self.deleted || self.consumers.is_empty() || self.message_count() == 0 {
             return Step::Idle;
         }
+        if !self.may_deliver() {
+            // A replicated queue cut off from the metadata leader (`replica.rs`): retried
+            // while it has consumers, delivering again once a leader is known.
+            return Step::Backlogged;
+        }
         let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else {
             return if self.consumers.any_backlogged() { Step::Backlogged } else { Step::Idle };
         };

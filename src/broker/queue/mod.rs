@@ -27,6 +27,7 @@ pub mod dispatch;
 pub mod durability;
 pub mod index;
 pub mod ready;
+pub mod replica;
 pub mod settle;
 
 use std::cell::RefCell;
@@ -45,11 +46,12 @@ use consumer::Consumers;
 pub use index::read_index;
 use index::IndexRecord;
 use ready::ReadySet;
+use replica::Replication;
 use settle::Held;
 
 thread_local! {
     pub(super) static INDEX_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
-    static REFUSAL_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    pub(super) static REFUSAL_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
 /// True at most once a second per `slot` and thread: for log lines a full disk would
@@ -153,6 +155,8 @@ pub struct Queue {
     pub dead_letter_exchange: Option<String>,
     /// x-dead-letter-routing-key.
     pub dead_letter_routing_key: Option<String>,
+    /// A replicated queue's state (`replica.rs`); `None` for a queue of one node.
+    repl: Option<Replication>,
     env: Rc<dyn QueueEnv>,
 }
 
@@ -203,6 +207,7 @@ impl Queue {
             int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
+        let repl = replica::is_replicated(&def, env.meta().is_cluster()).then(|| Replication::new(def.owner_node == env.meta().node_id()));
         let q = Rc::new_cyclic(|me| {
             RefCell::new(Queue {
                 qref,
@@ -230,6 +235,7 @@ impl Queue {
                 consumer_timeout_ms,
                 dead_letter_exchange,
                 dead_letter_routing_key,
+                repl,
                 env,
             })
         });
@@ -292,6 +298,10 @@ impl Queue {
             QueueOp::ChannelClosed { chan_uid } => q.channel_closed(chan_uid),
             QueueOp::Redeliver { offsets } => q.redeliver(&offsets),
             QueueOp::Wake => q.wake(),
+            QueueOp::Replicated(op) => {
+                drop(q);
+                Queue::apply_replicated(cell, op);
+            }
             QueueOp::Stats { reply } => {
                 let _ = reply.send(Ok((q.message_count(), q.consumers.len() as u32)));
             }
@@ -308,6 +318,9 @@ impl Queue {
     }
 
     fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+        if self.repl.is_some() {
+            return self.propose_enqueue(cell, message, confirm, published);
+        }
         let needs_sync = self.qref.durable && message.persistent();
         match self.shard.append_shared(message.flags, &message.header, &message.body) {
             Ok(offset) => {
@@ -395,6 +408,9 @@ impl Queue {
         }
         for (c, _) in self.pending_confirms.drain(..) {
             c.answer(confirms_ok);
+        }
+        if let Some(r) = &mut self.repl {
+            r.refuse_waiting();
         }
         self.wake();
         (self.shard.clone(), self.index.clone())

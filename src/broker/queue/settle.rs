@@ -202,6 +202,13 @@ impl Queue {
     /// [`super::durability::release_index_records`]). Used by ack, reject without a dead-letter
     /// exchange, a dead-letter move once the copy is stored, auto-ack and purge.
     pub(super) fn delete(&mut self, offsets: &[u64]) {
+        self.delete_local(offsets);
+        // A replicated queue tells the other members (`replica.rs`, step 3).
+        self.propose_settle(offsets);
+    }
+
+    /// [`Queue::delete`] on this member's store only.
+    pub(super) fn delete_local(&mut self, offsets: &[u64]) {
         if offsets.is_empty() {
             return;
         }

@@ -94,7 +94,7 @@ impl Remote {
                     cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
                     RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
                 });
-                let sent = self.send_frame(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc }));
+                let sent = self.send_request(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc }));
                 if let (Err(why), Some(c)) = (sent, confirm) {
                     tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
                     let key = (peer, c.conn.0, c.chan_uid, c.seq);
@@ -151,7 +151,8 @@ impl Remote {
             QueueOp::Redeliver { offsets } => (Request::Redeliver { queue, offsets: offsets.into_iter().map(|o| o.0).collect() }, None),
             // The queue's node keeps its own window for this channel (settlements there give
             // it back); nothing to wake from here.
-            QueueOp::Wake => return,
+            // Replicated data goes to this node's own store only.
+            QueueOp::Wake | QueueOp::Replicated(_) => return,
             QueueOp::Stats { reply } => {
                 let req = self.next_req();
                 (Request::Stats { req, queue }, Some((req, Waiting::Stats(reply))))
@@ -180,7 +181,7 @@ impl Remote {
             | Request::Delete { req, .. } => Some(*req),
             _ => None,
         };
-        if let Err(why) = self.send_frame(peer, &Frame::Request(req)) {
+        if let Err(why) = self.send_request(peer, &Frame::Request(req)) {
             tracing::debug!(peer, %why, "operation on another node's queue not sent");
             if let Some((_, w)) = req_id.and_then(|id| cl.waiting.remove(&id)) {
                 w.fail(unreachable(qref, &why));
@@ -328,7 +329,7 @@ impl Remote {
         cl.confirms.retain(|k, _| k.1 != conn.0);
         drop(cl);
         for peer in c.peers {
-            let _ = self.send_frame(peer, &Frame::Request(Request::ConnectionClosed { conn: conn.0 }));
+            let _ = self.send_request(peer, &Frame::Request(Request::ConnectionClosed { conn: conn.0 }));
         }
     }
 }

@@ -75,6 +75,10 @@ pub struct Remote {
     pub(crate) client: Mutex<ClientSide>,
     /// B's side.
     pub(crate) owner: Mutex<OwnerSide>,
+    /// Peers whose data link is up in both directions (`on_link`): requests go only to
+    /// them, so the answer always has a lane back (a request sent while only the lane out
+    /// was up could be answered into a lane not yet open, and its confirm lost).
+    links: Mutex<std::collections::HashSet<NodeId>>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -167,6 +171,7 @@ impl Remote {
             next_req: AtomicU64::new(1),
             client: Mutex::new(ClientSide::default()),
             owner: Mutex::new(OwnerSide::default()),
+            links: Mutex::new(Default::default()),
         }
     }
 
@@ -186,12 +191,25 @@ impl Remote {
     /// The data lane to `peer` went down (`false`) or up (invariant 3).
     pub fn on_link(&self, peer: NodeId, up: bool) {
         if up {
+            self.links.lock().insert(peer);
+        } else {
+            self.links.lock().remove(&peer);
+        }
+        if up {
             tracing::info!(peer, "data lane to node {peer} is up: its queues are served from here again");
             return;
         }
         tracing::warn!(peer, "data lane to node {peer} is down: requeueing what its clients held here, cancelling consumers of its queues");
         self.client_link_down(peer);
         self.owner_link_down(peer);
+    }
+
+    /// Sends a request (A's side): only over a link up in both directions.
+    fn send_request(&self, to: NodeId, frame: &wire::Frame) -> Result<(), String> {
+        if !self.links.lock().contains(&to) {
+            return Err(format!("data link to node {to} is not up in both directions"));
+        }
+        self.send_frame(to, frame)
     }
 
     fn send_frame(&self, to: NodeId, frame: &wire::Frame) -> Result<(), String> {

@@ -1,0 +1,220 @@
+//! The node's side of replicated queues (`queue/replica.rs` is the queue's): the sink that
+//! takes what the metadata group applied to this node's cores, syncing replicas before the
+//! log is compacted, dropping a deleted queue's replica, and failover — which member serves
+//! a queue, and moving the queues of a node that is gone.
+//!
+//! # Failover (DESIGN.md, "Cluster")
+//! 1. On the metadata group's leader only (raft-rs's leader id, checked every second), a peer
+//!    whose link has been down for [`DOWN_AFTER`] is gone: every replicated queue it serves
+//!    is moved (`MoveQueue`, compare-and-set on the serving node) to a live member, chosen
+//!    by the queue name among the live members, so the queues spread.
+//! 2. Every member compares, every second, whom the metadata names as serving each of its
+//!    replicated queues with what its own copy does; when that changed, the copy is
+//!    reopened from its store in its new role. A member that starts serving opens the queue
+//!    as after a restart: messages below the committed cursor come back redelivered=true.
+//!    One that stops serving cancels its consumers (basic.cancel to those that announced
+//!    consumer_cancel_notify) and answers waiting publishes "not stored".
+//! 3. A minority side never moves a queue (the move is a Raft proposal) and never confirms
+//!    (a confirm is a committed `Enqueue`).
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::node::{NodeMsg, Shared};
+use super::queue::replica::is_replicated;
+use super::queue::QueueCell;
+use super::{QueueKey, QueueOp, QueueRef};
+use crate::core::mesh::Inboxes;
+use crate::meta::data::{DataOp, DataSink};
+use crate::meta::state::Command;
+use crate::meta::{MetaHandle, NodeId};
+
+/// A peer whose link has been down this long is taken as gone (RabbitMQ notices a dead
+/// node in about 5 s).
+pub const DOWN_AFTER: Duration = Duration::from_secs(3);
+/// How long a flush before compaction waits for the cores.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The [`DataSink`] of a node: hands applied data to the queue's core (in order: one
+/// unbounded inbox per core), and syncs every core's replicas on demand.
+pub struct ReplicaSink {
+    meta: MetaHandle,
+    inboxes: Inboxes<NodeMsg>,
+    cores: u32,
+}
+
+impl ReplicaSink {
+    /// The sink for cores reached through `inboxes`.
+    pub fn new(meta: MetaHandle, inboxes: Inboxes<NodeMsg>) -> ReplicaSink {
+        let cores = inboxes.len().max(1) as u32;
+        ReplicaSink { meta, inboxes, cores }
+    }
+}
+
+impl DataSink for ReplicaSink {
+    fn applied(&self, _index: u64, ops: Vec<DataOp>) {
+        let topo = self.meta.topology();
+        for op in ops {
+            let (vhost, name) = op.queue();
+            let qref = match topo.queue(vhost, name) {
+                Some(def) => QueueRef {
+                    key: QueueKey::new(vhost, name),
+                    owner_core: def.owner_core,
+                    owner_node: def.owner_node,
+                    durable: def.durable,
+                },
+                // Deleted (by this entry or a later one): its core still gets the drop.
+                None => match &op {
+                    DataOp::Dropped { owner_core, .. } => {
+                        QueueRef { key: QueueKey::new(vhost, name), owner_core: *owner_core, owner_node: 0, durable: true }
+                    }
+                    _ => continue,
+                },
+            };
+            let core = (qref.owner_core % self.cores) as usize;
+            let _ = self.inboxes.send(core, NodeMsg::Queue { queue: qref, op: QueueOp::Replicated(op) });
+        }
+    }
+
+    fn flush(&self) -> bool {
+        let mut waits = Vec::new();
+        for core in 0..self.inboxes.len() {
+            let (done, rx) = flume::bounded(1);
+            if self.inboxes.send(core, NodeMsg::SyncReplicas { done }).is_err() {
+                return false;
+            }
+            waits.push(rx);
+        }
+        let deadline = Instant::now() + FLUSH_TIMEOUT;
+        waits.into_iter().all(|rx| rx.recv_deadline(deadline).unwrap_or(false))
+    }
+
+    fn skipped_to(&self, index: u64) {
+        tracing::warn!(
+            index,
+            "this node was too far behind: a metadata snapshot replaced its log, and replicated queue messages committed meanwhile are not stored here"
+        );
+    }
+}
+
+impl super::node::Node {
+    /// A replicated queue was deleted: this member's copy goes (consumers, if any, are
+    /// cancelled) and its files are removed.
+    pub(super) fn drop_replica(self: &Rc<Self>, cell: &QueueCell) {
+        let key = cell.borrow().qref.key.clone();
+        let (shard, index) = cell.borrow_mut().tear_down();
+        self.set_deleting(&key);
+        let me = self.clone();
+        glommio::spawn_local(async move {
+            for shard in [Some(shard), index].into_iter().flatten() {
+                if let Ok(shard) = Rc::try_unwrap(shard) {
+                    if let Err(e) = shard.destroy().await {
+                        tracing::warn!(error = %e, "removing replica files failed");
+                    }
+                }
+            }
+            let dir = me.shared.config.queue_dir(&key.vhost, &key.name, true);
+            glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir_all(dir))).await;
+            me.forget_slot(&key);
+        })
+        .detach();
+    }
+
+    /// Answers [`NodeMsg::SyncReplicas`]: once no queue of this core is still opening (its
+    /// waiting ops are applied then), syncs every replicated queue's shard.
+    pub(super) async fn sync_replicas(self: Rc<Self>, done: flume::Sender<bool>) {
+        let deadline = Instant::now() + FLUSH_TIMEOUT;
+        while self.any_opening() && Instant::now() < deadline {
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+        }
+        let mut ok = !self.any_opening();
+        for cell in self.open_queue_cells() {
+            if !cell.borrow().replicated() {
+                continue;
+            }
+            let shard = cell.borrow().shard.clone();
+            if let Err(e) = shard.sync().await {
+                tracing::warn!(error = %e, "replica sync failed; the metadata log keeps its entries");
+                ok = false;
+            }
+        }
+        let _ = done.send(ok);
+    }
+
+    /// Failover step 2: reopens every replicated queue of this core whose serving member
+    /// changed in the metadata.
+    pub(super) async fn reconcile_replicas(self: &Rc<Self>) {
+        if !self.shared.meta.is_cluster() {
+            return;
+        }
+        let me = self.shared.meta.node_id();
+        let topo = self.router();
+        for cell in self.open_queue_cells() {
+            let (key, serving, replicated) = {
+                let q = cell.borrow();
+                (q.qref.key.clone(), q.serving(), q.replicated())
+            };
+            let Some(def) = topo.topology.queue(&key.vhost, &key.name) else { continue };
+            if !replicated || !is_replicated(def, true) || (def.owner_node == me) == serving {
+                continue;
+            }
+            if def.owner_node == me {
+                tracing::info!(queue = %key.name, vhost = %key.vhost, "queue leader moved here: serving the queue from this node's replica");
+            } else {
+                tracing::info!(queue = %key.name, vhost = %key.vhost, node = def.owner_node, "queue leader moved to another node: keeping a replica here");
+            }
+            self.reopen(&cell).await;
+        }
+    }
+
+    /// Failover step 1, on core 0: on the metadata leader, moves the queues of peers gone
+    /// for [`DOWN_AFTER`]. `down_since` remembers when each peer was first seen down.
+    pub(super) async fn move_queues_of_gone_peers(self: &Rc<Self>, down_since: &mut HashMap<NodeId, Instant>) {
+        let Some(links) = &self.shared.peer_links else { return };
+        let now = Instant::now();
+        let links = links();
+        for &(peer, up) in &links {
+            if up {
+                down_since.remove(&peer);
+            } else {
+                down_since.entry(peer).or_insert(now);
+            }
+        }
+        if !self.shared.meta.is_leader() {
+            return;
+        }
+        let me = self.shared.meta.node_id();
+        let mut live: Vec<NodeId> = links.iter().filter(|(_, up)| *up).map(|(id, _)| *id).chain([me]).collect();
+        live.sort_unstable();
+        let gone: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
+        if gone.is_empty() {
+            return;
+        }
+        let (topo, epochs) = (self.shared.meta.topology(), self.shared.meta.with_state(|s| s.boot_epochs.clone()));
+        let mut moves = Vec::new();
+        for def in topo.queues.values() {
+            if !gone.contains(&def.owner_node) || !is_replicated(def, true) {
+                continue;
+            }
+            let to = live[(crate::core::placement::owner_core(&def.vhost, &def.name, live.len() as u32)) as usize % live.len()];
+            let to_epoch = epochs.get(&to).copied().unwrap_or(0);
+            tracing::info!(queue = %def.name, vhost = %def.vhost, from = def.owner_node, to, "moving a queue off a node that is gone");
+            moves.push(Command::MoveQueue { vhost: def.vhost.clone(), queue: def.name.clone(), from: def.owner_node, to, to_epoch });
+        }
+        if moves.is_empty() {
+            return;
+        }
+        if let Err(e) = self.shared.meta.propose_batch(moves).await {
+            tracing::warn!(error = %e, "moving queues off a node that is gone failed; retried in 1 s");
+        }
+    }
+}
+
+/// Attaches this node's replica sink to the metadata group (a cluster node only).
+pub fn attach(shared: &Arc<Shared>) {
+    if shared.meta.is_cluster() {
+        shared.meta.attach_data_sink(Arc::new(ReplicaSink::new(shared.meta.clone(), shared.inboxes.clone())));
+    }
+}

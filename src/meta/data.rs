@@ -1,0 +1,319 @@
+//! Replicated queue data: the commands that carry a replicated queue's messages and
+//! settlements through the Raft log, what applying them does to [`MetaState`], and the feed
+//! that hands applied data to the broker's stores.
+//!
+//! # Model
+//! In a cluster, a durable queue's messages live on every member. A publish is proposed as
+//! [`Command::Enqueue`]; applying it gives the message the queue's next offset (a counter in
+//! the state, so every member computes the same offset) and hands it, with that offset, to the
+//! [`DataSink`] of the node, which appends it to the queue's shard on the queue's core. A
+//! publisher confirm waits for the proposal's outcome: the entry is then fdatasync'ed in the
+//! Raft log of a majority (DESIGN.md rule 9 in a cluster). Acks, drops, dead-letter moves and
+//! purges are proposed as [`Command::Settle`], applied as deletes on every member.
+//! [`Command::MoveQueue`] changes the node that serves a queue (its `owner_node`) when that
+//! node is gone.
+//!
+//! # Invariants
+//! 1. A queue's offsets are handed out by `apply` only, one per applied `Enqueue`, from
+//!    `next_offsets` (starting at 0 when the queue is declared); a store applies an offset at
+//!    most once (a replay after a restart hands the same offsets again: a store skips the
+//!    offsets it already holds).
+//! 2. The log is compacted past an index only after every store of this node has synced
+//!    everything applied up to it ([`DataFeed::flush`]); entries after a snapshot are applied
+//!    again at the next start.
+//! 3. `MoveQueue` applies only while the queue is still served by `from` (compare-and-set, as
+//!    cursors are): two leaders of the metadata group in a row cannot move a queue twice.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use super::state::{MetaState, Outcome};
+use super::topology::NodeId;
+
+/// What applying a data command hands to the stores, in log order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataOp {
+    /// Store the message at `offset` of the queue (skip it if the store holds that offset).
+    Enqueue {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// Offset given by the state machine (invariant 1).
+        offset: u64,
+        /// Record flags (persistent...), as the shard stores them.
+        flags: u8,
+        /// Stored header (exchange, routing key, properties), `broker::message` form.
+        header: Bytes,
+        /// Message body.
+        body: Bytes,
+    },
+    /// Delete these offsets of the queue (an offset already deleted is skipped).
+    Settle {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// Queue offsets.
+        offsets: Vec<u64>,
+    },
+    /// The queue was deleted: its store goes, before any op of a queue declared again
+    /// under the name.
+    Dropped {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The queue's core (`owner_core` of its definition, which is gone now).
+        owner_core: u32,
+    },
+}
+
+impl DataOp {
+    /// The queue the op is for: (vhost, queue).
+    pub fn queue(&self) -> (&str, &str) {
+        match self {
+            DataOp::Enqueue { vhost, queue, .. } | DataOp::Settle { vhost, queue, .. } | DataOp::Dropped { vhost, queue, .. } => {
+                (vhost, queue)
+            }
+        }
+    }
+}
+
+/// The broker's side of the feed: takes applied data and makes it durable on demand.
+/// Called on the metadata driver's thread: `applied` must not block.
+pub trait DataSink: Send + Sync {
+    /// Applied data ops of one entry at Raft index `index`, in order.
+    fn applied(&self, index: u64, ops: Vec<DataOp>);
+    /// Blocks until every op applied so far is synced in its store; false when that could
+    /// not be done (the log is then not compacted). Called before a compaction.
+    fn flush(&self) -> bool;
+    /// A snapshot from the leader replaced this node's state at `index`: the ops between
+    /// what this node applied and `index` never reach its stores.
+    fn skipped_to(&self, index: u64);
+}
+
+/// Where the driver puts applied data: held here until a [`DataSink`] is attached (the
+/// broker's cores start after the metadata group, and a restart replays the log first).
+#[derive(Default)]
+pub struct DataFeed {
+    inner: Mutex<FeedState>,
+}
+
+#[derive(Default)]
+struct FeedState {
+    sink: Option<Arc<dyn DataSink>>,
+    held: Vec<(u64, Vec<DataOp>)>,
+    /// Some data op was applied since the start.
+    carried: bool,
+}
+
+impl DataFeed {
+    /// Hands one entry's ops on (or keeps them until a sink is attached).
+    pub fn push(&self, index: u64, ops: Vec<DataOp>) {
+        if ops.is_empty() {
+            return;
+        }
+        let mut st = self.inner.lock();
+        st.carried = true;
+        match &st.sink {
+            Some(sink) => {
+                let sink = sink.clone();
+                drop(st);
+                sink.applied(index, ops);
+            }
+            None => st.held.push((index, ops)),
+        }
+    }
+
+    /// Attaches the sink and gives it what was held, in order.
+    pub fn attach(&self, sink: Arc<dyn DataSink>) {
+        let mut st = self.inner.lock();
+        for (index, ops) in std::mem::take(&mut st.held) {
+            sink.applied(index, ops);
+        }
+        st.sink = Some(sink);
+    }
+
+    /// True once replicated queue data was applied since the start (a sink attached also
+    /// counts: this node holds replicated queues).
+    pub fn carries_data(&self) -> bool {
+        let st = self.inner.lock();
+        st.carried || st.sink.is_some()
+    }
+
+    /// True once everything applied is synced in its store (no sink and nothing held: true).
+    pub fn flush(&self) -> bool {
+        let sink = {
+            let st = self.inner.lock();
+            if st.sink.is_none() {
+                return st.held.is_empty();
+            }
+            st.sink.clone()
+        };
+        sink.is_none_or(|s| s.flush())
+    }
+
+    /// See [`DataSink::skipped_to`].
+    pub fn skipped_to(&self, index: u64) {
+        let sink = {
+            let mut st = self.inner.lock();
+            st.held.clear();
+            st.sink.clone()
+        };
+        match sink {
+            Some(s) => s.skipped_to(index),
+            None => tracing::warn!(index, "a metadata snapshot replaced replicated queue data this node had not stored"),
+        }
+    }
+}
+
+/// Applies `Enqueue`: the next offset of the queue, or `NotFound`.
+/// (A queue from a snapshot older than the counters starts at 0: no message of it was
+/// replicated then.)
+pub(super) fn enqueue(st: &mut MetaState, vhost: &str, queue: &str) -> Outcome {
+    let key = (vhost.to_owned(), queue.to_owned());
+    if !st.topology.queues.contains_key(&key) {
+        return Outcome::NotFound;
+    }
+    let next = st.next_offsets.entry(key).or_insert(0);
+    let offset = *next;
+    *next += 1;
+    Outcome::Enqueued { offset }
+}
+
+/// Applies `MoveQueue` (invariant 3).
+pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: NodeId, to: NodeId, to_epoch: u64) -> Outcome {
+    let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
+        return Outcome::NotFound;
+    };
+    if def.owner_node != from {
+        return Outcome::Existed;
+    }
+    def.owner_node = to;
+    def.owner_epoch = to_epoch;
+    Outcome::Moved
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meta::codec::{decode_batch, encode_batch};
+    use crate::meta::state::tests::queue;
+    use crate::meta::state::Command;
+
+    fn enqueue(q: &str, body: &'static [u8]) -> Command {
+        Command::Enqueue { vhost: "/".into(), queue: q.into(), flags: 1, header: Bytes::from_static(b"h"), body: Bytes::from_static(body) }
+    }
+
+    fn declared(names: &[&str]) -> MetaState {
+        let mut st = MetaState::default();
+        st.apply(&Command::DeclareVhost { name: "/".into() });
+        for n in names {
+            st.apply(&Command::DeclareQueue(queue(n, true, None)));
+        }
+        st
+    }
+
+    #[test]
+    fn offsets_are_handed_out_per_queue_in_apply_order_and_restart_after_a_redeclare() {
+        let mut st = declared(&["a", "b"]);
+        let got: Vec<Outcome> = [enqueue("a", b"1"), enqueue("b", b"2"), enqueue("a", b"3")].iter().map(|c| st.apply(c)).collect();
+        assert_eq!(got, vec![Outcome::Enqueued { offset: 0 }, Outcome::Enqueued { offset: 0 }, Outcome::Enqueued { offset: 1 }]);
+        assert_eq!(st.apply(&enqueue("nope", b"x")), Outcome::NotFound);
+        // A queue deleted and declared again starts over (its store was dropped).
+        st.apply(&Command::DeleteQueue { vhost: "/".into(), name: "a".into() });
+        assert_eq!(st.apply(&enqueue("a", b"x")), Outcome::NotFound);
+        st.apply(&Command::DeclareQueue(queue("a", true, None)));
+        assert_eq!(st.apply(&enqueue("a", b"x")), Outcome::Enqueued { offset: 0 });
+        // Every replica computes the same offsets: the counters survive a snapshot.
+        let json = serde_json::to_vec(&st).unwrap();
+        let mut back: MetaState = serde_json::from_slice(&json).unwrap();
+        assert_eq!(back.apply(&enqueue("b", b"y")), Outcome::Enqueued { offset: 1 });
+        assert_eq!(st.apply(&enqueue("b", b"y")), Outcome::Enqueued { offset: 1 });
+    }
+
+    #[test]
+    fn a_snapshot_from_before_the_counters_starts_them_at_zero() {
+        let st = declared(&["a"]);
+        let mut json: serde_json::Value = serde_json::to_value(&st).unwrap();
+        json.as_object_mut().unwrap().remove("next_offsets");
+        let mut old: MetaState = serde_json::from_value(json).unwrap();
+        assert!(old.next_offsets.is_empty());
+        assert_eq!(old.apply(&enqueue("a", b"x")), Outcome::Enqueued { offset: 0 });
+    }
+
+    #[test]
+    fn a_move_applies_only_while_the_queue_is_served_by_from() {
+        let mut st = declared(&["a"]);
+        let mv = |from, to| Command::MoveQueue { vhost: "/".into(), queue: "a".into(), from, to, to_epoch: 7 };
+        assert_eq!(st.apply(&mv(2, 3)), Outcome::Existed, "served by node 1, not 2");
+        assert_eq!(st.apply(&mv(1, 3)), Outcome::Moved);
+        assert!(mv(1, 3).changed_topology(&Outcome::Moved));
+        let def = st.topology.queue("/", "a").unwrap();
+        assert_eq!((def.owner_node, def.owner_epoch), (3, 7));
+        // A second leader proposing the same move (it saw node 1 gone too) changes nothing.
+        assert_eq!(st.apply(&mv(1, 2)), Outcome::Existed);
+        assert_eq!(st.topology.queue("/", "a").unwrap().owner_node, 3);
+        let missing = Command::MoveQueue { vhost: "/".into(), queue: "zz".into(), from: 1, to: 2, to_epoch: 1 };
+        assert_eq!(st.apply(&missing), Outcome::NotFound);
+    }
+
+    #[test]
+    fn data_commands_survive_the_codec() {
+        let cmds = vec![
+            enqueue("a", b"body bytes \x00\xff"),
+            Command::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![0, 5, 1 << 40] },
+            Command::MoveQueue { vhost: "v".into(), queue: "q".into(), from: 1, to: 3, to_epoch: 9 },
+        ];
+        let mut buf = Vec::new();
+        encode_batch(cmds.len(), &cmds, &mut buf);
+        assert_eq!(decode_batch(&buf).unwrap(), cmds);
+        // A settle claiming more offsets than the entry holds is refused, not allocated.
+        let mut bad = Vec::new();
+        encode_batch(1, [&Command::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![1] }], &mut bad);
+        let at = bad.len() - 2;
+        bad[at] = 0x7f;
+        assert!(decode_batch(&bad).is_err());
+    }
+
+    struct Recorder {
+        got: Mutex<Vec<(u64, Vec<DataOp>)>>,
+        synced: bool,
+    }
+
+    impl DataSink for Recorder {
+        fn applied(&self, index: u64, ops: Vec<DataOp>) {
+            self.got.lock().push((index, ops));
+        }
+        fn flush(&self) -> bool {
+            self.synced
+        }
+        fn skipped_to(&self, _index: u64) {}
+    }
+
+    fn settle(o: u64) -> DataOp {
+        DataOp::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![o] }
+    }
+
+    #[test]
+    fn the_feed_holds_what_was_applied_before_the_sink_and_hands_it_over_in_order() {
+        let feed = DataFeed::default();
+        assert!(feed.flush(), "nothing applied: compaction may go on");
+        feed.push(3, vec![settle(1)]);
+        feed.push(4, Vec::new());
+        feed.push(5, vec![settle(2), settle(3)]);
+        assert!(!feed.flush(), "held data not yet in any store: no compaction");
+        let sink = Arc::new(Recorder { got: Mutex::new(Vec::new()), synced: true });
+        feed.attach(sink.clone());
+        feed.push(6, vec![settle(4)]);
+        let got = sink.got.lock().clone();
+        assert_eq!(got, vec![(3, vec![settle(1)]), (5, vec![settle(2), settle(3)]), (6, vec![settle(4)])]);
+        assert!(feed.flush());
+        let failing = DataFeed::default();
+        failing.attach(Arc::new(Recorder { got: Mutex::new(Vec::new()), synced: false }));
+        assert!(!failing.flush(), "a store that could not sync keeps the log");
+    }
+}

@@ -1,0 +1,255 @@
+//! Replicated queues and failover, as a user sees them: three real ringmq processes on
+//! loopback; a durable queue's node is killed with SIGKILL under a publisher and a
+//! consumer on other nodes; a survivor serves the queue with every confirmed message, the
+//! restarted node catches up, and a second failover (to any node, the restarted one
+//! included) still has every message.
+//!
+//! The tests run one at a time (three brokers each on a 2-core machine); every wait is bounded.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use common::cluster::{channel, run, Cluster};
+use common::*;
+use futures_lite::StreamExt;
+use lapin::options::*;
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+
+fn persistent() -> BasicProperties {
+    BasicProperties::default().with_delivery_mode(2)
+}
+
+async fn confirming(conn: &Connection) -> Channel {
+    let ch = channel(conn).await;
+    confirm_mode(&ch).await;
+    ch
+}
+
+/// Publishes `body` until it is confirmed (a nack, an error, or a closed channel: again, on a
+/// fresh channel when needed), at most until `limit`; returns when it was confirmed.
+async fn publish_until_confirmed(conn: &Connection, ch: &mut Channel, queue: &str, body: &str, limit: Instant) -> Option<Instant> {
+    while Instant::now() < limit {
+        if !ch.status().connected() {
+            *ch = confirming(conn).await;
+        }
+        let sent = ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body.as_bytes(), persistent()).await;
+        if let Ok(pc) = sent {
+            if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(15), pc).await {
+                if c.is_ack() {
+                    return Some(Instant::now());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+/// Node index (0-based) serving `queue`: the one whose log says it took the queue over, else
+/// `default`.
+fn serving_node(c: &Cluster, queue: &str, default: usize) -> usize {
+    (0..3).rev().find(|&i| c.log(i).lines().any(|l| l.contains("queue leader moved here") && l.contains(queue))).unwrap_or(default)
+}
+
+/// Consumes from `queue` on `conn` until `want` distinct bodies arrived (bounded by `limit`);
+/// acks each; returns (bodies, how many came redelivered=true).
+async fn drain_distinct(conn: &Connection, queue: &str, want: usize, limit: Duration) -> (BTreeSet<String>, BTreeSet<String>) {
+    let deadline = Instant::now() + limit;
+    let (mut seen, mut redelivered) = (BTreeSet::new(), BTreeSet::new());
+    while seen.len() < want && Instant::now() < deadline {
+        let ch = channel(conn).await;
+        let Ok(mut sub) =
+            t("basic.consume", ch.basic_consume(queue.into(), "drain".into(), BasicConsumeOptions::default(), FieldTable::default())).await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while seen.len() < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left.min(Duration::from_secs(5)), sub.next()).await {
+                Ok(Some(Ok(d))) => {
+                    let body = String::from_utf8_lossy(&d.data).into_owned();
+                    if d.redelivered {
+                        redelivered.insert(body.clone());
+                    }
+                    seen.insert(body);
+                    let _ = d.ack(BasicAckOptions::default()).await;
+                }
+                _ => break,
+            }
+        }
+    }
+    (seen, redelivered)
+}
+
+#[test]
+fn a_killed_queue_node_fails_over_with_every_confirmed_message() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("replicated");
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+
+        // 100 confirmed messages from node 2 to node 1's queue.
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let mut pub2 = confirming(&n2).await;
+        let mut confirmed = BTreeSet::new();
+        for i in 0..100 {
+            let body = format!("a-{i}");
+            let c = publish_confirmed(&pub2, "", &q, body.as_bytes(), persistent()).await;
+            assert!(c.is_ack(), "publish {body} not confirmed before any kill: {c:?}");
+            confirmed.insert(body);
+        }
+        // A consumer on node 3 takes 30 and acks 10 of them; 20 stay delivered, unacked.
+        let n3 = connect_uri(&c.amqp_uri(2)).await;
+        let c3 = channel(&n3).await;
+        t("basic.qos", c3.basic_qos(30, BasicQosOptions::default())).await.unwrap();
+        let mut sub =
+            t("basic.consume", c3.basic_consume(q.as_str().into(), "held".into(), BasicConsumeOptions::default(), FieldTable::default()))
+                .await
+                .unwrap();
+        let (mut acked, mut held) = (BTreeSet::new(), BTreeSet::new());
+        for i in 0..30 {
+            let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
+            if i >= 10 {
+                held.insert(String::from_utf8_lossy(&d.data).into_owned());
+            } else {
+                acked.insert(String::from_utf8_lossy(&d.data).into_owned());
+                t("basic.ack", d.ack(BasicAckOptions::default())).await.unwrap();
+            }
+        }
+        // Let the acks and the cursor commit reach the log (an ack lost with the node is a
+        // redelivery, allowed, but it would blur what this test checks).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let killed = Instant::now();
+        c.kill9(0);
+        // A publisher on node 2 gets confirms again within 10 s of the kill.
+        let first = publish_until_confirmed(&n2, &mut pub2, &q, "b-0", killed + Duration::from_secs(20)).await;
+        let first = first.expect("no confirm within 20 s of killing the queue's node");
+        let after = first.duration_since(killed);
+        eprintln!("first confirm {} ms after the kill", after.as_millis());
+        assert!(after < Duration::from_secs(10), "first confirm {after:?} after the kill");
+        confirmed.insert("b-0".into());
+        for i in 1..50 {
+            let body = format!("b-{i}");
+            let ok = publish_until_confirmed(&n2, &mut pub2, &q, &body, Instant::now() + Duration::from_secs(15)).await;
+            assert!(ok.is_some(), "publish {body} to the moved queue never confirmed");
+            confirmed.insert(body);
+        }
+
+        // Node 1 comes back and catches up; publishes through it reach the new server.
+        c.start_node(0);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let mut pub1 = confirming(&n1).await;
+        for i in 0..50 {
+            let body = format!("c-{i}");
+            let ok = publish_until_confirmed(&n1, &mut pub1, &q, &body, Instant::now() + Duration::from_secs(15)).await;
+            assert!(ok.is_some(), "publish {body} through the restarted node never confirmed");
+            confirmed.insert(body);
+        }
+
+        // Second failover: kill whichever node serves the queue now (never node 1, which was
+        // down when the queue moved).
+        let server = serving_node(&c, &q, 1);
+        assert_ne!(server, 0, "the queue moved to the node that was killed");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.kill9(server);
+        let survivor = (0..3).find(|&i| i != server && i != 0).unwrap();
+        let conn = connect_uri(&c.amqp_uri(survivor)).await;
+        let mut p = confirming(&conn).await;
+        let ok = publish_until_confirmed(&conn, &mut p, &q, "d-0", Instant::now() + Duration::from_secs(20)).await;
+        assert!(ok.is_some(), "no confirm within 20 s of the second kill");
+        confirmed.insert("d-0".into());
+
+        // Every confirmed message not acked is there, on a survivor; the 20 delivered before
+        // the first kill come back flagged.
+        let want: BTreeSet<String> = confirmed.difference(&acked).cloned().collect();
+        let (got, redelivered) = drain_distinct(&conn, &q, want.len(), Duration::from_secs(60)).await;
+        let lost: Vec<&String> = want.difference(&got).take(10).collect();
+        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", want.difference(&got).count());
+        let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
+        assert!(unflagged.is_empty(), "delivered before the kill but not redelivered=true after it: {unflagged:?}");
+    });
+}
+
+#[test]
+fn a_node_cut_off_from_the_majority_confirms_and_delivers_nothing() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("alone");
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        let p1 = confirming(&n1).await;
+        for i in 0..5 {
+            let body = format!("m-{i}");
+            assert!(publish_confirmed(&p1, "", &q, body.as_bytes(), persistent()).await.is_ack(), "{body} not confirmed");
+        }
+        c.kill9(1);
+        c.kill9(2);
+        // Node 1 alone learns within an election timeout that it has no leader.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while c.metric(0, "ringmq_raft_leader_id", None) != Some(0.0) {
+            assert!(Instant::now() < deadline, "node 1 alone still names a metadata leader after 15 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // It delivers nothing of its queue...
+        let ch = channel(&n1).await;
+        let mut sub =
+            t("basic.consume", ch.basic_consume(q.as_str().into(), "alone".into(), BasicConsumeOptions::default(), FieldTable::default()))
+                .await
+                .expect("basic.consume on the cut-off node");
+        assert_no_delivery(&mut sub, Duration::from_secs(3), "a node without a majority delivered a replicated queue's message").await;
+        // ...and confirms nothing: the publish is nacked (or its channel fails), never acked.
+        let sent = p1.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"lonely", persistent()).await;
+        if let Ok(pc) = sent {
+            match tokio::time::timeout(Duration::from_secs(30), pc).await {
+                Ok(Ok(conf)) => assert!(!conf.is_ack(), "a node without a majority confirmed a publish"),
+                Ok(Err(_)) => {}
+                Err(_) => panic!("a publish on a node without a majority was neither acked nor nacked within 30 s"),
+            }
+        }
+        // With a majority again it delivers what it held.
+        c.start_node(1);
+        let d = next_delivery(&mut sub, Duration::from_secs(30)).await;
+        assert_eq!(d.data, b"m-0", "the first message, once a majority is back");
+    });
+}
+
+/// `<data>/queues/<hex(vhost)>.<hex(name)>`, where a node keeps a durable queue's store.
+fn queue_dir(data: &std::path::Path, vhost: &str, name: &str) -> std::path::PathBuf {
+    let hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    data.join("queues").join(format!("{}.{}", hex(vhost), hex(name)))
+}
+
+#[test]
+fn every_node_stores_a_durable_queue_and_drops_it_with_the_queue() {
+    run(async {
+        let c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("copies");
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        let p1 = confirming(&n1).await;
+        for i in 0..3 {
+            assert!(publish_confirmed(&p1, "", &q, format!("m-{i}").as_bytes(), persistent()).await.is_ack());
+        }
+        let dirs: Vec<_> = (0..3).map(|i| queue_dir(&c.data_dir(i), "/", &q)).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !dirs.iter().all(|d| d.exists()) {
+            assert!(Instant::now() < deadline, "not every node holds a copy of the durable queue: {dirs:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Deleted through node 2: every copy goes.
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let deleted = t("queue.delete", channel(&n2).await.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.unwrap();
+        assert_eq!(deleted, 3);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while dirs.iter().any(|d| d.exists()) {
+            assert!(Instant::now() < deadline, "a deleted queue's copy stayed on disk: {:?}", dirs.iter().filter(|d| d.exists()).collect::<Vec<_>>());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
