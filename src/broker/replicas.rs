@@ -5,7 +5,7 @@
 //!
 //! # Failover (DESIGN.md, "Cluster")
 //! 1. On the metadata group's leader only (raft-rs's leader id, checked every second), a peer
-//!    whose link has been down for [`DOWN_AFTER`] is gone: every replicated queue it serves
+//!    whose link has been down, or that answered no heartbeat, for [`DOWN_AFTER`] is gone: every replicated queue it serves
 //!    is moved (`MoveQueue`, compare-and-set on the serving node) to a live member, chosen
 //!    by the queue name among the live members, so the queues spread.
 //! 2. Every member compares, every second, whom the metadata names as serving each of its
@@ -174,7 +174,12 @@ impl super::node::Node {
     pub(super) async fn move_queues_of_gone_peers(self: &Rc<Self>, down_since: &mut HashMap<NodeId, Instant>) {
         let Some(links) = &self.shared.peer_links else { return };
         let now = Instant::now();
-        let links = links();
+        // Down: its link is down, or (on the leader) raft-rs has heard nothing from it for an
+        // election timeout — a node frozen (SIGSTOP, a hung disk) whose kernel still answers
+        // TCP keeps its link up but stops answering heartbeats.
+        let figures = self.shared.meta.cluster_figures();
+        let silent = |peer: NodeId| figures.peers.iter().any(|p| p.id == peer && !p.recent_active);
+        let links: Vec<(NodeId, bool)> = links().into_iter().map(|(peer, up)| (peer, up && !silent(peer))).collect();
         for &(peer, up) in &links {
             if up {
                 down_since.remove(&peer);

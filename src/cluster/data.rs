@@ -31,6 +31,12 @@ use super::outbound::{next, Wake, BATCH_CAPACITY, IDLE_CHECK, MAX_BATCH_BYTES};
 use super::transport::{PeerStats, Shared};
 use super::{DataError, NodeId};
 
+/// A data lane's writer sends an empty frame (a heartbeat) after this long without payloads
+/// ([`IDLE_CHECK`]); a reader that hears nothing, not even a heartbeat, for [`SILENCE_LIMIT`]
+/// ends the lane, so a peer frozen while its kernel still answers TCP (SIGSTOP, a hung disk)
+/// is taken as down.
+pub const SILENCE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Read buffer of a data lane, bytes.
 const READ_BUFFER: usize = 256 << 10;
 /// A delivered payload whose buffer has this much spare capacity is shrunk to fit first.
@@ -244,6 +250,10 @@ fn pump(
             Wake::Stop => return Ok(()),
             Wake::Idle => {
                 link::check_open(stream)?;
+                // The heartbeat: an empty frame the reader skips (see `SILENCE_LIMIT`).
+                batch.clear();
+                let _ = frame::encode_data(&[], batch);
+                writer.write_all(batch).and_then(|()| writer.flush())?;
                 continue;
             }
             Wake::Msg(queued) => queued,
@@ -284,6 +294,7 @@ fn pump(
 /// `live` holds; `Err` always (`Closed` for a clean close, `Stopped` when the transport
 /// stops, `Ended` once the lane is replaced or its session ended).
 pub(super) fn read_data_lane(shared: &Shared, stream: &TcpStream, from: NodeId, live: &AtomicBool) -> Result<(), LinkError> {
+    stream.set_read_timeout(Some(SILENCE_LIMIT))?;
     let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
     let mut payload = Vec::new();
     loop {
@@ -294,6 +305,10 @@ pub(super) fn read_data_lane(shared: &Shared, stream: &TcpStream, from: NodeId, 
         }
         if !live.load(Ordering::Acquire) {
             return Err(LinkError::Ended);
+        }
+        if payload.is_empty() {
+            // A heartbeat.
+            continue;
         }
         let mut delivered = std::mem::take(&mut payload);
         if delivered.capacity() - delivered.len() > MAX_SLACK {

@@ -352,8 +352,9 @@ fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
     // An inbound lane from "node 2" completes the link.
     let mut old = answered(raw(addrs[0], &data_hello(2, 1)));
     assert_eq!(link_event(&a), (2, true));
+    // An empty frame is a heartbeat (`data::SILENCE_LIMIT`): read, never delivered.
     old.write_all(&data_frames(&[b"one", b"", b"two"])).unwrap();
-    for want in [&b"one"[..], b"", b"two"] {
+    for want in [&b"one"[..], b"two"] {
         assert_eq!(a.data.recv_timeout(WAIT).unwrap(), (2, want.to_vec()));
     }
 
@@ -498,4 +499,25 @@ fn a_receiver_blocked_past_the_data_link_timeout_loses_the_link() {
     assert_eq!(event, (2, false));
     assert!(began.elapsed() >= DATA_LINK_TIMEOUT - Duration::from_millis(500));
     gate_tx.send(()).unwrap();
+}
+
+#[test]
+fn a_peer_that_sends_not_even_heartbeats_loses_the_link() {
+    let addrs = free_addrs(2);
+    let fake = TcpListener::bind(addrs[1]).unwrap();
+    let fake_lanes = fake_peer(fake, 2);
+    let a = dstart(1, &addrs);
+    let _out = fake_lanes.recv_timeout(WAIT).expect("node 1 dials node 2's data lane");
+    wait_until("data lane up", || a.t.data_up(2));
+    // "Node 2" answers the handshake and then says nothing, as a frozen process whose
+    // kernel still holds the connection open would.
+    let mut silent = answered(raw(addrs[0], &data_hello(2, 1)));
+    assert_eq!(link_event(&a), (2, true));
+    let up = Instant::now();
+    silent.write_all(&data_frames(&[b"", b"x"])).unwrap();
+    assert_eq!(a.data.recv_timeout(WAIT).unwrap(), (2, b"x".to_vec()));
+    let down = a.links.recv_timeout(data::SILENCE_LIMIT + WAIT).expect("the link goes down after the silence");
+    assert_eq!(down, (2, false));
+    let after = up.elapsed();
+    assert!(after >= data::SILENCE_LIMIT - Duration::from_millis(200), "down after {after:?}, before the silence limit");
 }

@@ -41,7 +41,11 @@
 //! by both nodes, and payloads accepted in one are never written in another. A peer's death
 //! shows at once when its sockets close (its process exits or is killed, its transport shuts
 //! down); a silent peer (a host gone, a cable pulled) within about [`DATA_LINK_TIMEOUT`]
-//! (keepalive and TCP_USER_TIMEOUT: 5.1 s measured with loopback taken down).
+//! (keepalive and TCP_USER_TIMEOUT: 5.1 s measured with loopback taken down); a peer whose
+//! kernel keeps the connection open but whose process says nothing (SIGSTOP, a hung disk)
+//! within 5 s (`data::SILENCE_LIMIT`): a writer with nothing to send sends an empty frame (a
+//! heartbeat, never handed to `on_data`) every half second, and a reader that hears nothing
+//! for that long ends the link.
 //!
 //! # Invariants
 //! 1. [`Transport::send`] never blocks: a message goes to a bounded per-peer queue or is
