@@ -259,6 +259,17 @@ impl Node {
         match queues.get_mut(&qref.key) {
             Some(Slot::Open(cell)) => {
                 let cell = cell.clone();
+                let take_over = !replicated && cell.borrow().replicated() && !cell.borrow().serving();
+                if take_over {
+                    // The metadata says this node serves it now (a failover the watch has not
+                    // acted on yet): the copy reopens as the server first, the op waits.
+                    queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
+                    drop(queues);
+                    tracing::info!(queue = %qref.key.name, vhost = %qref.key.vhost, "queue leader moved here: serving the queue from this node's replica");
+                    let me = self.clone();
+                    glommio::spawn_local(async move { me.reopen_in_place(&cell).await }).detach();
+                    return;
+                }
                 drop(queues);
                 self.run_op(&cell, op);
             }
@@ -457,6 +468,12 @@ impl Node {
     pub(super) async fn reopen(self: &Rc<Self>, cell: &QueueCell) {
         let key = cell.borrow().qref.key.clone();
         self.queues.borrow_mut().insert(key.clone(), Slot::Opening(Vec::new()));
+        self.reopen_in_place(cell).await;
+    }
+
+    /// [`Node::reopen`] once the queue's slot is already `Opening`.
+    async fn reopen_in_place(self: &Rc<Self>, cell: &QueueCell) {
+        let key = cell.borrow().qref.key.clone();
         let (shard, index) = cell.borrow_mut().retire();
         for s in [Some(shard), index].into_iter().flatten() {
             if let Err(e) = s.close().await {
@@ -481,13 +498,11 @@ impl Node {
     /// timeout an [`ClientEvent::AckTimeout`], and reopens queues whose store failed once
     /// the disk alarm is clear.
     pub async fn tick(self: Rc<Self>) {
-        let mut down_since = HashMap::new();
+        if self.shared.meta.is_cluster() {
+            glommio::spawn_local(self.clone().watch_replicas()).detach();
+        }
         loop {
             glommio::timer::sleep(Duration::from_secs(1)).await;
-            if self.id == 0 {
-                self.move_queues_of_gone_peers(&mut down_since).await;
-            }
-            self.reconcile_replicas().await;
             let now = Instant::now();
             for c in self.open_queues() {
                 let failure = c.borrow().store_failure();

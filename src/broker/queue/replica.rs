@@ -133,6 +133,11 @@ impl Queue {
                 match q.shard.append_shared(flags, &header, &body) {
                     Ok(at) if at == offset => {
                         q.ready.push(at, None);
+                        if at < q.cursor.committed {
+                            // Stored again by a replay (this copy's shard had lost its unsynced
+                            // tail): handed out before, as the cursor says.
+                            q.ready.mark_redelivered(at);
+                        }
                         q.dirty = true;
                         q.wake();
                     }
