@@ -137,9 +137,8 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
     };
     if let Some(rec) = q.paged.remove(&offset).or_else(|| q.shard.read_cached(offset)) {
         let (r, sync) = q.finish_get(rec, no_ack, holder);
-        let replicated = q.replicated().then(|| Rc::downgrade(cell));
         drop(q);
-        reply_get(r, sync, replicated, reply);
+        reply_get(r, sync, reply);
         return;
     }
     q.paging += 1;
@@ -154,9 +153,8 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
         match rec {
             Ok(Some(rec)) => {
                 let (r, sync) = q.finish_get(rec, no_ack, holder);
-                let replicated = q.replicated().then(|| weak.clone());
                 drop(q);
-                reply_get(r, sync, replicated, reply);
+                reply_get(r, sync, reply);
             }
             Ok(None) => {
                 let _ = reply.send(Ok(None));

@@ -216,32 +216,8 @@ pub(super) async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
 }
 
 /// Answers a basic.get, after syncing the unacked index when the delivery has a record
-/// there (the same rule as [`Queue::flush_unsynced`]); for a replicated queue, after the
-/// cursor passed it (`replica.rs` step 5; not committed: get-empty, the message ready again).
-pub(super) fn reply_get(
-    r: GetReply,
-    sync: Option<Rc<Shard>>,
-    replicated: Option<Weak<RefCell<Queue>>>,
-    reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>,
-) {
-    if let (Some(weak), Some(_)) = (replicated, &sync) {
-        glommio::spawn_local(async move {
-            if Queue::commit_cursor_through(&weak).await {
-                let _ = reply.send(Ok(Some(r)));
-                return;
-            }
-            if let Some(cell) = weak.upgrade() {
-                let mut q = cell.borrow_mut();
-                if let Some(o) = q.held.release(r.offset.0) {
-                    q.release(&o);
-                    q.unclaim(r.offset.0);
-                }
-            }
-            let _ = reply.send(Ok(None));
-        })
-        .detach();
-        return;
-    }
+/// there (the same rule as [`Queue::flush_unsynced`]).
+pub(super) fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     match sync {
         None => drop(reply.send(Ok(Some(r)))),
         Some(index) => {
@@ -258,24 +234,6 @@ pub(super) fn reply_get(
 }
 
 impl Queue {
-    /// Deliveries that may not leave (their cursor commit failed): ready again where they
-    /// were, not flagged (they never reached a client), their credit given back.
-    fn hold_back(
-        weak: &Weak<RefCell<Queue>>,
-        batch: Vec<(crate::broker::ConsumerId, crate::broker::Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
-    ) {
-        let Some(cell) = weak.upgrade() else { return };
-        let mut q = cell.borrow_mut();
-        for (_, d, pending) in batch {
-            pending.fetch_sub(consumer::pending_weight(d.message.body.len()), std::sync::atomic::Ordering::Relaxed);
-            if let Some(o) = q.held.release(d.offset.0) {
-                q.release(&o);
-                q.unclaim(d.offset.0);
-            }
-        }
-        q.wake();
-    }
-
     /// Starts the group-commit task unless one is running.
     pub(super) fn start_sync(&mut self, cell: &QueueCell) {
         if !self.syncing {
@@ -332,15 +290,8 @@ impl Queue {
             crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
             (std::mem::take(&mut q.unsynced), q.index.clone())
         };
-        let replicated = cell.borrow().replicated();
         drop(cell);
-        if replicated {
-            // `replica.rs` step 5: the cursor in the metadata passes them first.
-            if !Queue::commit_cursor_through(weak).await {
-                Queue::hold_back(weak, batch);
-                return;
-            }
-        } else if let Some(index) = index {
+        if let Some(index) = index {
             if let Err(e) = IndexSynced::appends(&index).await {
                 // The deliveries go out all the same (the messages themselves are stored):
                 // after a crash they may come back without redelivered=true, a duplicate
