@@ -11,12 +11,14 @@
 //! - [`amqp`]: the protocol (codec, connection, channels, unacked ledger, one handler per
 //!   class). Never touches a file; maps [`broker::QueueError`] to reply codes.
 //! - [`broker`]: the domain (each core's queue registry and tick, exchanges, routing,
-//!   queues, consumers, the ack path, dead-lettering, alarms, and `broker::remote`: serving
-//!   other nodes' queues and ours to them). Never touches a socket and names nothing of
-//!   `amqp`.
+//!   queues, consumers, the ack path, dead-lettering, alarms, `broker::remote`: serving
+//!   other nodes' queues and ours to them, and `broker::replicas` with `queue/replica.rs`:
+//!   replicated durable queues and failover in a cluster). Never touches a socket and names
+//!   nothing of `amqp`.
 //! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
 //!   placement, fatal errors). Names no protocol and no queue.
-//! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs).
+//! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs, and in a cluster the
+//!   messages and settlements of replicated queues, `meta/data.rs`).
 //! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the
 //!   crate): raft-rs messages, snapshots, and the data lane of `broker::remote`.
 //! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
@@ -35,7 +37,9 @@
 //! 4. The queue appends it to its shard (`broker/queue/mod.rs`, `Queue::publish` →
 //!    `ringmq-shards`) and puts the offset in its ready set (`broker/queue/ready.rs`); a
 //!    persistent message in a durable queue is confirmed after the group commit's sync
-//!    (`broker/queue/durability.rs`, `group_commit`), others at once.
+//!    (`broker/queue/durability.rs`, `group_commit`), others at once. In a cluster a durable
+//!    queue proposes it to the metadata group instead (`broker/queue/replica.rs`): confirmed
+//!    once committed on a majority, appended by every member when it applies the entry.
 //! 5. The dispatcher (`broker/queue/dispatch.rs`) claims the lowest ready offset for a
 //!    consumer with credit, records its holder (`settle::Held`), appends an unacked-index
 //!    record when the delivery is tracked and durable, and sends the delivery once that
