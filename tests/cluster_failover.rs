@@ -11,22 +11,12 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::cluster::{channel, run, Cluster};
+use common::cluster::{channel, confirming, durable_queue, persistent, publish_all, run, Cluster};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
-
-fn persistent() -> BasicProperties {
-    BasicProperties::default().with_delivery_mode(2)
-}
-
-async fn confirming(conn: &Connection) -> Channel {
-    let ch = channel(conn).await;
-    confirm_mode(&ch).await;
-    ch
-}
+use lapin::{Channel, Connection};
 
 /// Publishes `body` until it is confirmed (a nack, an error, or a closed channel: again, on a
 /// fresh channel when needed), at most until `limit`; returns when it was confirmed.
@@ -91,18 +81,12 @@ fn a_killed_queue_node_fails_over_with_every_confirmed_message() {
         let mut c = Cluster::start(3);
         let n1 = connect_uri(&c.amqp_uri(0)).await;
         let q = uniq("replicated");
-        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        durable_queue(&n1, &q).await;
 
         // 100 confirmed messages from node 2 to node 1's queue.
         let n2 = connect_uri(&c.amqp_uri(1)).await;
         let mut pub2 = confirming(&n2).await;
-        let mut confirmed = BTreeSet::new();
-        for i in 0..100 {
-            let body = format!("a-{i}");
-            let c = publish_confirmed(&pub2, "", &q, body.as_bytes(), persistent()).await;
-            assert!(c.is_ack(), "publish {body} not confirmed before any kill: {c:?}");
-            confirmed.insert(body);
-        }
+        let mut confirmed: BTreeSet<String> = publish_all(&pub2, &q, "a", 100).await.into_iter().collect();
         // A consumer on node 3 takes 30 and acks 10 of them; 20 stay delivered, unacked.
         let n3 = connect_uri(&c.amqp_uri(2)).await;
         let c3 = channel(&n3).await;
@@ -183,12 +167,9 @@ fn a_node_cut_off_from_the_majority_confirms_and_delivers_nothing() {
         let mut c = Cluster::start(3);
         let n1 = connect_uri(&c.amqp_uri(0)).await;
         let q = uniq("alone");
-        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        durable_queue(&n1, &q).await;
         let p1 = confirming(&n1).await;
-        for i in 0..5 {
-            let body = format!("m-{i}");
-            assert!(publish_confirmed(&p1, "", &q, body.as_bytes(), persistent()).await.is_ack(), "{body} not confirmed");
-        }
+        publish_all(&p1, &q, "m", 5).await;
         c.kill9(1);
         c.kill9(2);
         // Node 1 alone learns within an election timeout that it has no leader.
@@ -232,11 +213,9 @@ fn every_node_stores_a_durable_queue_and_drops_it_with_the_queue() {
         let c = Cluster::start(3);
         let n1 = connect_uri(&c.amqp_uri(0)).await;
         let q = uniq("copies");
-        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        durable_queue(&n1, &q).await;
         let p1 = confirming(&n1).await;
-        for i in 0..3 {
-            assert!(publish_confirmed(&p1, "", &q, format!("m-{i}").as_bytes(), persistent()).await.is_ack());
-        }
+        publish_all(&p1, &q, "m", 3).await;
         let dirs: Vec<_> = (0..3).map(|i| queue_dir(&c.data_dir(i), "/", &q)).collect();
         let deadline = Instant::now() + Duration::from_secs(10);
         while !dirs.iter().all(|d| d.exists()) {
@@ -265,15 +244,10 @@ fn a_frozen_queue_node_fails_over_too() {
         let c = Cluster::start(3);
         let n1 = connect_uri(&c.amqp_uri(0)).await;
         let q = uniq("frozen");
-        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), FieldTable::default()).await;
+        durable_queue(&n1, &q).await;
         let n2 = connect_uri(&c.amqp_uri(1)).await;
         let mut pub2 = confirming(&n2).await;
-        let mut confirmed = BTreeSet::new();
-        for i in 0..20 {
-            let body = format!("f-{i}");
-            assert!(publish_confirmed(&pub2, "", &q, body.as_bytes(), persistent()).await.is_ack(), "{body}");
-            confirmed.insert(body);
-        }
+        let mut confirmed: BTreeSet<String> = publish_all(&pub2, &q, "f", 20).await.into_iter().collect();
         // SIGSTOP: the process is alive and its kernel still answers TCP, but it says nothing.
         let pid = c.pid(0).expect("node 1 runs") as libc::pid_t;
         // SAFETY: signals a child process this test's harness started (by its PID).

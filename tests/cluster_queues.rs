@@ -10,22 +10,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::cluster::{channel, run, Cluster};
+use common::cluster::{channel, confirming, durable_queue, persistent, publish_all, run, Cluster};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
-
-fn persistent() -> BasicProperties {
-    BasicProperties::default().with_delivery_mode(2)
-}
-
-/// A durable queue `name` declared on a fresh channel of `conn`.
-async fn durable_queue(conn: &Connection, name: &str) {
-    let ch = channel(conn).await;
-    declare_queue(&ch, name, QueueDeclareOptions::durable(), FieldTable::default()).await;
-}
+use lapin::{Channel, Connection};
 
 /// (message_count, consumer_count) from a passive queue.declare on a fresh channel.
 async fn counts(conn: &Connection, name: &str) -> Result<(u32, u32), lapin::Error> {
@@ -33,23 +23,6 @@ async fn counts(conn: &Connection, name: &str) -> Result<(u32, u32), lapin::Erro
     let opts = QueueDeclareOptions { passive: true, ..Default::default() };
     let q = t("passive queue.declare", ch.queue_declare(name.into(), opts, FieldTable::default())).await?;
     Ok((q.message_count(), q.consumer_count()))
-}
-
-/// A confirm-mode channel on `conn`.
-async fn confirming(conn: &Connection) -> Channel {
-    let ch = channel(conn).await;
-    confirm_mode(&ch).await;
-    ch
-}
-
-/// Publishes `n` persistent messages "<prefix>-<i>" to `queue` through the default exchange
-/// and asserts every one is confirmed (ack).
-async fn publish_all(ch: &Channel, queue: &str, prefix: &str, n: usize) {
-    for i in 0..n {
-        let body = format!("{prefix}-{i}");
-        let c = publish_confirmed(ch, "", queue, body.as_bytes(), persistent()).await;
-        assert!(c.is_ack(), "publish {body} to another node's queue not confirmed: {c:?}");
-    }
 }
 
 async fn consumer(ch: &Channel, queue: &str, tag: &str) -> lapin::Consumer {

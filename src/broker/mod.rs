@@ -68,6 +68,19 @@ pub struct QueueRef {
     pub durable: bool,
 }
 
+impl QueueRef {
+    /// The reference to queue `def` on a node of `cores` executors (its owner core taken
+    /// modulo `cores`: the declaring node may have had more).
+    pub fn of(def: &crate::meta::state::QueueDef, cores: u32) -> QueueRef {
+        QueueRef {
+            key: QueueKey::new(&def.vhost, &def.name),
+            owner_core: def.owner_core % cores.max(1),
+            owner_node: def.owner_node,
+            durable: def.durable,
+        }
+    }
+}
+
 /// A consumer's id, unique within this node's run.
 pub type ConsumerId = u64;
 

@@ -265,7 +265,7 @@ impl Node {
                     // acted on yet): the copy reopens as the server first, the op waits.
                     queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
                     drop(queues);
-                    tracing::info!(queue = %qref.key.name, vhost = %qref.key.vhost, "queue leader moved here: serving the queue from this node's replica");
+                    super::replicas::log_new_role(&qref.key, here, here);
                     let me = self.clone();
                     glommio::spawn_local(async move { me.reopen_in_place(&cell).await }).detach();
                     return;
@@ -373,13 +373,7 @@ impl Node {
                             if let Err(e) = me.shared.meta.propose(cmd).await {
                                 tracing::error!(error = %e, "metadata delete of queue failed");
                             }
-                            for shard in [Some(shard), index].into_iter().flatten() {
-                                if let Ok(shard) = Rc::try_unwrap(shard) {
-                                    if let Err(e) = shard.destroy().await {
-                                        tracing::warn!(error = %e, "removing queue files failed");
-                                    }
-                                }
-                            }
+                            destroy_shards(shard, index).await;
                             remove_dir(dir).await;
                             me.queues.borrow_mut().remove(&key);
                             let _ = reply.send(Ok(n));
@@ -438,13 +432,8 @@ impl Node {
     }
 
     /// The queues of this core that are open (not opening or being deleted).
-    fn open_queues(&self) -> Vec<QueueCell> {
+    pub(super) fn open_queues(&self) -> Vec<QueueCell> {
         self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
-    }
-
-    /// [`Node::open_queues`], for `replicas.rs`.
-    pub(super) fn open_queue_cells(&self) -> Vec<QueueCell> {
-        self.open_queues()
     }
 
     /// True while a queue of this core is being opened.
@@ -546,9 +535,21 @@ async fn writable(dir: PathBuf) -> bool {
         .await
 }
 
+/// Removes a deleted queue's shards (message shard, unacked index) and their files, when
+/// nothing else holds them.
+pub(super) async fn destroy_shards(shard: Rc<ringmq_shards::Shard>, index: Option<Rc<ringmq_shards::Shard>>) {
+    for shard in [Some(shard), index].into_iter().flatten() {
+        if let Ok(shard) = Rc::try_unwrap(shard) {
+            if let Err(e) = shard.destroy().await {
+                tracing::warn!(error = %e, "removing queue files failed");
+            }
+        }
+    }
+}
+
 /// Removes a deleted replicated queue's directory and everything in it, on the blocking
-/// thread (a member that never opened it this run).
-async fn remove_replica_files(dir: PathBuf) {
+/// thread.
+pub(super) async fn remove_replica_files(dir: PathBuf) {
     glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir_all(&dir))).await
 }
 

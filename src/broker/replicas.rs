@@ -44,38 +44,32 @@ const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct ReplicaSink {
     meta: MetaHandle,
     inboxes: Inboxes<NodeMsg>,
-    cores: u32,
 }
 
 impl ReplicaSink {
     /// The sink for cores reached through `inboxes`.
     pub fn new(meta: MetaHandle, inboxes: Inboxes<NodeMsg>) -> ReplicaSink {
-        let cores = inboxes.len().max(1) as u32;
-        ReplicaSink { meta, inboxes, cores }
+        ReplicaSink { meta, inboxes }
     }
 }
 
 impl DataSink for ReplicaSink {
     fn applied(&self, _index: u64, ops: Vec<DataOp>) {
         let topo = self.meta.topology();
+        let cores = self.inboxes.len() as u32;
         for op in ops {
             let (vhost, name) = op.queue();
             let qref = match topo.queue(vhost, name) {
-                Some(def) => QueueRef {
-                    key: QueueKey::new(vhost, name),
-                    owner_core: def.owner_core,
-                    owner_node: def.owner_node,
-                    durable: def.durable,
-                },
+                Some(def) => QueueRef::of(def, cores),
                 // Deleted (by this entry or a later one): its core still gets the drop.
                 None => match &op {
                     DataOp::Dropped { owner_core, .. } => {
-                        QueueRef { key: QueueKey::new(vhost, name), owner_core: *owner_core, owner_node: 0, durable: true }
+                        QueueRef { key: QueueKey::new(vhost, name), owner_core: owner_core % cores.max(1), owner_node: 0, durable: true }
                     }
                     _ => continue,
                 },
             };
-            let core = (qref.owner_core % self.cores) as usize;
+            let core = qref.owner_core as usize;
             let _ = self.inboxes.send(core, NodeMsg::Queue { queue: qref, op: QueueOp::Replicated(op) });
         }
     }
@@ -110,15 +104,8 @@ impl super::node::Node {
         self.set_deleting(&key);
         let me = self.clone();
         glommio::spawn_local(async move {
-            for shard in [Some(shard), index].into_iter().flatten() {
-                if let Ok(shard) = Rc::try_unwrap(shard) {
-                    if let Err(e) = shard.destroy().await {
-                        tracing::warn!(error = %e, "removing replica files failed");
-                    }
-                }
-            }
-            let dir = me.shared.config.queue_dir(&key.vhost, &key.name, true);
-            glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir_all(dir))).await;
+            super::node::destroy_shards(shard, index).await;
+            super::node::remove_replica_files(me.shared.config.queue_dir(&key.vhost, &key.name, true)).await;
             me.forget_slot(&key);
         })
         .detach();
@@ -132,7 +119,7 @@ impl super::node::Node {
             glommio::timer::sleep(Duration::from_millis(5)).await;
         }
         let mut ok = !self.any_opening();
-        for cell in self.open_queue_cells() {
+        for cell in self.open_queues() {
             if !cell.borrow().replicated() {
                 continue;
             }
@@ -170,7 +157,7 @@ impl super::node::Node {
     pub(super) async fn reconcile_replicas(self: &Rc<Self>) {
         let me = self.shared.meta.node_id();
         let topo = self.router();
-        for cell in self.open_queue_cells() {
+        for cell in self.open_queues() {
             let (key, serving, replicated) = {
                 let q = cell.borrow();
                 (q.qref.key.clone(), q.serving(), q.replicated())
@@ -179,11 +166,7 @@ impl super::node::Node {
             if !replicated || !is_replicated(def, true) || (def.owner_node == me) == serving {
                 continue;
             }
-            if def.owner_node == me {
-                tracing::info!(queue = %key.name, vhost = %key.vhost, "queue leader moved here: serving the queue from this node's replica");
-            } else {
-                tracing::info!(queue = %key.name, vhost = %key.vhost, node = def.owner_node, "queue leader moved to another node: keeping a replica here");
-            }
+            log_new_role(&key, def.owner_node, me);
             self.reopen(&cell).await;
         }
     }
@@ -231,8 +214,18 @@ impl super::node::Node {
             return;
         }
         if let Err(e) = self.shared.meta.propose_batch(moves).await {
-            tracing::warn!(error = %e, "moving queues off a node that is gone failed; retried in 1 s");
+            tracing::warn!(error = %e, "moving queues off a node that is gone failed; retried at the next check");
         }
+    }
+}
+
+/// The log line of a copy changing role: this node (`me`) serves the queue now, or
+/// `server` does and this node keeps a copy.
+pub(super) fn log_new_role(key: &QueueKey, server: NodeId, me: NodeId) {
+    if server == me {
+        tracing::info!(queue = %key.name, vhost = %key.vhost, "queue leader moved here: serving the queue from this node's replica");
+    } else {
+        tracing::info!(queue = %key.name, vhost = %key.vhost, node = server, "queue leader moved to another node: keeping a replica here");
     }
 }
 

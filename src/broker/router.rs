@@ -12,7 +12,7 @@ use std::sync::Arc;
 use amq_protocol::types::{AMQPValue, FieldTable};
 
 use super::exchange;
-use super::{QueueKey, QueueRef};
+use super::QueueRef;
 use crate::meta::state::{DestKind, ExchangeDef, Topology};
 
 /// Limit on exchange-to-exchange hops and alternate-exchange hops, against cycles.
@@ -43,12 +43,7 @@ impl Router {
         let cores = cores.max(1);
         let mut queues: HashMap<String, HashMap<String, QueueRef>> = HashMap::new();
         for def in topology.queues.values() {
-            let r = QueueRef {
-                key: QueueKey::new(&def.vhost, &def.name),
-                owner_core: def.owner_core % cores,
-                owner_node: def.owner_node,
-                durable: def.durable,
-            };
+            let r = QueueRef::of(def, cores);
             queues.entry(def.vhost.clone()).or_default().insert(def.name.clone(), r);
         }
         Router { version, topology, queues }

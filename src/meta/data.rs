@@ -106,8 +106,6 @@ pub struct DataFeed {
 struct FeedState {
     sink: Option<Arc<dyn DataSink>>,
     held: Vec<(u64, Vec<DataOp>)>,
-    /// Some data op was applied since the start.
-    carried: bool,
 }
 
 impl DataFeed {
@@ -117,7 +115,6 @@ impl DataFeed {
             return;
         }
         let mut st = self.inner.lock();
-        st.carried = true;
         match &st.sink {
             Some(sink) => {
                 let sink = sink.clone();
@@ -141,19 +138,19 @@ impl DataFeed {
     /// counts: this node holds replicated queues).
     pub fn carries_data(&self) -> bool {
         let st = self.inner.lock();
-        st.carried || st.sink.is_some()
+        st.sink.is_some() || !st.held.is_empty()
     }
 
     /// True once everything applied is synced in its store (no sink and nothing held: true).
     pub fn flush(&self) -> bool {
         let sink = {
             let st = self.inner.lock();
-            if st.sink.is_none() {
-                return st.held.is_empty();
+            match &st.sink {
+                Some(sink) => sink.clone(),
+                None => return st.held.is_empty(),
             }
-            st.sink.clone()
         };
-        sink.is_none_or(|s| s.flush())
+        sink.flush()
     }
 
     /// See [`DataSink::skipped_to`].

@@ -27,9 +27,11 @@ use std::time::{Duration, Instant};
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard};
 
-use lapin::{Channel, Connection};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
 
-use super::{broker_binary, free_port, http_get, t};
+use super::{broker_binary, confirm_mode, declare_queue, free_port, http_get, publish_confirmed, t};
 
 /// How long a start (of the whole cluster, or of one node) may take until every started node
 /// is ready.
@@ -394,4 +396,35 @@ pub fn run<F: Future<Output = ()>>(body: F) {
 
 pub async fn channel(conn: &Connection) -> Channel {
     t("channel.open", conn.create_channel()).await.expect("channel.open")
+}
+
+/// Properties of a persistent message (delivery_mode 2).
+pub fn persistent() -> BasicProperties {
+    BasicProperties::default().with_delivery_mode(2)
+}
+
+/// A durable queue `name` declared on a fresh channel of `conn`.
+pub async fn durable_queue(conn: &Connection, name: &str) {
+    let ch = channel(conn).await;
+    declare_queue(&ch, name, QueueDeclareOptions::durable(), FieldTable::default()).await;
+}
+
+/// A confirm-mode channel on `conn`.
+pub async fn confirming(conn: &Connection) -> Channel {
+    let ch = channel(conn).await;
+    confirm_mode(&ch).await;
+    ch
+}
+
+/// Publishes `n` persistent messages "<prefix>-<i>" to `queue` through the default exchange,
+/// asserts every one is confirmed (ack), and returns their bodies.
+pub async fn publish_all(ch: &Channel, queue: &str, prefix: &str, n: usize) -> Vec<String> {
+    let mut bodies = Vec::with_capacity(n);
+    for i in 0..n {
+        let body = format!("{prefix}-{i}");
+        let c = publish_confirmed(ch, "", queue, body.as_bytes(), persistent()).await;
+        assert!(c.is_ack(), "publish {body} to {queue} not confirmed: {c:?}");
+        bodies.push(body);
+    }
+    bodies
 }

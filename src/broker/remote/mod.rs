@@ -226,11 +226,6 @@ impl Remote {
     fn own_queue(&self, key: &QueueKey) -> Option<QueueRef> {
         let topo = self.meta.topology();
         let def = topo.queue(&key.vhost, &key.name)?;
-        (def.owner_node == self.me).then(|| QueueRef {
-            key: key.clone(),
-            owner_core: def.owner_core % self.cores,
-            owner_node: self.me,
-            durable: def.durable,
-        })
+        (def.owner_node == self.me).then(|| QueueRef::of(def, self.cores))
     }
 }
