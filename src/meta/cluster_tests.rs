@@ -193,6 +193,53 @@ fn lagging_and_restarted_nodes_catch_up_from_a_snapshot_and_boot_once() {
 }
 
 #[test]
+fn a_leader_whose_disk_stalls_keeps_its_place_while_its_followers_commit() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let net = Arc::new(MemNet::default());
+    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let id = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let leader = hs[(id - 1) as usize].clone();
+    let term = leader.cluster_figures().term;
+    let follower = hs.iter().find(|h| h.node_id() != id).unwrap();
+
+    // Every write of the leader's log now takes 4 s: longer than two election timeouts.
+    leader.stall_disk(4_000);
+    let own = {
+        let leader = leader.clone();
+        std::thread::spawn(move || declare_exchange(&leader, "by-the-leader"))
+    };
+    // A majority without the leader's disk commits: the follower's write is answered while the
+    // leader has not applied it (raft-rs applies only entries durable on the node itself).
+    assert_eq!(declare_exchange(follower, "by-a-follower").unwrap(), Outcome::Created);
+    assert!(leader.topology().exchange("/", "by-a-follower").is_none(), "the leader's write should still be stalled");
+    // Its ticks and heartbeats never waited for the disk: nobody campaigned.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        for h in &hs {
+            let f = h.cluster_figures();
+            assert_eq!((f.leader, f.term), (id, term), "node {} saw a new election while the leader's disk stalled", h.node_id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    leader.stall_disk(0);
+    // The leader's own proposal waited on its own disk past the propose timeout (3 s here),
+    // so it may be answered NoQuorum (outcome unknown); it is committed all the same.
+    match own.join().unwrap() {
+        Ok(Outcome::Created) | Err(MetaError::NoQuorum { .. }) => {}
+        other => panic!("the leader's own write: {other:?}"),
+    }
+    wait_for("the leader to apply both", Duration::from_secs(10), || {
+        leader.topology().exchange("/", "by-a-follower").is_some() && leader.topology().exchange("/", "by-the-leader").is_some()
+    });
+    assert_eq!(leader.cluster_figures().term, term);
+    for h in &hs {
+        h.shutdown();
+    }
+}
+
+#[test]
 fn a_directory_formed_with_other_peers_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let h = MetaHandle::start(dir.path(), 1).unwrap();

@@ -3,9 +3,10 @@
 //! The Ready handling and applying entries are in `ready.rs`.
 //!
 //! # The driver loop (one iteration, [`Driver::turn`], in this order)
-//! 1. Wait for a request, at most until the next tick (100 ms); then drain every request already
-//!    waiting (at most `MAX_DRAIN`): proposals, read barriers, and (in a cluster) messages from
-//!    peers, unreachable reports and snapshot reports from the transport.
+//! 1. Wait for a request or for the log writer's news (`writer.rs`), at most until the next
+//!    tick (100 ms); then drain every request already waiting (at most `MAX_DRAIN`):
+//!    proposals, read barriers, and (in a cluster) messages from peers, unreachable reports and
+//!    snapshot reports from the transport.
 //! 2. Tick raft-rs when 100 ms have passed.
 //! 3. Group commit: encode all drained commands into one entry (a new entry only past
 //!    `MAX_ENTRY_BYTES`), propose it with a 16-byte context (driver nonce, batch sequence) that
@@ -13,10 +14,15 @@
 //!    leader (`MsgPropose`); the context travels in the entry, so the proposer's waiters resolve
 //!    when the proposer itself applies the entry (it reads its own writes). With no leader
 //!    known, proposals wait (up to `PROPOSE_TIMEOUT`) for one.
-//! 4. Ready loop (`ready.rs`), raft-rs's steps: send the leader's messages; install a received
-//!    snapshot; apply committed entries; write new entries and the HardState in one write, one
-//!    fdatasync when `must_sync`; send the messages that had to wait for that write; advance;
-//!    send and apply what the advance released; resolve read barriers.
+//! 4. Ready loop (`ready.rs`), raft-rs's asynchronous steps: send the leader's messages;
+//!    install a received snapshot; apply committed entries (raft-rs hands out only those
+//!    durable here); stage new entries and the HardState in memory and hand their one write
+//!    (one fdatasync when `must_sync`) to the log writer; `advance_append_async`. The driver
+//!    never waits for that write: when the writer says it is durable, `on_persist_ready` tells
+//!    raft-rs, the messages that had to wait for it (votes, append responses) go out, and a new
+//!    Ready carries what that released (the commit, the next appends). Resolve read barriers.
+//!    Compaction and installing a snapshot replace `meta.log`, so they wait for the writer
+//!    first (rare: one per 10,000 entries or 16 MiB).
 //! 5. Applying an entry locks the state, applies each command, bumps the topology version when
 //!    the topology changed, unlocks, then resolves the entry's waiters with their outcomes (in
 //!    proposal order).
@@ -32,7 +38,7 @@
 //! [`RawNode::report_snapshot`]. The voters come from the static `--peers` list at the first
 //! start and from the log and snapshot after that.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,6 +54,7 @@ use super::raftlog::TracingDrain;
 use super::state::{Command, MetaState, Outcome};
 use super::storage::DiskStorage;
 use super::topology::{NodeId, Topology};
+use super::writer::LogWriter;
 use super::{Counters, MetaConfig, MetaError};
 
 /// Raft logical clock period.
@@ -117,6 +124,9 @@ pub(super) struct Shared {
     /// The commit index the log held when the driver opened it: the node has replayed its
     /// own log once `state.applied_index` reaches it.
     pub(super) replay_to: AtomicU64,
+    /// Fault injection for tests: the log writer waits this many ms before each group of
+    /// writes (a stalling disk). Always 0 outside tests.
+    pub(super) disk_stall_ms: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -135,6 +145,7 @@ impl Shared {
             figures: Mutex::new(ClusterFigures::default()),
             data: Default::default(),
             replay_to: AtomicU64::new(0),
+            disk_stall_ms: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -178,12 +189,26 @@ pub(super) struct PendingEntry {
     since: Instant,
 }
 
+/// A Ready handed to raft-rs with `advance_append_async` whose write is not known durable
+/// yet (or that waits behind one that is not).
+pub(super) struct Unpersisted {
+    /// raft-rs's Ready number.
+    pub(super) number: u64,
+    /// The number of its write at the log writer, which also sends its persisted messages
+    /// (None: it wrote nothing and had no message to hold).
+    pub(super) write: Option<u64>,
+}
+
 /// Tests only: an applied entry as the simulator reads it: (index, term, commands, outcomes).
 #[cfg(test)]
 pub(super) type AppliedEntry = (u64, u64, Vec<Command>, Vec<Outcome>);
 
 pub(super) struct Driver {
     pub(super) raw: RawNode<DiskStorage>,
+    /// Makes the log's writes and fdatasyncs off this thread (`writer.rs`).
+    pub(super) writer: LogWriter,
+    /// Readys whose write is in flight, in Ready order (`ready.rs`).
+    pub(super) unpersisted: VecDeque<Unpersisted>,
     pub(super) shared: Arc<Shared>,
     pub(super) counters: Arc<Counters>,
     /// Where raft-rs's messages go (None: a single voter, no network).
@@ -276,8 +301,12 @@ impl Driver {
         let raw = RawNode::new(&config, store, &logger).map_err(|e| MetaError::Raft(e.to_string()))?;
         let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         let nonce = clock ^ (u64::from(std::process::id()) << 32) ^ node.rotate_left(48) ^ NONCES.fetch_add(1, Ordering::Relaxed) << 56;
+        let net = cluster.as_ref().map(|c| c.net.clone());
+        let writer = LogWriter::thread(counters.clone(), net, shared.disk_stall_ms.clone())?;
         Ok(Driver {
             raw,
+            writer,
+            unpersisted: VecDeque::new(),
             shared,
             counters,
             net: cluster.map(|c| c.net),
@@ -311,13 +340,19 @@ impl Driver {
         }
         self.raw.campaign().map_err(|e| MetaError::Raft(e.to_string()))?;
         let deadline = Instant::now() + START_TIMEOUT;
-        // Bounded: one round per tick until the deadline.
+        // Bounded: each round waits for the log writer; a round without leadership waits a tick.
         while Instant::now() < deadline {
             self.on_ready()?;
+            self.writer.wait_idle()?;
+            self.on_persisted()?;
+            let log = &self.raw.raft.raft_log;
             if self.raw.raft.state == StateRole::Leader {
-                // Apply everything committed so far (the leader's no-op commits the old log).
-                self.on_ready()?;
-                return Ok(());
+                // Done once everything committed so far is applied (the leader's no-op commits
+                // the old log).
+                if log.applied >= log.committed && !self.raw.has_ready() && self.writer.idle() {
+                    return Ok(());
+                }
+                continue;
             }
             std::thread::sleep(TICK);
             self.raw.tick();
@@ -366,19 +401,28 @@ impl Driver {
             let wait = TICK.saturating_sub(self.last_tick.elapsed());
             let mut reqs: Vec<Request> = reports.try_iter().collect();
             let mut disconnected = false;
-            match rx.recv_timeout(wait) {
-                Ok(req) => {
-                    reqs.push(req);
-                    reqs.extend(rx.try_iter().take(MAX_DRAIN));
+            // Wakes for a request, for the log writer's news, or for the tick.
+            let woke = match self.writer.reports() {
+                Some(done) => {
+                    flume::Selector::new().recv(rx, Wake::Request).recv(done, Wake::Written).wait_timeout(wait).unwrap_or(Wake::Tick)
                 }
-                Err(flume::RecvTimeoutError::Timeout) => {}
-                Err(flume::RecvTimeoutError::Disconnected) => disconnected = true,
+                None => rx.recv_timeout(wait).map_or(Wake::Tick, |r| Wake::Request(Ok(r))),
+            };
+            match woke {
+                Wake::Request(Ok(req)) => reqs.push(req),
+                Wake::Request(Err(_)) => disconnected = true,
+                Wake::Written(Ok(r)) => self.writer.note(r)?,
+                Wake::Written(Err(_)) => return Err(MetaError::Failed("the metadata log writer stopped".into())),
+                Wake::Tick => {}
             }
+            reqs.extend(rx.try_iter().take(MAX_DRAIN));
             let stopping = self.turn(reqs, Instant::now())? || disconnected;
             if stopping {
                 // Requests sent before `stopped` was visible are still served.
                 let queued: Vec<Request> = rx.drain().collect();
                 self.turn(queued, Instant::now())?;
+                self.writer.wait_idle()?;
+                self.on_persisted()?;
                 self.raw.mut_store().flush()?;
                 self.fail_all(|| MetaError::Stopped);
                 return Ok(());
@@ -402,6 +446,7 @@ impl Driver {
         let retry = std::mem::take(&mut self.awaiting_leader);
         self.propose_entries(retry.into_iter().chain(batch).collect());
         self.on_ready()?;
+        self.on_persisted()?;
         self.repropose();
         self.expire();
         self.publish_figures();
@@ -418,7 +463,9 @@ impl Driver {
                 self.compact_after = Some(now + Duration::from_secs(1));
             } else {
                 // A failed compaction (no disk space for the snapshot or the new log) leaves
-                // the old log in use, consistent with memory: retried later, not fatal.
+                // the old log in use, consistent with memory: retried later, not fatal. It
+                // replaces `meta.log`, so every write in flight lands first.
+                self.writer.wait_idle()?;
                 match self.raw.mut_store().compact(&state) {
                     Ok(()) => self.compact_after = None,
                     Err(e) => {
@@ -630,6 +677,14 @@ impl Driver {
             let _ = reply.send(Err(err()));
         }
     }
+}
+
+/// What woke the driver loop.
+enum Wake {
+    Request(Result<Request, flume::RecvError>),
+    /// The log writer's news: the number of the last durable write, or its failure.
+    Written(Result<Result<u64, MetaError>, flume::RecvError>),
+    Tick,
 }
 
 /// Distinguishes drivers started in the same nanosecond in one process (tests, the simulator).

@@ -43,6 +43,12 @@ impl std::fmt::Debug for MetaHandle {
 }
 
 impl MetaHandle {
+    /// Tests: makes this node's log writer wait `ms` before each group of writes (0: none).
+    #[cfg(test)]
+    pub(super) fn stall_disk(&self, ms: u64) {
+        self.shared.disk_stall_ms.store(ms, Ordering::Relaxed);
+    }
+
     /// Starts the Raft node on a dedicated thread: replays `dir` (created when missing; a torn
     /// log tail is truncated with a warning), becomes leader (single voter: campaigns at once),
     /// applies `NodeBoot { node }` and returns. Blocks the calling thread (call it before the

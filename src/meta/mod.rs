@@ -18,6 +18,7 @@
 //!   open and replay, append, disk room.
 //! - `record.rs`: the record format of `meta.log`.
 //! - `snapshot.rs`: `meta.snap` and log compaction.
+//! - `writer.rs`: the log writer thread (every Ready's write and fdatasync, off the driver).
 //! - `handle.rs`: [`MetaHandle`], the handle every core holds.
 //! - `driver.rs`: the driver thread (the raft-rs Ready loop, group commit, applying entries).
 //! - `proptests.rs` (tests only): property tests of the state machine with the codec and the
@@ -27,7 +28,8 @@
 //! 1. A proposal resolves only after its Raft entry is written and fdatasync'ed, committed, and
 //!    applied to the in-memory state; the topology version is bumped before it resolves.
 //! 2. Group commit: every proposal waiting when the driver wakes rides in one Raft entry
-//!    (bounded by `driver::MAX_ENTRY_BYTES`), and one Ready costs one write and one fdatasync.
+//!    (bounded by `driver::MAX_ENTRY_BYTES`); one Ready costs one write, and the log writer
+//!    covers every write waiting when it wakes with one fdatasync (`writer.rs`).
 //! 3. `apply` is pure: replaying the same log yields the same state on every node and after
 //!    every restart.
 //! 4. Leader check: this node is the leader exactly when raft-rs's current leader id equals its
@@ -35,7 +37,8 @@
 //!
 //! # Assumptions
 //! - One process per metadata directory (nothing locks the directory).
-//! - Blocking file I/O happens only on the driver thread, never on a glommio executor.
+//! - Blocking file I/O happens only on the driver and log-writer threads, never on a glommio
+//!   executor; the driver's own I/O is opening, compaction and installing a snapshot.
 //! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
 //!   plain threads (startup, tests).
 
@@ -58,6 +61,7 @@ pub mod state;
 pub mod storage;
 pub mod topology;
 pub mod wire;
+pub mod writer;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};

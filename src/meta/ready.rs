@@ -9,7 +9,7 @@ use raft::StateRole;
 
 use super::codec::decode_batch;
 use super::data::DataOp;
-use super::driver::Driver;
+use super::driver::{Driver, Unpersisted};
 use super::net::{ClusterFigures, PeerProgress, Role};
 use super::state::{Command, Outcome};
 use super::MetaError;
@@ -29,7 +29,9 @@ impl Driver {
         }
     }
 
-    /// raft-rs's Ready handling, repeated while raft-rs has work.
+    /// raft-rs's Ready handling, repeated while raft-rs has work. A Ready's write goes to the
+    /// log writer (`writer.rs`) and raft-rs takes it with `advance_append_async`; the Ready is
+    /// durable, and its persisted messages go out, in [`Driver::on_persisted`].
     pub(super) fn on_ready(&mut self) -> Result<(), MetaError> {
         for _ in 0..MAX_READY_ROUNDS {
             if !self.raw.has_ready() {
@@ -38,7 +40,10 @@ impl Driver {
             let mut rd = self.raw.ready();
             // A leader may send before its own write (raft-rs, "Ready" step 1).
             self.send(rd.take_messages());
-            if !rd.snapshot().is_empty() {
+            let snapshot = !rd.snapshot().is_empty();
+            if snapshot {
+                // Installing replaces `meta.log`: every write in flight lands first.
+                self.writer.wait_idle()?;
                 let state = self.raw.mut_store().install_snapshot(rd.snapshot())?;
                 tracing::info!(index = state.applied_index, "metadata snapshot installed from the leader");
                 self.shared.data.skipped_to(state.applied_index);
@@ -49,26 +54,69 @@ impl Driver {
             for rs in rd.take_read_states() {
                 self.read_state(rs.index, &rs.request_ctx);
             }
+            // raft-rs hands out only entries that are committed and durable here.
             let committed = rd.take_committed_entries();
             self.apply_entries(committed)?;
             let entries = rd.take_entries();
-            let hs = rd.hs().cloned();
-            let sync = rd.must_sync();
-            self.raw.mut_store().append(&entries, hs.as_ref(), sync)?;
-            // Votes and appends answered only once they are on disk.
-            self.send(rd.take_persisted_messages());
-            let mut light = self.raw.advance(rd);
-            if let Some(commit) = light.commit_index() {
-                self.raw.mut_store().set_commit(commit);
+            let staged = self.raw.mut_store().stage(&entries, rd.hs(), rd.must_sync())?;
+            // Votes and appends are answered only once they are on disk: the writer sends them
+            // after the write (and every earlier one) lands.
+            let msgs = rd.take_persisted_messages();
+            let write = match staged {
+                Some(mut w) => {
+                    w.msgs = msgs;
+                    Some(self.writer.submit(w)?)
+                }
+                None if !msgs.is_empty() && self.writer.poll()? < self.writer.submitted() => {
+                    let mut w = self.raw.store().empty_write();
+                    w.msgs = msgs;
+                    Some(self.writer.submit(w)?)
+                }
+                None => {
+                    self.send(msgs);
+                    None
+                }
+            };
+            let number = rd.number();
+            self.raw.advance_append_async(rd);
+            self.unpersisted.push_back(Unpersisted { number, write });
+            if snapshot {
+                // raft-rs moves its applied index to the snapshot's below, which it allows only
+                // once the snapshot's Ready is durable.
+                self.writer.wait_idle()?;
             }
-            self.send(light.take_messages());
-            let committed = light.take_committed_entries();
-            self.apply_entries(committed)?;
+            self.release_durable()?;
             self.raw.advance_apply();
         }
         self.resolve_reads();
         self.note_leader();
         Ok(())
+    }
+
+    /// Takes the log writer's news and handles what durable Readys released (commits,
+    /// appends to followers). Errors: a failed write (fatal).
+    pub(super) fn on_persisted(&mut self) -> Result<(), MetaError> {
+        if self.release_durable()? {
+            self.on_ready()?;
+        }
+        Ok(())
+    }
+
+    /// Tells raft-rs which Readys are durable (in Ready order: a Ready that wrote nothing is
+    /// durable once the ones before it are); true when one was. Their messages went out from
+    /// the writer. Errors: a failed write (fatal).
+    fn release_durable(&mut self) -> Result<bool, MetaError> {
+        let durable = self.writer.poll()?;
+        let mut through = None;
+        while let Some(u) = self.unpersisted.front() {
+            if u.write.is_some_and(|n| n > durable) {
+                break;
+            }
+            through = self.unpersisted.pop_front().map(|u| u.number);
+        }
+        let Some(number) = through else { return Ok(false) };
+        self.raw.on_persist_ready(number);
+        Ok(true)
     }
 
     /// A read index arrived for barrier `ctx`: it resolves once applied reaches `index`.
@@ -168,7 +216,8 @@ impl Driver {
                     let cs = applied.map_err(|err| MetaError::Raft(format!("apply conf change: {err}")))?;
                     tracing::info!(voters = ?cs.voters, "metadata group membership changed");
                     self.voters = cs.voters.clone();
-                    self.raw.mut_store().set_conf_state(cs)?;
+                    let w = self.raw.mut_store().stage_conf_state(cs);
+                    self.writer.submit(w)?;
                     self.shared.state.lock().applied_index = e.index;
                 }
             }

@@ -25,7 +25,10 @@
 //!    a `MsgSnapshot` always ends in exactly one `SnapshotDone` (ok when delivered).
 //! 4. Clients (`workload.rs`) poll their replies (`try_recv`) and start operations.
 //! 5. Every live node, in a random order, runs one `turn` with its inbox; its messages enter
-//!    the network (`net.rs`), which drops some at once (reported, or silently lost).
+//!    the network (`net.rs`), which drops some at once (reported, or silently lost). Before
+//!    the turn its disk makes the log writes queued (`writer.rs`, run by hand here): usually
+//!    all, one turn in ten none, one in ten a prefix. A crash loses the writes not made, so
+//!    a node that told raft-rs too early that a Ready was durable breaks invariant 2 or 4.
 //!
 //! # Invariants (`check.rs`; a failure panics with the seed, the step and the last events)
 //! 1. At most one leader per term, over the (term, leader) every node reports.
@@ -85,6 +88,7 @@ use raft::StateRole;
 use super::driver::{Driver, Request, Shared};
 use super::net::{ClusterSpec, RaftNet};
 use super::topology::NodeId;
+use super::writer::LogWriter;
 use super::{Counters, MetaConfig};
 
 mod check;
@@ -173,6 +177,10 @@ enum Phase {
 struct Stats {
     restarts: u64,
     calm_checks: u64,
+    /// Writes left queued at a turn (a slow disk), summed over turns.
+    writes_held: u64,
+    /// Queued writes a crash threw away.
+    writes_lost: u64,
 }
 
 struct Sim {
@@ -357,6 +365,7 @@ impl Sim {
         let mut d = Driver::open(node.dir.path(), shared, counters, self.config, Some(spec), now)
             .map_err(|e| format!("node {} does not reopen: {e}", node.id))?;
         d.applied_log = Some(Vec::new());
+        d.writer = LogWriter::manual(d.counters.clone(), d.net.clone());
         let applied = d.shared.state.lock().applied_index;
         if applied < node.floor {
             return Err(format!("node {} restarted at index {applied}, below its snapshot at {}", node.id, node.floor));
@@ -382,6 +391,7 @@ impl Sim {
     fn crash(&mut self, i: usize, down_for: Option<Ms>) -> Result<(), String> {
         let Some(d) = self.nodes[i].driver.take() else { return Ok(()) };
         self.nodes[i].floor = d.raw.store().snapshot_index();
+        self.stats.writes_lost += d.writer.queued() as u64;
         drop(d);
         self.nodes[i].inbox.clear();
         self.stats.restarts += 1;
@@ -430,6 +440,16 @@ impl Sim {
         let reqs = std::mem::take(&mut node.inbox);
         let d = node.driver.as_mut().ok_or("turn of a down node")?;
         node.last_turn = Some(self.t);
+        // The disk: usually every queued write lands before the turn; sometimes none or a
+        // prefix (a slow fdatasync), so raft-rs runs ahead of its own durable log.
+        let queued = d.writer.queued();
+        let land = match self.rng.below(10) {
+            0 => 0,
+            1 => self.rng.below(queued as u64 + 1) as usize,
+            _ => queued,
+        };
+        self.stats.writes_held += (queued - land) as u64;
+        d.writer.run_manual(land).map_err(|e| format!("node {id}: log write failed: {e}"))?;
         match d.turn(reqs, now) {
             Ok(false) => {}
             Ok(true) => return Err(format!("node {id} asked to stop")),
@@ -526,7 +546,7 @@ impl Sim {
         }
         let s = &self.net.stats;
         eprintln!(
-            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts, {} calm checks, {} CAS won, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
+            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts ({} writes lost), {} writes held, {} calm checks, {} CAS won, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
             self.nodes.len(),
             self.seed,
             self.step,
@@ -534,6 +554,8 @@ impl Sim {
             self.check.model_index(),
             self.check.terms(),
             self.stats.restarts,
+            self.stats.writes_lost,
+            self.stats.writes_held,
             self.stats.calm_checks,
             self.check.wins.len(),
             self.work.answered,

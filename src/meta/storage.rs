@@ -1,10 +1,11 @@
 //! Durable Raft storage in the data directory: an append-only record log plus one snapshot file.
 //!
-//! [`DiskStorage`] is the `raft::Storage` behind the `RawNode` (entries, HardState and ConfState
-//! held in memory, every change written to `meta.log` first). Only the driver thread touches it,
-//! so blocking file I/O is fine here and there are no locks.
+//! [`DiskStorage`] is the `raft::Storage` behind the `RawNode`: entries, HardState and ConfState
+//! held in memory, every change staged as a write of `meta.log` that the log writer makes off
+//! the driver thread (`writer.rs`). Only the driver thread touches the storage itself, so there
+//! are no locks; opening, compaction and installing a snapshot do their file I/O on it.
 //!
-//! Here: opening and replaying the directory, appending Readys, the log's disk room, and the
+//! Here: opening and replaying the directory, staging Readys, the log's disk room, and the
 //! `raft::Storage` reads. The record format of `meta.log` is in `record.rs`; `meta.snap` and
 //! compaction are in `snapshot.rs`.
 //!
@@ -19,7 +20,8 @@
 //!
 //! # Invariants
 //! 1. Every Ready's entries and HardState reach the disk in one `write` and, when raft-rs says
-//!    `must_sync`, one `fdatasync`, before the Ready is advanced (raft-rs `Ready` steps 4–6).
+//!    `must_sync`, an `fdatasync`, in Ready order, before the driver tells raft-rs they are
+//!    persisted (`on_persist_ready`) and sends the messages that waited for them.
 //! 2. In memory, `entries[i].index == snap_index + 1 + i`.
 //! 3. A compaction writes the snapshot before it replaces the log (the steps: `snapshot.rs`).
 //!
@@ -31,7 +33,6 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -46,6 +47,7 @@ use super::record::{
 use super::snapshot::{read_snapshot, COMPACT_BYTES, COMPACT_ENTRIES, SNAP_FILE, SNAP_TMP};
 use super::state::MetaState;
 use super::wire::Reader;
+use super::writer::LogWrite;
 use super::{Counters, MetaError};
 
 /// File name of the record log.
@@ -73,7 +75,10 @@ pub struct Recovered {
 /// The durable `raft::Storage`. See the module doc for the format.
 pub struct DiskStorage {
     pub(super) dir: PathBuf,
-    log: File,
+    /// The open `meta.log` (shared with the writes in flight, `writer.rs`).
+    log: Arc<File>,
+    /// Its path.
+    log_path: Arc<PathBuf>,
     /// Bytes in `meta.log` (the next record's offset).
     pub(super) log_len: u64,
     /// Bytes of `meta.log` known to have disk blocks (written, or preallocated with
@@ -87,7 +92,6 @@ pub struct DiskStorage {
     pub(super) snap_term: u64,
     pub(super) entries: Vec<Entry>,
     pub(super) counters: Arc<Counters>,
-    buf: Vec<u8>,
     /// Compaction thresholds: entries since the snapshot, log bytes.
     pub(super) compact_at: (u64, u64),
 }
@@ -120,7 +124,8 @@ impl DiskStorage {
 
         let mut st = DiskStorage {
             dir: dir.to_owned(),
-            log: File::open(dir).map_err(io_err("open directory", dir))?, // replaced below
+            log: Arc::new(File::open(dir).map_err(io_err("open directory", dir))?), // replaced below
+            log_path: Arc::new(log_path.clone()),
             log_len: 0,
             log_room: 0,
             hard_state: HardState::default(),
@@ -130,7 +135,6 @@ impl DiskStorage {
             snap_term: 0,
             entries: Vec::new(),
             counters,
-            buf: Vec::new(),
             compact_at: (COMPACT_ENTRIES, COMPACT_BYTES),
         };
         if let Some(body) = snap {
@@ -162,7 +166,7 @@ impl DiskStorage {
                 log.set_len(good_len).map_err(io_err("truncate log", &log_path))?;
                 log.sync_all().map_err(io_err("fsync log", &log_path))?;
             }
-            st.log = log;
+            st.log = Arc::new(log);
             st.log_len = good_len;
             st.log_room = good_len;
             if good_len < LOG_MAGIC.len() as u64 {
@@ -280,30 +284,33 @@ impl DiskStorage {
         &self.conf_state
     }
 
-    /// Sets and persists (with an fsync) the ConfState: on a fresh directory, and when a
-    /// configuration change is applied.
+    /// Sets and persists (with an fsync, on this thread) the ConfState of a fresh directory.
+    /// Errors: [`MetaError::Io`].
     pub fn set_conf_state(&mut self, cs: ConfState) -> Result<(), MetaError> {
-        self.conf_state = cs;
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
-        push_conf_state(&mut buf, &self.conf_state);
-        let r = self.write_and_sync(&buf, true);
-        self.buf = buf;
-        r
+        self.stage_conf_state(cs).run(&self.counters)
     }
 
-    /// Persists one Ready: `entries` (which may overwrite a suffix of the log) and `hs` in one
-    /// write, then one fdatasync when `sync` (raft-rs `Ready::must_sync`). Updates memory after
-    /// the write. Errors: [`MetaError::Io`]; after one the log must not be used again (the
-    /// driver stops).
-    pub fn append(&mut self, entries: &[Entry], hs: Option<&HardState>, sync: bool) -> Result<(), MetaError> {
+    /// Sets the ConfState in memory (an applied configuration change) and returns its record
+    /// as a synced write for the log writer (`writer.rs`).
+    pub(super) fn stage_conf_state(&mut self, cs: ConfState) -> LogWrite {
+        self.conf_state = cs;
+        let mut buf = Vec::new();
+        push_conf_state(&mut buf, &self.conf_state);
+        self.stage_bytes(buf, true)
+    }
+
+    /// Stages one Ready: `entries` (which may overwrite a suffix of the log) and `hs` are in
+    /// memory when this returns, so raft-rs reads them at once; the returned write (one
+    /// `pwrite`, then one fdatasync when `sync`, raft-rs `Ready::must_sync`) makes them durable
+    /// and goes to the log writer (`writer.rs`). None: nothing to write (a commit-index move
+    /// rides with the next write). Errors: [`MetaError::Raft`] for an append outside the log.
+    pub fn stage(&mut self, entries: &[Entry], hs: Option<&HardState>, sync: bool) -> Result<Option<LogWrite>, MetaError> {
         if let Some(first) = entries.first() {
             if first.index <= self.snap_index || first.index > self.last() + 1 {
                 return Err(MetaError::Raft(format!("append of index {} outside ({}, {}]", first.index, self.snap_index, self.last() + 1)));
             }
         }
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
+        let mut buf = Vec::new();
         for e in entries {
             push_entry(&mut buf, e);
         }
@@ -315,15 +322,45 @@ impl DiskStorage {
             push_hard_state(&mut buf, &self.hard_state);
             self.hs_dirty = false;
         }
-        let r = self.write_and_sync(&buf, sync);
-        self.buf = buf;
-        r?;
         if let Some(first) = entries.first() {
             self.entries.truncate((first.index - self.snap_index - 1) as usize);
             self.entries.extend_from_slice(entries);
             self.counters.entries_appended.add(entries.len() as u64);
         }
-        Ok(())
+        if buf.is_empty() && !sync {
+            return Ok(None);
+        }
+        Ok(Some(self.stage_bytes(buf, sync)))
+    }
+
+    /// The write of `buf` at the log's end (which moves past it).
+    fn stage_bytes(&mut self, buf: Vec<u8>, sync: bool) -> LogWrite {
+        // Raft's own records come out of the reserve; when even that is short, try.
+        let _ = self.reserve_log(buf.len() as u64);
+        let w = LogWrite { file: self.log.clone(), path: self.log_path.clone(), offset: self.log_len, bytes: buf, sync, msgs: Vec::new() };
+        self.log_len += w.bytes.len() as u64;
+        w
+    }
+
+    /// A write of nothing: it only carries messages behind the writes before it.
+    pub(super) fn empty_write(&self) -> LogWrite {
+        LogWrite {
+            file: self.log.clone(),
+            path: self.log_path.clone(),
+            offset: self.log_len,
+            bytes: Vec::new(),
+            sync: false,
+            msgs: Vec::new(),
+        }
+    }
+
+    /// [`DiskStorage::stage`] and the write, on this thread (tests, shutdown). Errors:
+    /// [`MetaError::Io`]; after one the log must not be used again (the driver stops).
+    pub fn append(&mut self, entries: &[Entry], hs: Option<&HardState>, sync: bool) -> Result<(), MetaError> {
+        match self.stage(entries, hs, sync)? {
+            Some(w) => w.run(&self.counters),
+            None => Ok(()),
+        }
     }
 
     /// Records a new commit index in memory; it reaches the log with the next write (it needs
@@ -335,25 +372,9 @@ impl DiskStorage {
         }
     }
 
-    /// Writes any pending HardState and fsyncs the log (shutdown).
+    /// Writes any pending HardState and fsyncs the log (shutdown, once the writer is idle).
     pub fn flush(&mut self) -> Result<(), MetaError> {
         self.append(&[], None, true)
-    }
-
-    fn write_and_sync(&mut self, buf: &[u8], sync: bool) -> Result<(), MetaError> {
-        let path = self.dir.join(LOG_FILE);
-        if !buf.is_empty() {
-            // Raft's own records come out of the reserve; when even that is short, try.
-            let _ = self.reserve_log(buf.len() as u64);
-            self.log.write_all_at(buf, self.log_len).map_err(io_err("write log", &path))?;
-            self.log_len += buf.len() as u64;
-            self.counters.log_bytes_written.add(buf.len() as u64);
-        }
-        if sync {
-            self.log.sync_data().map_err(io_err("fdatasync log", &path))?;
-            self.counters.fsyncs.add(1);
-        }
-        Ok(())
     }
 
     /// Replaces `meta.log` by a fresh one: magic, ConfState, HardState, the entries in memory.
@@ -367,7 +388,7 @@ impl DiskStorage {
         }
         self.replace_file(LOG_TMP, LOG_FILE, &out)?;
         let path = self.dir.join(LOG_FILE);
-        self.log = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open log", &path))?;
+        self.log = Arc::new(OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open log", &path))?);
         self.log_len = out.len() as u64;
         self.log_room = self.log_len;
         self.hs_dirty = false;
