@@ -69,6 +69,17 @@ fn spawn(net: &Arc<MemNet>, dir: &std::path::Path, id: NodeId) -> std::thread::J
     std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, config(), spec, rx, Duration::from_secs(20)))
 }
 
+/// Three fresh data directories, for nodes 1, 2, 3.
+fn dirs() -> Vec<tempfile::TempDir> {
+    (0..3).map(|_| tempfile::tempdir().unwrap()).collect()
+}
+
+/// Starts nodes 1, 2 and 3 in `dirs` at once and waits for all three.
+fn start_all(net: &Arc<MemNet>, dirs: &[tempfile::TempDir]) -> Vec<MetaHandle> {
+    let starts: Vec<_> = (1..=3).map(|id| spawn(net, dirs[id as usize - 1].path(), id)).collect();
+    starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect()
+}
+
 fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !ok() {
@@ -93,10 +104,8 @@ fn agreed_leader(hs: &[&MetaHandle]) -> Option<NodeId> {
 
 #[test]
 fn three_nodes_share_one_state_and_survive_the_loss_of_the_leader() {
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let net = Arc::new(MemNet::default());
-    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
     for h in &hs {
         assert!(h.is_cluster());
         assert_eq!(h.boot_epoch(), 1);
@@ -152,10 +161,8 @@ fn three_nodes_share_one_state_and_survive_the_loss_of_the_leader() {
 
 #[test]
 fn lagging_and_restarted_nodes_catch_up_from_a_snapshot_and_boot_once() {
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let net = Arc::new(MemNet::default());
-    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
-    let mut hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let mut hs = start_all(&net, &dirs);
     block_on(hs[0].propose(Command::DeclareQueue(queue("q", true, None)))).unwrap();
     let mut cursor = 0u64;
     let mut advance = |hs: &[&MetaHandle], n: u64| {
@@ -194,10 +201,8 @@ fn lagging_and_restarted_nodes_catch_up_from_a_snapshot_and_boot_once() {
 
 #[test]
 fn a_leader_whose_disk_stalls_keeps_its_place_while_its_followers_commit() {
-    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let net = Arc::new(MemNet::default());
-    let starts: Vec<_> = (1..=3).map(|id| spawn(&net, dirs[id as usize - 1].path(), id)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
     wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
     let id = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
     let leader = hs[(id - 1) as usize].clone();
