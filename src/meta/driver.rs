@@ -301,8 +301,11 @@ impl Driver {
         let raw = RawNode::new(&config, store, &logger).map_err(|e| MetaError::Raft(e.to_string()))?;
         let clock = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
         let nonce = clock ^ (u64::from(std::process::id()) << 32) ^ node.rotate_left(48) ^ NONCES.fetch_add(1, Ordering::Relaxed) << 56;
-        let net = cluster.as_ref().map(|c| c.net.clone());
-        let writer = LogWriter::thread(counters.clone(), net, shared.disk_stall_ms.clone())?;
+        // A single voter has no heartbeats to keep: it writes on this thread (`writer.rs`).
+        let writer = match &cluster {
+            Some(c) => LogWriter::thread(counters.clone(), Some(c.net.clone()), shared.disk_stall_ms.clone())?,
+            None => LogWriter::inline(counters.clone()),
+        };
         Ok(Driver {
             raw,
             writer,
