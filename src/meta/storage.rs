@@ -337,7 +337,7 @@ impl DiskStorage {
     fn stage_bytes(&mut self, buf: Vec<u8>, sync: bool) -> LogWrite {
         // Raft's own records come out of the reserve; when even that is short, try.
         let _ = self.reserve_log(buf.len() as u64);
-        let w = LogWrite { file: self.log.clone(), path: self.log_path.clone(), offset: self.log_len, bytes: buf, sync, msgs: Vec::new() };
+        let w = LogWrite { bytes: buf, sync, ..self.empty_write() };
         self.log_len += w.bytes.len() as u64;
         w
     }

@@ -60,15 +60,10 @@ pub struct LogWrite {
 }
 
 impl LogWrite {
-    /// Makes the write (and, when `sync`, the fdatasync) on the calling thread.
-    /// Errors: [`MetaError::Io`].
-    pub(super) fn run(&self, counters: &Counters) -> Result<(), MetaError> {
-        self.write(counters)?;
-        if self.sync {
-            self.file.sync_data().map_err(io_err("fdatasync log", &self.path))?;
-            counters.fsyncs.add(1);
-        }
-        Ok(())
+    /// Makes the write (and, when `sync`, the fdatasync) on the calling thread; it carries no
+    /// messages. Errors: [`MetaError::Io`].
+    pub(super) fn run(self, counters: &Counters) -> Result<(), MetaError> {
+        run_group(&mut [self], counters, None)
     }
 
     fn write(&self, counters: &Counters) -> Result<(), MetaError> {
@@ -135,10 +130,9 @@ pub(super) struct LogWriter {
 }
 
 impl LogWriter {
-    /// Starts the writer thread (`ringmq-meta-log`). `stall_ms`: tests set it to make every
-    /// group wait that long first (a stalling disk); 0 otherwise. Errors: [`MetaError::Raft`]
-    /// when the thread cannot be spawned.
-    /// `net`: where the persisted messages go (None: a single voter, which has none).
+    /// Starts the writer thread (`ringmq-meta-log`). `net`: where the persisted messages go.
+    /// `stall_ms`: tests set it to make every group wait that long first (a stalling disk); 0
+    /// otherwise. Errors: [`MetaError::Raft`] when the thread cannot be spawned.
     pub(super) fn thread(counters: Arc<Counters>, net: Option<Arc<dyn RaftNet>>, stall_ms: Arc<AtomicU64>) -> Result<LogWriter, MetaError> {
         let (tx, rx) = flume::unbounded::<(u64, LogWrite)>();
         let (done_tx, done) = flume::unbounded();
@@ -198,8 +192,7 @@ impl LogWriter {
             }
             Mode::Manual { queue, .. } => queue.push_back((n, w)),
             Mode::Inline => {
-                let r = run_group(&mut [w], &self.counters, None).map(|()| n);
-                self.note(r)?;
+                self.note(w.run(&self.counters).map(|()| n))?;
             }
         }
         Ok(n)
@@ -234,7 +227,8 @@ impl LogWriter {
         }
     }
 
-    /// The thread's reports, for the driver to wait on beside its requests (None: manual).
+    /// The thread's reports, for the driver to wait on beside its requests (None: inline or
+    /// manual, which have nothing to wait for).
     pub(super) fn reports(&self) -> Option<&flume::Receiver<Result<u64, MetaError>>> {
         match &self.mode {
             Mode::Thread { done, .. } => Some(done),
