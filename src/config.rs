@@ -81,10 +81,19 @@ pub struct Cli {
     /// [default: none: a single node]
     #[arg(long, value_name = "ID=ADDR:PORT,...")]
     pub peers: Option<String>,
+    /// Nodes that store each replicated (durable) queue, the serving one included; capped at
+    /// the cluster size. Per queue: the x-quorum-initial-group-size argument. Only with
+    /// --peers [default: 3]
+    #[arg(long, value_name = "N")]
+    pub replicas: Option<u32>,
 }
 
 /// Default disk alarm threshold, bytes (RabbitMQ's `disk_free_limit` default, 50 MB).
 pub const DEFAULT_DISK_FREE_LIMIT: u64 = 50_000_000;
+
+/// Nodes that store each replicated queue by default (RabbitMQ's quorum queue initial group
+/// size is the cluster size; 3 keeps a majority through one loss at the cost of three copies).
+pub const DEFAULT_REPLICAS: u32 = 3;
 
 /// A user allowed to log in.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -128,6 +137,7 @@ struct FileConfig {
     cluster_listen: Option<SocketAddr>,
     /// `[peers]` table: `1 = "127.0.0.1:25672"` (TOML keys are strings; parsed like `--peers`).
     peers: Option<BTreeMap<String, String>>,
+    replicas: Option<u32>,
 }
 
 /// Effective configuration.
@@ -170,6 +180,9 @@ pub struct Config {
     /// Every node of the cluster by id, this one included: the address its Raft transport
     /// listens on. Empty for a single node.
     pub peers: BTreeMap<u64, SocketAddr>,
+    /// How many nodes store each replicated queue (≥ 1; [`DEFAULT_REPLICAS`]), capped at the
+    /// cluster size when a queue is declared; a queue's `x-quorum-initial-group-size` wins.
+    pub replicas: u32,
 }
 
 /// Configuration errors.
@@ -240,6 +253,7 @@ impl Config {
             node_id: cli.node_id.or(file.node_id).unwrap_or(1),
             cluster_listen: cli.cluster_listen.or(file.cluster_listen),
             peers,
+            replicas: cli.replicas.or(file.replicas).unwrap_or(DEFAULT_REPLICAS),
         };
         if c.cores == 0 || c.cores > 1024 {
             return Err(ConfigError::Invalid(format!("cores must be 1..=1024, got {}", c.cores)));
@@ -252,6 +266,9 @@ impl Config {
         }
         if c.segment_bytes < (1 << 20) {
             return Err(ConfigError::Invalid(format!("segment_bytes must be at least 1 MiB, got {}", c.segment_bytes)));
+        }
+        if c.replicas == 0 {
+            return Err(ConfigError::Invalid("replicas must be at least 1".into()));
         }
         c.cluster_listen = c.check_cluster()?;
         Ok(c)

@@ -4,6 +4,9 @@
 //! restarted node catches up, and a second failover (to any node, the restarted one
 //! included) still has every message.
 //!
+//! With five nodes and `--replicas 3`, a queue is stored on three of them, and fails over
+//! only to one of those.
+//!
 //! The tests run one at a time (three brokers each on a 2-core machine); every wait is bounded.
 
 mod common;
@@ -41,7 +44,7 @@ async fn publish_until_confirmed(conn: &Connection, ch: &mut Channel, queue: &st
 /// Node index (0-based) serving `queue`: the one whose log says it took the queue over, else
 /// `default`.
 fn serving_node(c: &Cluster, queue: &str, default: usize) -> usize {
-    (0..3).rev().find(|&i| c.log(i).lines().any(|l| l.contains("queue leader moved here") && l.contains(queue))).unwrap_or(default)
+    (0..c.len()).rev().find(|&i| c.log(i).lines().any(|l| l.contains("queue leader moved here") && l.contains(queue))).unwrap_or(default)
 }
 
 /// Consumes from `queue` on `conn` until `want` distinct bodies arrived (bounded by `limit`);
@@ -268,5 +271,72 @@ fn a_frozen_queue_node_fails_over_too() {
         let (got, _) = drain_distinct(&n3, &q, confirmed.len(), Duration::from_secs(30)).await;
         let lost: Vec<&String> = confirmed.difference(&got).collect();
         assert!(lost.is_empty(), "confirmed messages lost after the freeze: {lost:?}");
+    });
+}
+
+/// Indexes (0-based) of the nodes holding a store of durable queue `q`.
+fn stores_of(c: &Cluster, q: &str) -> Vec<usize> {
+    (0..c.len()).filter(|&i| queue_dir(&c.data_dir(i), "/", q).exists()).collect()
+}
+
+/// Waits (bounded by 15 s) until `want` nodes hold a store of `q`, then 1 s more to see no
+/// other node make one; returns them.
+async fn settled_stores(c: &Cluster, q: &str, want: usize) -> Vec<usize> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stores_of(c, q).len() < want {
+        assert!(Instant::now() < deadline, "queue {q} is stored on {:?}, not on {want} nodes", stores_of(c, q));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stores = stores_of(c, q);
+    assert_eq!(stores.len(), want, "queue {q} is stored on {stores:?}");
+    stores
+}
+
+#[test]
+fn with_five_nodes_a_queue_lives_on_its_replica_set_and_fails_over_inside_it() {
+    run(async {
+        let mut c = Cluster::start_with_args(5, &["--replicas", "3"]);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("three-of-five");
+        durable_queue(&n1, &q).await;
+        // Published through a node that may or may not store it; every message confirmed.
+        let n5 = connect_uri(&c.amqp_uri(4)).await;
+        let mut pub5 = confirming(&n5).await;
+        let mut confirmed: BTreeSet<String> = publish_all(&pub5, &q, "a", 200).await.into_iter().collect();
+        let stores = settled_stores(&c, &q, 3).await;
+        assert!(stores.contains(&0), "the declaring node does not store its queue: {stores:?}");
+
+        // The argument overrides the flag; a bad value is refused the way RabbitMQ does.
+        let single = uniq("one-of-five");
+        let mut args = FieldTable::default();
+        args.insert("x-quorum-initial-group-size".into(), lapin::types::AMQPValue::LongInt(1));
+        let ch = channel(&n5).await;
+        t("queue.declare", ch.queue_declare(single.as_str().into(), QueueDeclareOptions::durable(), args)).await.unwrap();
+        publish_all(&pub5, &single, "s", 5).await;
+        assert_eq!(settled_stores(&c, &single, 1).await, vec![4], "x-quorum-initial-group-size=1 on node 5");
+        let mut bad = FieldTable::default();
+        bad.insert("x-quorum-initial-group-size".into(), lapin::types::AMQPValue::LongInt(0));
+        let refused = channel(&n5).await.queue_declare(uniq("zero").as_str().into(), QueueDeclareOptions::durable(), bad).await;
+        assert_code(refused, 406, "x-quorum-initial-group-size=0");
+
+        // Kill the queue's node: it moves to another node of its set, with every message.
+        c.kill9(0);
+        let killed = Instant::now();
+        let first = publish_until_confirmed(&n5, &mut pub5, &q, "b-0", killed + Duration::from_secs(20)).await;
+        let after = first.expect("no confirm within 20 s of killing the queue's node").duration_since(killed);
+        eprintln!("first confirm {} ms after the kill", after.as_millis());
+        assert!(after < Duration::from_secs(10), "first confirm {after:?} after the kill");
+        confirmed.insert("b-0".into());
+        let server = serving_node(&c, &q, 0);
+        assert!(server != 0 && stores.contains(&server), "the queue moved to node {} outside its replica set {stores:?}", server + 1);
+        assert_eq!(stores_of(&c, &q), stores, "a node outside the replica set made a store of the queue");
+
+        // Drained through a node outside the set (forwarded to the server): nothing lost.
+        let outside = (1..5).find(|i| !stores.contains(i)).expect("two nodes are outside a set of three");
+        let conn = connect_uri(&c.amqp_uri(outside)).await;
+        let (got, _) = drain_distinct(&conn, &q, confirmed.len(), Duration::from_secs(60)).await;
+        let lost: Vec<&String> = confirmed.difference(&got).take(10).collect();
+        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
     });
 }

@@ -15,7 +15,7 @@ mod common;
 use common::*;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, ExchangeKind};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 use std::time::Duration;
 
 fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
@@ -591,4 +591,40 @@ async fn bind_to_missing_queue_or_exchange_is_not_found() {
     let ch = t("channel", c.create_channel()).await.unwrap();
     t("delete", ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())).await.unwrap();
     t("close", c.close(200, "".into())).await.unwrap();
+}
+
+#[tokio::test]
+async fn quorum_queues_follow_rabbitmqs_rules() {
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let quorum = || {
+        let mut a = FieldTable::default();
+        a.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        a
+    };
+    // Durable and shared: declared, and it takes and gives back messages.
+    let ch = conn.create_channel().await.unwrap();
+    let q = declare_queue(&ch, &uniq("qq"), QueueDeclareOptions::durable(), quorum()).await;
+    confirm_mode(&ch).await;
+    publish_confirmed(&ch, "", &q, b"m", BasicProperties::default().with_delivery_mode(2)).await;
+    let got = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().expect("a message");
+    assert_eq!(got.delivery.data, b"m");
+    // What contradicts a quorum queue is refused with 406, each on a channel of its own.
+    let refused = [
+        ("non-durable", QueueDeclareOptions::default()),
+        ("exclusive", QueueDeclareOptions { durable: true, exclusive: true, ..Default::default() }),
+        ("auto-delete", QueueDeclareOptions { durable: true, auto_delete: true, ..Default::default() }),
+    ];
+    for (what, opts) in refused {
+        let ch = conn.create_channel().await.unwrap();
+        assert_code(ch.queue_declare(uniq("qq-bad").as_str().into(), opts, quorum()).await, 406, &format!("a {what} quorum queue"));
+    }
+    let mut bogus = FieldTable::default();
+    bogus.insert("x-queue-type".into(), AMQPValue::LongString("no-such-type".into()));
+    let ch = conn.create_channel().await.unwrap();
+    assert_code(
+        ch.queue_declare(uniq("qq-bogus").as_str().into(), QueueDeclareOptions::durable(), bogus).await,
+        406,
+        "an unknown x-queue-type",
+    );
 }

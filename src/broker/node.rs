@@ -338,6 +338,9 @@ impl Node {
         qref: &QueueRef,
     ) -> Result<(ringmq_shards::Shard, Option<ringmq_shards::Shard>, Recovered), ringmq_shards::StoreError> {
         let dir = queue_dir(&self.shared.config, def);
+        if qref.durable && def.incarnation != 0 {
+            claim_store(dir.clone(), def.incarnation, qref.key.name.to_string()).await?;
+        }
         let cfg = ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
         let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg).await?;
         shard.prepare().await?;
@@ -553,9 +556,62 @@ pub(super) async fn remove_replica_files(dir: PathBuf) {
     glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir_all(&dir))).await
 }
 
-/// Removes a deleted queue's (now empty) directory, on the blocking thread.
+/// File in a durable queue's directory naming the declaration its store belongs to
+/// (`QueueDef::incarnation`, 16 hex digits).
+const INCARNATION_FILE: &str = "incarnation";
+
+/// Makes the store in `dir` the one of declaration `incarnation` before it opens (on the
+/// blocking thread): a store marked with another declaration was left by an earlier queue of
+/// the same name (deleted while this node was down, or a crash mid-delete) and is removed; an
+/// unmarked one (written before markers existed) is kept; then the marker is written and
+/// synced, with its directory, before any shard file exists.
+///
+/// # Errors
+/// [`ringmq_shards::StoreError`] when the marker cannot be read or written, or the stale store
+/// cannot be removed (disk full included).
+async fn claim_store(dir: PathBuf, incarnation: u64, queue: String) -> Result<(), ringmq_shards::StoreError> {
+    use ringmq_shards::StoreError;
+    glommio::executor()
+        .spawn_blocking(move || {
+            let marker = dir.join(INCARNATION_FILE);
+            let mine = format!("{incarnation:016x}");
+            match std::fs::read_to_string(&marker) {
+                Ok(text) if text.trim() == mine => return Ok(()),
+                Ok(text) => {
+                    tracing::warn!(queue = %queue, found = %text.trim(), declared = %mine, "discarding a store an earlier queue of this name left on disk");
+                    for sub in ["messages", "unacked"] {
+                        match std::fs::remove_dir_all(dir.join(sub)) {
+                            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(StoreError::io("removing stale store", dir.join(sub), e)),
+                            _ => {}
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StoreError::io("reading", marker, e)),
+            }
+            std::fs::create_dir_all(&dir).map_err(|e| StoreError::io("creating", &dir, e))?;
+            let tmp = dir.join(format!("{INCARNATION_FILE}.tmp"));
+            let write = |f: &mut std::fs::File| {
+                use std::io::Write;
+                f.write_all(mine.as_bytes())?;
+                f.sync_all()
+            };
+            std::fs::File::create(&tmp).and_then(|mut f| write(&mut f)).map_err(|e| StoreError::io("writing", &tmp, e))?;
+            std::fs::rename(&tmp, &marker).map_err(|e| StoreError::io("renaming", &marker, e))?;
+            std::fs::File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| StoreError::io("syncing", &dir, e))
+        })
+        .await
+}
+
+/// Removes a deleted queue's directory (its shards are destroyed already: what is left is its
+/// incarnation marker), on the blocking thread.
 async fn remove_dir(dir: PathBuf) {
-    glommio::executor().spawn_blocking(move || drop(std::fs::remove_dir(&dir))).await
+    glommio::executor()
+        .spawn_blocking(move || {
+            let _ = std::fs::remove_file(dir.join(INCARNATION_FILE));
+            drop(std::fs::remove_dir(&dir))
+        })
+        .await
 }
 
 /// Answers an operation on a queue that does not exist (any more): 404, except that a

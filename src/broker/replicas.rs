@@ -17,7 +17,7 @@
 //! 3. A minority side never moves a queue (the move is a Raft proposal) and never confirms
 //!    (a confirm is a committed `Enqueue`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -57,9 +57,12 @@ impl DataSink for ReplicaSink {
     fn applied(&self, _index: u64, ops: Vec<DataOp>) {
         let topo = self.meta.topology();
         let cores = self.inboxes.len() as u32;
+        let me = self.meta.node_id();
         for op in ops {
             let (vhost, name) = op.queue();
             let qref = match topo.queue(vhost, name) {
+                // Another replica set's queue: its messages are not stored here.
+                Some(def) if !def.stored_on(me) => continue,
                 Some(def) => QueueRef::of(def, cores),
                 // Deleted (by this entry or a later one): its core still gets the drop.
                 None => match &op {
@@ -93,6 +96,27 @@ impl DataSink for ReplicaSink {
             "this node was too far behind: a metadata snapshot replaced its log, and replicated queue messages committed meanwhile are not stored here"
         );
     }
+}
+
+/// The replica set for a queue about to be declared on this node (`def.owner_node`): empty
+/// when `def` is not replicated (a single node, a transient or exclusive queue); else
+/// `x-quorum-initial-group-size` or `--replicas` nodes, capped at the cluster's voters, the
+/// owner among them, the others the voters storing the fewest queues
+/// ([`crate::core::placement::replica_set`]).
+pub fn replica_set_for(shared: &Shared, def: &crate::meta::QueueDef) -> Vec<NodeId> {
+    if !is_replicated(def, shared.meta.is_cluster()) {
+        return Vec::new();
+    }
+    let size = super::router::int_arg(&def.arguments, "x-quorum-initial-group-size")
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(shared.config.replicas as usize);
+    let mut members = shared.meta.cluster_figures().voters;
+    if members.is_empty() {
+        members = shared.config.peers.keys().copied().collect();
+    }
+    let topo = shared.meta.topology();
+    let stored = |node: NodeId| topo.queues.values().filter(|q| is_replicated(q, true) && q.stored_on(node)).count();
+    crate::core::placement::replica_set(&def.vhost, &def.name, def.owner_node, &members, size, stored)
 }
 
 impl super::node::Node {
@@ -136,12 +160,12 @@ impl super::node::Node {
     /// step 1 on core 0, and step 2 whenever the topology changed (and once a second
     /// anyway, for a copy opened meanwhile).
     pub async fn watch_replicas(self: Rc<Self>) {
-        let mut down_since = HashMap::new();
+        let mut watch = GoneWatch::default();
         let (mut seen, mut last_full) = (u64::MAX, Instant::now());
         loop {
             glommio::timer::sleep(WATCH_PERIOD).await;
             if self.id == 0 {
-                self.move_queues_of_gone_peers(&mut down_since).await;
+                self.move_queues_of_gone_peers(&mut watch).await;
             }
             let version = self.shared.meta.topology_version();
             if version != seen || last_full.elapsed() >= Duration::from_secs(1) {
@@ -172,8 +196,9 @@ impl super::node::Node {
     }
 
     /// Failover step 1, on core 0: on the metadata leader, moves the queues of peers gone
-    /// for [`DOWN_AFTER`]. `down_since` remembers when each peer was first seen down.
-    pub(super) async fn move_queues_of_gone_peers(self: &Rc<Self>, down_since: &mut HashMap<NodeId, Instant>) {
+    /// for [`DOWN_AFTER`], each to a live node of its replica set.
+    pub(super) async fn move_queues_of_gone_peers(self: &Rc<Self>, watch: &mut GoneWatch) {
+        let GoneWatch { down_since, unplaced } = watch;
         let Some(links) = &self.shared.peer_links else { return };
         let now = Instant::now();
         // Down: its link is down, or (on the leader) raft-rs has heard nothing from it for an
@@ -197,19 +222,32 @@ impl super::node::Node {
         live.sort_unstable();
         let gone: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
         if gone.is_empty() {
+            unplaced.clear();
             return;
         }
+        let mut still_unplaced = HashSet::new();
         let (topo, epochs) = (self.shared.meta.topology(), self.shared.meta.with_state(|s| s.boot_epochs.clone()));
         let mut moves = Vec::new();
         for def in topo.queues.values() {
             if !gone.contains(&def.owner_node) || !is_replicated(def, true) {
                 continue;
             }
-            let to = live[(crate::core::placement::owner_core(&def.vhost, &def.name, live.len() as u32)) as usize % live.len()];
+            // Only a live node of its replica set holds its messages.
+            let candidates: Vec<NodeId> = live.iter().copied().filter(|n| def.stored_on(*n)).collect();
+            if candidates.is_empty() {
+                if !unplaced.contains(&(def.vhost.clone(), def.name.clone())) {
+                    tracing::warn!(queue = %def.name, vhost = %def.vhost, replicas = ?def.replicas, "every node of a queue's replica set is down: the queue waits for one of them");
+                }
+                still_unplaced.insert((def.vhost.clone(), def.name.clone()));
+                continue;
+            }
+            let to = candidates
+                [(crate::core::placement::owner_core(&def.vhost, &def.name, candidates.len() as u32)) as usize % candidates.len()];
             let to_epoch = epochs.get(&to).copied().unwrap_or(0);
             tracing::info!(queue = %def.name, vhost = %def.vhost, from = def.owner_node, to, "moving a queue off a node that is gone");
             moves.push(Command::MoveQueue { vhost: def.vhost.clone(), queue: def.name.clone(), from: def.owner_node, to, to_epoch });
         }
+        *unplaced = still_unplaced;
         if moves.is_empty() {
             return;
         }
@@ -217,6 +255,15 @@ impl super::node::Node {
             tracing::warn!(error = %e, "moving queues off a node that is gone failed; retried at the next check");
         }
     }
+}
+
+/// What failover step 1 remembers between checks.
+#[derive(Default)]
+pub(super) struct GoneWatch {
+    /// When each peer was first seen down.
+    down_since: HashMap<NodeId, Instant>,
+    /// Queues of gone nodes with no live node in their replica set (logged once).
+    unplaced: HashSet<(String, String)>,
 }
 
 /// The log line of a copy changing role: this node (`me`) serves the queue now, or

@@ -1,14 +1,37 @@
-//! Which core owns a queue: one pure function, recorded in the metadata at declare time.
+//! Where a queue lives: which core owns it, and which nodes store a replicated queue. Pure
+//! functions; what they choose is recorded in the metadata at declare time.
+
+/// FNV-1a over `vhost \0 name`, then over `salt`'s bytes (little-endian) when given.
+fn fnv(vhost: &str, name: &str, salt: Option<u64>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let salt = salt.map(u64::to_le_bytes);
+    for b in vhost.bytes().chain(std::iter::once(0)).chain(name.bytes()).chain(salt.iter().flatten().copied()) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
 
 /// Owner core of queue `name` in `vhost` among `cores` cores: FNV-1a over
 /// `vhost \0 name`, modulo `cores`. Stable across runs and platforms.
 pub fn owner_core(vhost: &str, name: &str, cores: u32) -> u32 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in vhost.bytes().chain(std::iter::once(0)).chain(name.bytes()) {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % cores.max(1) as u64) as u32
+    (fnv(vhost, name, None) % cores.max(1) as u64) as u32
+}
+
+/// The replica set (node ids) of a replicated queue declared on node `owner`: `size` nodes of `members`
+/// (capped at how many there are; at least the owner), ascending. The owner is always in it;
+/// the others are the members that store the fewest queues now (`stored(node)`: how many
+/// replica sets name it), ties broken by a hash of the queue name and the node id, so
+/// queues spread over the cluster (RabbitMQ's quorum queues place members the same way:
+/// the least loaded first).
+pub fn replica_set(vhost: &str, name: &str, owner: u64, members: &[u64], size: usize, stored: impl Fn(u64) -> usize) -> Vec<u64> {
+    let mut others: Vec<u64> = members.iter().copied().filter(|&m| m != owner).collect();
+    others.sort_unstable();
+    others.dedup();
+    others.sort_by_key(|&m| (stored(m), fnv(vhost, name, Some(m))));
+    let mut set: Vec<u64> = std::iter::once(owner).chain(others.into_iter().take(size.saturating_sub(1))).collect();
+    set.sort_unstable();
+    set
 }
 
 #[cfg(test)]
@@ -23,6 +46,36 @@ mod tests {
             prop_assert!(c < cores);
             prop_assert_eq!(c, owner_core(&v, &n, cores));
         }
+    }
+
+    proptest! {
+        #[test]
+        fn a_replica_set_holds_the_owner_and_only_members(owner in 1u64..6, extra in proptest::collection::btree_set(1u64..9, 0..7), size in 1usize..9) {
+            let members: Vec<u64> = extra.iter().copied().chain([owner]).collect();
+            let set = replica_set("/", "q", owner, &members, size, |_| 0);
+            let distinct = extra.iter().chain([&owner]).collect::<std::collections::BTreeSet<_>>().len();
+            prop_assert_eq!(set.len(), size.min(distinct));
+            prop_assert!(set.contains(&owner));
+            prop_assert!(set.windows(2).all(|w| w[0] < w[1]));
+            prop_assert!(set.iter().all(|m| members.contains(m)));
+        }
+    }
+
+    #[test]
+    fn replica_sets_go_to_the_least_loaded_nodes_and_spread() {
+        let members = [1, 2, 3, 4, 5];
+        // Node 2 and 3 store many queues already: a set of 3 declared on 1 takes 4 and 5.
+        let load = |n: u64| if n == 2 || n == 3 { 10 } else { 0 };
+        assert_eq!(replica_set("/", "q", 1, &members, 3, load), vec![1, 4, 5]);
+        // Equal load: the hash spreads the sets over every node.
+        let mut seen = [0u32; 6];
+        for i in 0..500 {
+            for n in replica_set("/", &format!("q{i}"), 1, &members, 3, |_| 0) {
+                seen[n as usize] += 1;
+            }
+        }
+        assert_eq!(seen[1], 500);
+        assert!(seen[2..].iter().all(|&n| n > 150), "{seen:?}");
     }
 
     #[test]

@@ -94,7 +94,15 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             out.push(TAG_DECLARE_QUEUE);
             put_str(out, &def.vhost);
             put_str(out, &def.name);
-            out.push(def.durable as u8 | (def.auto_delete as u8) << 1 | (def.exclusive_owner.is_some() as u8) << 2);
+            let replicas = !def.replicas.is_empty();
+            let incarnation = def.incarnation != 0;
+            out.push(
+                def.durable as u8
+                    | (def.auto_delete as u8) << 1
+                    | (def.exclusive_owner.is_some() as u8) << 2
+                    | (replicas as u8) << 3
+                    | (incarnation as u8) << 4,
+            );
             if let Some(owner) = def.exclusive_owner {
                 put_varint(out, owner);
             }
@@ -102,6 +110,17 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, def.owner_node);
             put_varint(out, u64::from(def.owner_core));
             put_varint(out, def.owner_epoch);
+            // Bit 3 of the flags: a replica set follows (logs from before replica sets lack it).
+            if replicas {
+                put_varint(out, def.replicas.len() as u64);
+                for id in &def.replicas {
+                    put_varint(out, *id);
+                }
+            }
+            // Bit 4: the incarnation follows.
+            if incarnation {
+                put_varint(out, def.incarnation);
+            }
         }
         Command::DeleteQueue { vhost, name } => {
             out.push(TAG_DELETE_QUEUE);
@@ -196,6 +215,18 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             let arguments = r.table()?;
             let owner_node = r.varint()?;
             let owner_core = u32::try_from(r.varint()?).map_err(|_| r.err("owner core out of range"))?;
+            let owner_epoch = r.varint()?;
+            let mut replicas = Vec::new();
+            if flags & 8 != 0 {
+                let n = r.varint()?;
+                if n > r.buf.len() as u64 {
+                    return Err(r.err("replica count larger than the entry"));
+                }
+                for _ in 0..n {
+                    replicas.push(r.varint()?);
+                }
+            }
+            let incarnation = if flags & 16 != 0 { r.varint()? } else { 0 };
             Command::DeclareQueue(QueueDef {
                 vhost,
                 name,
@@ -205,7 +236,9 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
                 arguments,
                 owner_node,
                 owner_core,
-                owner_epoch: r.varint()?,
+                owner_epoch,
+                replicas,
+                incarnation,
             })
         }
         TAG_DELETE_QUEUE => Command::DeleteQueue { vhost: r.string()?, name: r.string()? },
@@ -279,6 +312,41 @@ mod tests {
         let st2: MetaState = serde_json::from_slice(&json).unwrap();
         let q2 = st2.topology.queue("/", "q").unwrap();
         assert_eq!(field_table_to_wire(&q2.arguments), field_table_to_wire(&t));
+    }
+
+    #[test]
+    fn replica_sets_and_incarnations_survive_and_logs_from_before_them_still_read() {
+        let mut q = queue("q", true, None);
+        q.replicas = vec![1, 3, 4];
+        q.incarnation = u64::MAX - 5;
+        let cmd = Command::DeclareQueue(q.clone());
+        let mut buf = Vec::new();
+        encode_batch(1, [&cmd], &mut buf);
+        assert_eq!(decode_batch(&buf).unwrap(), vec![cmd]);
+
+        // A declare as written before replica sets: flags without bit 3, nothing after the
+        // epoch. It reads as "every member".
+        let old = [1u8, 1, TAG_DECLARE_QUEUE, 1, b'/', 1, b'q', 1, 0, 2, 7, 9];
+        let Command::DeclareQueue(d) = &decode_batch(&old).unwrap()[0] else { panic!("wrong command") };
+        assert_eq!((d.owner_node, d.owner_core, d.owner_epoch, d.durable), (2, 7, 9, true));
+        assert!(d.replicas.is_empty() && d.stored_on(5) && d.incarnation == 0);
+        let mut without = Vec::new();
+        q.replicas.clear();
+        q.incarnation = 0;
+        encode_batch(1, [&Command::DeclareQueue(q)], &mut without);
+        assert_eq!(
+            without,
+            [1u8, 1, TAG_DECLARE_QUEUE, 1, b'/', 1, b'q', 1, 0, 1, 0, 1],
+            "a queue without a replica set is written as before"
+        );
+
+        // A snapshot from before replica sets (no "replicas" key) loads too.
+        let mut st = MetaState::default();
+        st.apply(&Command::DeclareQueue(queue("q", true, None)));
+        let json = serde_json::to_string(&st).unwrap().replace(",\"replicas\":[]", "").replace(",\"incarnation\":0", "");
+        assert!(!json.contains("replicas") && !json.contains("incarnation"));
+        let back: MetaState = serde_json::from_str(&json).unwrap();
+        assert!(back.topology.queue("/", "q").unwrap().replicas.is_empty());
     }
 
     #[test]

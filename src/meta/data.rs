@@ -3,10 +3,11 @@
 //! that hands applied data to the broker's stores.
 //!
 //! # Model
-//! In a cluster, a durable queue's messages live on every member. A publish is proposed as
-//! [`Command::Enqueue`]; applying it gives the message the queue's next offset (a counter in
-//! the state, so every member computes the same offset) and hands it, with that offset, to the
-//! [`DataSink`] of the node, which appends it to the queue's shard on the queue's core. A
+//! In a cluster, a durable queue's messages live on every node of its replica set
+//! (`QueueDef::replicas`). A publish is proposed as [`Command::Enqueue`]; applying it gives
+//! the message the queue's next offset (a counter in the state, so every node computes the
+//! same offset) and hands it, with that offset, to the [`DataSink`] of the node, which
+//! appends it to the queue's shard on the queue's core if the node is in the set. A
 //! publisher confirm waits for the proposal's outcome: the entry is then fdatasync'ed in the
 //! Raft log of a majority (DESIGN.md rule 9 in a cluster). Acks, drops, dead-letter moves and
 //! purges are proposed as [`Command::Settle`], applied as deletes on every member.
@@ -23,6 +24,8 @@
 //!    again at the next start.
 //! 3. `MoveQueue` applies only while the queue is still served by `from` (compare-and-set, as
 //!    cursors are): two leaders of the metadata group in a row cannot move a queue twice.
+//!    It moves a queue only to a node of its replica set (`QueueDef::replicas`): only those
+//!    store its messages (a member outside the set skips its `Enqueue` and `Settle` data).
 
 use std::sync::Arc;
 
@@ -186,7 +189,8 @@ pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: Nod
     let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
         return Outcome::NotFound;
     };
-    if def.owner_node != from {
+    // A node outside the replica set holds none of the queue's messages.
+    if def.owner_node != from || !def.stored_on(to) {
         return Outcome::Existed;
     }
     def.owner_node = to;
@@ -200,6 +204,7 @@ mod tests {
     use crate::meta::codec::{decode_batch, encode_batch};
     use crate::meta::state::tests::queue;
     use crate::meta::state::Command;
+    use crate::meta::topology::QueueDef;
 
     fn enqueue(q: &str, body: &'static [u8]) -> Command {
         Command::Enqueue { vhost: "/".into(), queue: q.into(), flags: 1, header: Bytes::from_static(b"h"), body: Bytes::from_static(body) }
@@ -256,6 +261,18 @@ mod tests {
         assert_eq!(st.topology.queue("/", "a").unwrap().owner_node, 3);
         let missing = Command::MoveQueue { vhost: "/".into(), queue: "zz".into(), from: 1, to: 2, to_epoch: 1 };
         assert_eq!(st.apply(&missing), Outcome::NotFound);
+    }
+
+    #[test]
+    fn a_move_goes_only_to_a_node_of_the_replica_set() {
+        let mut st = MetaState::default();
+        st.apply(&Command::DeclareVhost { name: "/".into() });
+        st.apply(&Command::DeclareQueue(QueueDef { replicas: vec![1, 2, 4], ..queue("a", true, None) }));
+        let mv = |from, to| Command::MoveQueue { vhost: "/".into(), queue: "a".into(), from, to, to_epoch: 7 };
+        assert_eq!(st.apply(&mv(1, 3)), Outcome::Existed, "node 3 stores none of its messages");
+        assert_eq!(st.topology.queue("/", "a").unwrap().owner_node, 1);
+        assert_eq!(st.apply(&mv(1, 4)), Outcome::Moved);
+        assert_eq!(st.topology.queue("/", "a").unwrap().owner_node, 4);
     }
 
     #[test]

@@ -49,8 +49,9 @@ fn command() -> impl Strategy<Value = Command> {
             Command::DeclareExchange(ExchangeDef { vhost, name, kind, durable, auto_delete: false, internal, arguments })
         },
     );
-    let queue = (vhost.clone(), name(), any::<bool>(), proptest::option::of(0u64..3), table()).prop_map(
-        |(vhost, name, durable, exclusive_owner, arguments)| {
+    let replicas = proptest::collection::btree_set(1u64..6, 0..4).prop_map(|s| s.into_iter().collect::<Vec<u64>>());
+    let queue = (vhost.clone(), name(), any::<bool>(), proptest::option::of(0u64..3), table(), replicas, any::<u64>()).prop_map(
+        |(vhost, name, durable, exclusive_owner, arguments, replicas, incarnation)| {
             Command::DeclareQueue(QueueDef {
                 vhost,
                 name,
@@ -61,6 +62,8 @@ fn command() -> impl Strategy<Value = Command> {
                 owner_node: 1,
                 owner_core: 3,
                 owner_epoch: 2,
+                replicas,
+                incarnation,
             })
         },
     );

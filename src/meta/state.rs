@@ -465,6 +465,8 @@ pub(crate) mod tests {
             owner_node: 1,
             owner_core: 0,
             owner_epoch: 1,
+            replicas: Vec::new(),
+            incarnation: 0,
         }
     }
 

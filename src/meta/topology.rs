@@ -96,6 +96,26 @@ pub struct QueueDef {
     pub owner_core: u32,
     /// Boot epoch of `owner_node` when the queue was placed.
     pub owner_epoch: u64,
+    /// Nodes that store a replicated queue's messages (its replica set, `owner_node` among
+    /// them while it serves), ascending; chosen at declare (`--replicas`,
+    /// `x-quorum-initial-group-size`). Empty: every member (a queue declared before replica
+    /// sets existed, and every queue that is not replicated).
+    #[serde(default)]
+    pub replicas: Vec<NodeId>,
+    /// This declaration's id, unique in the cluster's life (0: declared before incarnations
+    /// existed). A durable queue's store on disk is marked with it: a store marked with another
+    /// id is what an earlier queue of the same name left (deleted while this node was down) and
+    /// is discarded, not opened, when this one opens.
+    #[serde(default)]
+    pub incarnation: u64,
+}
+
+impl QueueDef {
+    /// True when `node` stores this queue's replicated messages: it is in the replica set, or
+    /// the set is empty (every member).
+    pub fn stored_on(&self, node: NodeId) -> bool {
+        self.replicas.is_empty() || self.replicas.contains(&node)
+    }
 }
 
 /// What a binding routes to.

@@ -85,7 +85,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 return Err(AmqpError::access_refused(format!("queue name '{name}' contains reserved prefix 'amq.*'")));
             }
             let meta = &s.core.shared.meta;
-            let def = QueueDef {
+            let mut def = QueueDef {
                 vhost: vhost.to_string(),
                 name: name.clone(),
                 durable: d.durable,
@@ -95,8 +95,11 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 owner_node: meta.node_id(),
                 owner_core: placement::owner_core(&vhost, &name, s.core.shared.cores),
                 owner_epoch: meta.boot_epoch(),
+                replicas: Vec::new(),
+                incarnation: new_incarnation(meta.node_id(), s.core.shared.next_id()),
             };
             validate_arguments(&def)?;
+            def.replicas = crate::broker::replicas::replica_set_for(&s.core.shared, &def);
             let existing = s.core.router().topology.queue(&vhost, &name).cloned();
             if existing.is_none() {
                 // Descriptors for the new queue's files (one per shard segment: its messages,
@@ -128,6 +131,9 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                         }
                         if d.exclusive {
                             s.st.borrow_mut().exclusive_queues.push(q);
+                        }
+                        if !def.replicas.is_empty() {
+                            tracing::info!(queue = %name, vhost = %vhost, replicas = ?def.replicas, "declared a replicated queue");
                         }
                         (0, 0)
                     }
@@ -185,6 +191,18 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
     }
 }
 
+/// A fresh declaration id (`QueueDef::incarnation`): nonzero; a hash, under std's randomly
+/// keyed hasher, of this node's id, a per-node counter and the time, so two declarations in
+/// the cluster's life practically never share one (2^-64 per pair).
+fn new_incarnation(node: u64, n: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(node);
+    h.write_u64(n);
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish() | 1
+}
+
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {
     s.send_method(
         channel,
@@ -211,6 +229,7 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
         ("x-max-length-bytes", 0),
         ("x-max-priority", 0),
         ("x-delivery-limit", 0),
+        ("x-quorum-initial-group-size", 1),
     ] {
         if args.inner().contains_key(key) && int_arg(args, key).is_none_or(|v| v < min) {
             return Err(AmqpError::precondition_failed(format!(
@@ -223,6 +242,27 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
         if args.inner().contains_key(key) && string_arg(args, key).is_none() {
             return Err(AmqpError::precondition_failed(format!(
                 "invalid arg '{key}' for queue '{}' in vhost '{}': expected a string",
+                def.name, def.vhost
+            )));
+        }
+    }
+    match string_arg(args, "x-queue-type") {
+        None | Some("classic") => {}
+        // A quorum queue is durable, shared and lives on: RabbitMQ refuses the properties
+        // that contradict that, in these words.
+        Some("quorum") => {
+            let refused =
+                [(!def.durable, "non-durable"), (def.exclusive_owner.is_some(), "exclusive-owner"), (def.auto_delete, "auto-delete")];
+            if let Some((_, what)) = refused.iter().find(|(bad, _)| *bad) {
+                return Err(AmqpError::precondition_failed(format!(
+                    "invalid property '{what}' for queue '{}' in vhost '{}'",
+                    def.name, def.vhost
+                )));
+            }
+        }
+        Some(other) => {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg 'x-queue-type' for queue '{}' in vhost '{}': unsupported queue type '{other}' (classic or quorum)",
                 def.name, def.vhost
             )));
         }

@@ -1,10 +1,12 @@
 //! A replicated queue: a durable queue of a cluster, whose messages and settlements go
-//! through the metadata group's Raft log (`meta::data`) and are stored by every member.
+//! through the metadata group's Raft log (`meta::data`) and are stored by every member of its
+//! replica set (`QueueDef::replicas`, chosen at declare; empty: every node).
 //!
 //! # Roles
-//! Every member holds the queue (its shard, its ready set) on the queue's core. One member
-//! *serves* it: the one its metadata names (`owner_node`). Clients reach only that one
-//! (`Node::queue_op` forwards there); the others only apply what the log brings.
+//! Every member of the set holds the queue (its shard, its ready set) on the queue's core;
+//! other nodes skip its data. One member *serves* it: the one its metadata names
+//! (`owner_node`). Clients reach only that one (`Node::queue_op` forwards there); the other
+//! members only apply what the log brings.
 //!
 //! # Steps (DESIGN.md rule 9 in a cluster; `meta::data` invariants 1–2)
 //! 1. A publish is proposed as `Enqueue`, batched per queue (one batch in flight at a time,
