@@ -11,8 +11,8 @@
 //!
 //! Payloads by kind (integers big-endian):
 //! - `1` [`Kind::Hello`], exactly [`HELLO_LEN`] bytes: magic `RMQT` (4), version u16, lane u8
-//!   (`0` raft, `1` snapshot, `2` data), from node id u64, to node id u64. The first frame each
-//!   way on every connection.
+//!   (`0` raft, `1` snapshot, `2` data, `3` admin), from node id u64, to node id u64. The first
+//!   frame each way on every connection.
 //! - `2` [`Kind::Raft`]: one raft-rs `eraftpb::Message` in raft-rs's protobuf encoding.
 //! - `3` [`Kind::SnapshotChunk`]: snapshot sequence u64, byte offset u64, total bytes u64, then
 //!   the chunk's bytes. The chunks of one snapshot, in order, concatenate to the protobuf
@@ -21,6 +21,8 @@
 //!   reassembled and decoded that snapshot and handed it on.
 //! - `5` [`Kind::Data`]: one opaque payload of the data lane, as the sender gave it (the
 //!   transport never looks inside).
+//! - `6` [`Kind::Admin`]: one opaque admin request (dialer to acceptor) or its answer (the
+//!   other way), on an admin lane.
 //!
 //! # Invariants
 //! 1. A decoder never allocates or reads more than [`MAX_FRAME_BYTES`] for one frame: the
@@ -59,6 +61,9 @@ pub enum Lane {
     Snapshot,
     /// Opaque payloads, one [`Kind::Data`] frame each, one way.
     Data,
+    /// One [`Kind::Admin`] request, one [`Kind::Admin`] answer, then the connection closes. The
+    /// only lane a node that is no peer (yet) may open: one asking to join, or a tool.
+    Admin,
 }
 
 impl Lane {
@@ -67,6 +72,7 @@ impl Lane {
             Lane::Raft => 0,
             Lane::Snapshot => 1,
             Lane::Data => 2,
+            Lane::Admin => 3,
         }
     }
 
@@ -75,6 +81,7 @@ impl Lane {
             0 => Lane::Raft,
             1 => Lane::Snapshot,
             2 => Lane::Data,
+            3 => Lane::Admin,
             other => return Err(FrameError::UnknownLane(other)),
         })
     }
@@ -93,6 +100,8 @@ pub enum Kind {
     SnapshotAck = 4,
     /// One opaque data-lane payload.
     Data = 5,
+    /// One opaque admin request or answer.
+    Admin = 6,
 }
 
 impl Kind {
@@ -103,6 +112,7 @@ impl Kind {
             3 => Kind::SnapshotChunk,
             4 => Kind::SnapshotAck,
             5 => Kind::Data,
+            6 => Kind::Admin,
             other => return Err(FrameError::UnknownKind(other)),
         })
     }
@@ -135,7 +145,7 @@ impl Header {
     ///
     /// # Errors
     /// [`FrameError::TooLarge`] when the length exceeds [`MAX_FRAME_BYTES`],
-    /// [`FrameError::UnknownKind`] for a kind byte outside 1..=5.
+    /// [`FrameError::UnknownKind`] for a kind byte outside 1..=6.
     pub fn decode(bytes: [u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
         if len > MAX_FRAME_BYTES {
@@ -174,6 +184,8 @@ pub enum Frame<'a> {
     },
     /// One data-lane payload.
     Data(&'a [u8]),
+    /// One admin request or answer.
+    Admin(&'a [u8]),
 }
 
 /// A frame that cannot be encoded or decoded.
@@ -203,7 +215,7 @@ pub enum FrameError {
     /// A hello that does not start with [`MAGIC`].
     #[error("bad handshake magic {0:02x?}")]
     BadMagic([u8; 4]),
-    /// A hello with a lane byte other than 0, 1 or 2.
+    /// A hello with a lane byte other than 0..=3.
     #[error("unknown lane {0}")]
     UnknownLane(u8),
     /// The raft message does not encode or parse (the protobuf error's text).
@@ -277,6 +289,20 @@ pub fn encode_data(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> 
     Ok(())
 }
 
+/// Appends a [`Kind::Admin`] frame carrying `payload` to `out`.
+///
+/// # Errors
+/// [`FrameError::TooLarge`] when `payload` exceeds [`MAX_FRAME_BYTES`]; `out` is then left as
+/// it was.
+pub fn encode_admin(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    if payload.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge { len: payload.len(), max: MAX_FRAME_BYTES });
+    }
+    put_header(out, Kind::Admin, payload.len());
+    out.extend_from_slice(payload);
+    Ok(())
+}
+
 /// Decodes the payload of a frame whose header was `kind` (the payload is exactly the frame's
 /// `len` bytes).
 ///
@@ -329,6 +355,7 @@ pub fn decode_payload(kind: Kind, payload: &[u8]) -> Result<Frame<'_>, FrameErro
             Ok(Frame::SnapshotAck { seq: be_u64(payload) })
         }
         Kind::Data => Ok(Frame::Data(payload)),
+        Kind::Admin => Ok(Frame::Admin(payload)),
     }
 }
 
@@ -393,6 +420,7 @@ mod tests {
         encode_ack(9, &mut buf);
         encode_data(b"opaque \x00\xff bytes", &mut buf).unwrap();
         encode_data(b"", &mut buf).unwrap();
+        encode_admin(b"join 4", &mut buf).unwrap();
         encode_hello(&Hello { version: VERSION, lane: Lane::Data, from: 1, to: 2 }, &mut buf);
 
         let mut at = 1;
@@ -412,6 +440,7 @@ mod tests {
                 Frame::SnapshotAck { seq: 9 },
                 Frame::Data(b"opaque \x00\xff bytes"),
                 Frame::Data(b""),
+                Frame::Admin(b"join 4"),
                 Frame::Hello(data_hello),
             ]
         );

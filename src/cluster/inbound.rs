@@ -13,7 +13,7 @@ use raft::eraftpb::{Message, MessageType};
 use tracing::{debug, info, warn};
 
 use super::data;
-use super::frame::{self, Chunk, Frame, Kind, Lane};
+use super::frame::{self, Chunk, Frame, Hello, Kind, Lane};
 use super::link::{self, LinkError};
 use super::transport::{Registered, Shared};
 use super::NodeId;
@@ -78,7 +78,7 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
             return;
         }
     };
-    let hello = match link::read_offer(&stream, shared.me, |id| shared.peers.contains_key(&id)) {
+    let hello = match link::read_offer(&stream, shared.me, |id| shared.find_peer(id).is_some()) {
         Ok(hello) => hello,
         Err(err) => {
             warn!(%addr, %err, "cluster: inbound connection refused");
@@ -86,6 +86,10 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
         }
     };
     let from = hello.from;
+    if hello.lane == Lane::Admin {
+        serve_admin(shared, &stream, &hello, addr);
+        return;
+    }
     if let Err(err) = link::configure_lane(&stream, hello.lane) {
         debug!(peer = from, %addr, %err, "cluster: inbound connection dropped before its answer");
         return;
@@ -97,7 +101,7 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
             None
         }
         Lane::Data => Some(shared.peer(from).data.accepted(shared, from, registered.id)),
-        Lane::Snapshot => None,
+        Lane::Snapshot | Lane::Admin => None,
     };
     // `live` is set for a data lane only.
     let result = match (link::answer(&stream, shared.me, &hello), live.as_deref()) {
@@ -121,7 +125,7 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
     let current = match hello.lane {
         Lane::Raft => release_raft_lane(shared, from, registered.id),
         Lane::Data => shared.peer(from).data.released(shared, from, registered.id),
-        Lane::Snapshot => true,
+        Lane::Snapshot | Lane::Admin => true,
     };
     if !current {
         // A newer lane from the same peer logged "up" (or the data link's session ended and
@@ -135,8 +139,8 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
             info!(peer = from, %addr, lane = ?hello.lane, "cluster: lane from peer down (closed)")
         }
         (Lane::Raft | Lane::Data, Err(err)) => info!(peer = from, %addr, lane = ?hello.lane, %err, "cluster: lane from peer down"),
-        (Lane::Snapshot, Err(LinkError::Closed)) => debug!(peer = from, %addr, "cluster: snapshot lane from peer closed"),
-        (Lane::Snapshot, Err(err)) => warn!(peer = from, %addr, %err, "cluster: snapshot lane from peer failed"),
+        (Lane::Snapshot | Lane::Admin, Err(LinkError::Closed)) => debug!(peer = from, %addr, "cluster: snapshot lane from peer closed"),
+        (Lane::Snapshot | Lane::Admin, Err(err)) => warn!(peer = from, %addr, %err, "cluster: snapshot lane from peer failed"),
         (_, Ok(())) => {}
     }
 }
@@ -304,4 +308,39 @@ mod tests {
         assert!(Assembly::add(&mut cur, &chunk(2, 3, 7, b"def")).is_err(), "other total");
         assert!(Assembly::add(&mut cur, &chunk(2, 3, 6, b"defg")).is_err(), "past total");
     }
+}
+
+/// Serves one admin lane: answer the hello, read the one request, hand it to `on_admin`
+/// (which may block: this is the connection's own thread), write its answer, close.
+fn serve_admin(shared: &Shared, stream: &TcpStream, hello: &Hello, addr: SocketAddr) {
+    let from = hello.from;
+    let mut request = Vec::new();
+    let read = link::answer(stream, shared.me, hello).and_then(|()| {
+        stream.set_read_timeout(Some(link::HANDSHAKE_TIMEOUT))?;
+        link::read_frame(&mut &*stream, &mut request)
+    });
+    match read {
+        Ok(header) if header.kind == Kind::Admin => {}
+        Ok(header) => {
+            warn!(peer = from, %addr, kind = ?header.kind, "cluster: admin lane without an admin request; closed");
+            return;
+        }
+        Err(err) => {
+            debug!(peer = from, %addr, %err, "cluster: admin lane closed before its request");
+            return;
+        }
+    }
+    let handler = shared.on_admin.read().clone();
+    let reply = match handler {
+        Some(f) => f(from, request),
+        None => Vec::new(),
+    };
+    let mut out = Vec::with_capacity(frame::HEADER_LEN + reply.len());
+    if frame::encode_admin(&reply, &mut out).is_ok() {
+        let mut w = stream;
+        if let Err(err) = w.write_all(&out).and_then(|()| w.flush()) {
+            debug!(peer = from, %addr, %err, "cluster: admin answer not written");
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
 }

@@ -101,6 +101,7 @@ pub(super) fn dial_until_up<'a>(
         Lane::Raft => "raft",
         Lane::Snapshot => "snapshot",
         Lane::Data => "data",
+        Lane::Admin => "admin",
     };
     let mut backoff = MIN_BACKOFF;
     while !shared.stop.is_set() {
@@ -177,8 +178,9 @@ pub(super) fn answer(stream: &TcpStream, me: NodeId, offer: &Hello) -> Result<()
     Ok(())
 }
 
-/// Checks a dialer's hello as the acceptor `me`: our version, addressed to `me`, from a known
-/// node other than `me`.
+/// Checks a dialer's hello as the acceptor `me`: our version, addressed to `me`, from a node
+/// other than `me` that is known — except on an admin lane, which any node may open (one
+/// asking to join, or a tool, as node 0).
 pub(super) fn check_offer(hello: &Hello, me: NodeId, known: impl Fn(NodeId) -> bool) -> Result<(), LinkError> {
     if hello.version != VERSION {
         return Err(LinkError::Handshake(format!("version {} (we speak {VERSION})", hello.version)));
@@ -186,7 +188,7 @@ pub(super) fn check_offer(hello: &Hello, me: NodeId, known: impl Fn(NodeId) -> b
     if hello.to != me {
         return Err(LinkError::Handshake(format!("addressed to node {}, this is node {me}", hello.to)));
     }
-    if hello.from == me || !known(hello.from) {
+    if hello.from == me || (hello.lane != Lane::Admin && !known(hello.from)) {
         return Err(LinkError::Handshake(format!("from node {}, which is not a peer", hello.from)));
     }
     Ok(())
@@ -316,4 +318,33 @@ mod tests {
         let header = read_frame(&mut &ok[..], &mut payload).unwrap();
         assert_eq!((header.kind, payload.len()), (Kind::SnapshotAck, 8));
     }
+}
+
+/// One admin exchange as node `from` (0 for a tool) with node `to` at `addr`: dial an admin
+/// lane, handshake, send `request`, and read the answer, each step within `timeout`.
+///
+/// # Errors
+/// Connect and I/O errors (the timeout included), [`LinkError::Handshake`] for a wrong
+/// answer (another node at that address), [`LinkError::Protocol`] for an answer that is no
+/// admin frame.
+pub(super) fn admin_exchange(addr: SocketAddr, from: NodeId, to: NodeId, request: &[u8], timeout: Duration) -> Result<Vec<u8>, LinkError> {
+    let stream = TcpStream::connect_timeout(&addr, timeout.min(CONNECT_TIMEOUT * 4))?;
+    if stream.local_addr()? == stream.peer_addr()? {
+        return Err(LinkError::Handshake(format!("connection to {addr} is connected to itself")));
+    }
+    configure(&stream)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + HELLO_LEN + request.len());
+    frame::encode_hello(&Hello { version: VERSION, lane: Lane::Admin, from, to }, &mut out);
+    frame::encode_admin(request, &mut out)?;
+    (&stream).write_all(&out)?;
+    let answer = read_hello(&mut &stream)?;
+    check_answer(&answer, from, to, Lane::Admin)?;
+    let mut payload = Vec::new();
+    let header = read_frame(&mut &stream, &mut payload)?;
+    if header.kind != Kind::Admin {
+        return Err(LinkError::Protocol(format!("expected an admin answer, got a {:?} frame", header.kind)));
+    }
+    Ok(payload)
 }

@@ -81,6 +81,14 @@
 //!   for `on_data` and `on_link`, with a bound: a data lane whose receiver reads nothing for
 //!   [`DATA_LINK_TIMEOUT`] is dropped by the sender's kernel (Linux applies TCP_USER_TIMEOUT to
 //!   a zero window), so `on_data` must not block that long.
+//! # Membership
+//! The peers given at start are the first; [`Transport::add_peer`] adds one at run time (a
+//! node that joined the cluster), none is ever taken away (a removed node's lanes keep
+//! dialing, with backoff, until this node restarts without it). An *admin lane* is the one
+//! lane a node that is not a peer may open: one request, one answer ([`admin_request`],
+//! [`OnAdmin`]) — how a new node asks to join.
+//!
+//! # Assumptions (continued)
 //! - Peers are trusted once the handshake passes (no TLS, no authentication): the cluster port
 //!   belongs on a private network.
 //! - Linux sockets (TCP_USER_TIMEOUT, keepalive options, shutdown(2) waking blocked calls).
@@ -126,6 +134,23 @@ pub type OnData = Arc<dyn Fn(NodeId, Vec<u8>) + Send + Sync>;
 /// long nor call [`Transport::shutdown`]; [`Transport::send_data`], [`Transport::data_up`] and
 /// [`Transport::peers`] are fine.
 pub type OnLink = Arc<dyn Fn(NodeId, bool) + Send + Sync>;
+/// Answers one admin request (an admin lane, [`frame::Lane::Admin`]): the node that sent it
+/// (any id, 0 for a tool; not necessarily a peer) and the request's bytes; returns the answer's
+/// bytes. Called on the connection's own reader thread: it may block (the requester waits
+/// with its own timeout).
+pub type OnAdmin = Arc<dyn Fn(NodeId, Vec<u8>) -> Vec<u8> + Send + Sync>;
+
+/// Sends one admin request as node `from` (0 for a tool) to node `to` listening at `addr`,
+/// and returns the answer (what that node's [`OnAdmin`] returned; empty when it has none).
+/// Needs no [`Transport`]: a node that is no peer yet, or a command-line tool, calls it.
+///
+/// # Errors
+/// A text saying what failed: connect, handshake (another node at `addr`), I/O, or no
+/// answer within `timeout` (applied to each step).
+pub fn admin_request(addr: SocketAddr, from: NodeId, to: NodeId, request: &[u8], timeout: Duration) -> Result<Vec<u8>, String> {
+    link::admin_exchange(addr, from, to, request, timeout).map_err(|e| e.to_string())
+}
+
 /// What the driver must tell raft-rs about a send (raft-rs's driver contract).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Report {

@@ -436,3 +436,43 @@ fn transport_is_send_and_sync() {
     fn shareable<T: Send + Sync>() {}
     shareable::<Transport>();
 }
+
+#[test]
+fn a_peer_added_at_run_time_links_up_and_a_stranger_may_only_ask_on_the_admin_lane() {
+    let addrs = free_addrs(3);
+    // Nodes 1 and 2 start as a pair; node 3 starts knowing both, and asks node 1 to join.
+    let first = &addrs[..2];
+    let n1 = start(1, first);
+    let n2 = start(2, first);
+    let n3 = start(3, &addrs);
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    n1.t.on_admin(Arc::new(move |from, req| {
+        s.lock().push((from, req.clone()));
+        [b"ok: ".as_slice(), &req].concat()
+    }));
+    // A stranger's raft message never reaches node 1.
+    n3.t.send(heartbeat(3, 1, 1));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(n1.inbox.try_recv().is_err(), "node 1 took a raft message from a node that is no peer");
+    // But its admin request is answered, as node 3 or as a tool (node 0).
+    let answer = admin_request(addrs[0], 3, 1, b"add 3", WAIT).unwrap();
+    assert_eq!(answer, b"ok: add 3");
+    assert_eq!(admin_request(addrs[0], 0, 1, b"status", WAIT).unwrap(), b"ok: status");
+    assert_eq!(*seen.lock(), vec![(3, b"add 3".to_vec()), (0, b"status".to_vec())]);
+    // Node 2 has no handler: an empty answer. The wrong node at an address: an error.
+    assert_eq!(admin_request(addrs[1], 3, 2, b"add 3", WAIT).unwrap(), b"");
+    assert!(admin_request(addrs[1], 3, 1, b"add 3", WAIT).is_err(), "node 2 answered as node 1");
+    // Added at run time, node 3 links up with node 1 both ways, and raft messages flow.
+    assert!(n1.t.add_peer(3, addrs[2]).unwrap());
+    assert!(!n1.t.add_peer(3, addrs[2]).unwrap(), "a second add is no change");
+    assert!(!n1.t.add_peer(1, addrs[0]).unwrap(), "this node is no peer of itself");
+    wait_connected(&n1, 3);
+    n3.t.send(heartbeat(3, 1, 2));
+    let got = n1.inbox.recv_timeout(WAIT).expect("node 3's heartbeat after the add");
+    assert_eq!((got.from, got.term), (3, 2));
+    n1.t.send(heartbeat(1, 3, 2));
+    assert_eq!(n3.inbox.recv_timeout(WAIT).expect("node 1's heartbeat to node 3").from, 1);
+    assert!(n1.t.peers().iter().any(|p| p.id == 3 && p.addr == addrs[2]));
+    drop(n2);
+}

@@ -43,8 +43,10 @@ pub struct Transport {
 /// What every transport thread sees.
 pub(super) struct Shared {
     pub(super) me: NodeId,
-    /// Every peer but this node.
-    pub(super) peers: BTreeMap<NodeId, Peer>,
+    /// Every peer but this node; [`Transport::add_peer`] adds more (none ever leaves).
+    pub(super) peers: RwLock<BTreeMap<NodeId, Arc<Peer>>>,
+    /// Answers admin requests ([`super::OnAdmin`]); `None` until [`Transport::on_admin`].
+    pub(super) on_admin: RwLock<Option<super::OnAdmin>>,
     pub(super) on_message: OnMessage,
     pub(super) on_report: OnReport,
     pub(super) on_data: OnData,
@@ -53,6 +55,10 @@ pub(super) struct Shared {
     pub(super) sockets: Sockets,
     /// Snapshot chunk size, bytes (1..=MAX_CHUNK_DATA).
     pub(super) chunk_bytes: usize,
+    /// Raft-lane queue capacity of each peer, messages.
+    queue_capacity: usize,
+    /// Data-lane queue capacity of each peer, payloads.
+    data_queue_capacity: usize,
     /// Reader threads of accepted connections (the listener adds, shutdown joins).
     pub(super) readers: Mutex<Vec<JoinHandle<()>>>,
     /// Accepted connections alive now (bounded by `inbound::MAX_INBOUND`).
@@ -99,8 +105,14 @@ impl Shared {
         (self.on_report)(report);
     }
 
-    pub(super) fn peer(&self, id: NodeId) -> &Peer {
-        &self.peers[&id]
+    /// Peer `id`, which must be one (peers are only ever added).
+    pub(super) fn peer(&self, id: NodeId) -> Arc<Peer> {
+        self.peers.read()[&id].clone()
+    }
+
+    /// Peer `id`, if it is one.
+    pub(super) fn find_peer(&self, id: NodeId) -> Option<Arc<Peer>> {
+        self.peers.read().get(&id).cloned()
     }
 }
 
@@ -240,18 +252,10 @@ impl Transport {
         let listener = TcpListener::bind(cfg.listen).map_err(|source| TransportError::Bind { addr: cfg.listen, source })?;
         let local_addr = listener.local_addr().map_err(|source| TransportError::Bind { addr: cfg.listen, source })?;
 
-        let mut peers = BTreeMap::new();
-        let mut receivers = Vec::new();
-        for (&id, &addr) in cfg.peers.iter().filter(|(&id, _)| id != cfg.me) {
-            let (raft_tx, raft_rx) = flume::bounded(cfg.queue_capacity);
-            let (snap_tx, snap_rx) = flume::bounded(SNAPSHOT_QUEUE);
-            let (data, data_rx) = DataLink::new(cfg.data_queue_capacity);
-            receivers.push((id, raft_rx, snap_rx.clone(), data_rx));
-            peers.insert(id, Peer { id, addr, raft_tx, snap_tx, snap_rx, stats: PeerStats::default(), data });
-        }
         let shared = Arc::new(Shared {
             me: cfg.me,
-            peers,
+            peers: RwLock::new(BTreeMap::new()),
+            on_admin: RwLock::new(None),
             on_message,
             on_report,
             on_data,
@@ -259,6 +263,8 @@ impl Transport {
             stop: Stop::new(),
             sockets: Sockets::new(),
             chunk_bytes: cfg.snapshot_chunk_bytes,
+            queue_capacity: cfg.queue_capacity,
+            data_queue_capacity: cfg.data_queue_capacity,
             readers: Mutex::new(Vec::new()),
             inbound: AtomicUsize::new(0),
             inbound_raft: Mutex::new(HashMap::new()),
@@ -266,26 +272,11 @@ impl Transport {
         });
         let wake = listener.try_clone().map_err(|source| TransportError::Bind { addr: cfg.listen, source })?;
         let transport = Transport { shared: shared.clone(), local_addr, listener: wake, threads: Mutex::new(Vec::new()) };
-
-        let spawn = |name: String, body: Box<dyn FnOnce() + Send>| -> Result<(), TransportError> {
-            match std::thread::Builder::new().name(name.clone()).spawn(body) {
-                Ok(handle) => {
-                    transport.threads.lock().push(handle);
-                    Ok(())
-                }
-                Err(source) => Err(TransportError::Spawn { name, source }),
-            }
-        };
         let started = (|| {
             let s = shared.clone();
-            spawn("cluster-listen".into(), Box::new(move || inbound::run_listener(s, listener)))?;
-            for (id, raft_rx, snap_rx, data_rx) in receivers {
-                let s = shared.clone();
-                spawn(format!("cluster-raft-{id}"), Box::new(move || outbound::run_raft_writer(s, id, raft_rx)))?;
-                let s = shared.clone();
-                spawn(format!("cluster-snap-{id}"), Box::new(move || outbound::run_snapshot_sender(s, id, snap_rx)))?;
-                let s = shared.clone();
-                spawn(format!("cluster-data-{id}"), Box::new(move || data::run_data_writer(s, id, data_rx)))?;
+            transport.spawn("cluster-listen".into(), Box::new(move || inbound::run_listener(s, listener)))?;
+            for (&id, &addr) in cfg.peers.iter().filter(|(&id, _)| id != cfg.me) {
+                transport.start_peer(id, addr)?;
             }
             Ok(())
         })();
@@ -293,8 +284,67 @@ impl Transport {
             transport.shutdown();
             return Err(err);
         }
-        info!(me = cfg.me, listen = %local_addr, peers = shared.peers.len(), "cluster transport started");
+        info!(me = cfg.me, listen = %local_addr, peers = shared.peers.read().len(), "cluster transport started");
         Ok(transport)
+    }
+
+    fn spawn(&self, name: String, body: Box<dyn FnOnce() + Send>) -> Result<(), TransportError> {
+        match std::thread::Builder::new().name(name.clone()).spawn(body) {
+            Ok(handle) => {
+                self.threads.lock().push(handle);
+                Ok(())
+            }
+            Err(source) => Err(TransportError::Spawn { name, source }),
+        }
+    }
+
+    /// Registers peer `id` at `addr` and spawns its raft-lane writer, snapshot sender and
+    /// data-lane writer.
+    fn start_peer(&self, id: NodeId, addr: SocketAddr) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let (raft_tx, raft_rx) = flume::bounded(shared.queue_capacity);
+        let (snap_tx, snap_rx) = flume::bounded(SNAPSHOT_QUEUE);
+        let (data, data_rx) = DataLink::new(shared.data_queue_capacity);
+        let peer = Peer { id, addr, raft_tx, snap_tx, snap_rx: snap_rx.clone(), stats: PeerStats::default(), data };
+        shared.peers.write().insert(id, Arc::new(peer));
+        let s = shared.clone();
+        self.spawn(format!("cluster-raft-{id}"), Box::new(move || outbound::run_raft_writer(s, id, raft_rx)))?;
+        let s = shared.clone();
+        self.spawn(format!("cluster-snap-{id}"), Box::new(move || outbound::run_snapshot_sender(s, id, snap_rx)))?;
+        let s = shared.clone();
+        self.spawn(format!("cluster-data-{id}"), Box::new(move || data::run_data_writer(s, id, data_rx)))
+    }
+
+    /// Adds peer `id` at `addr` at run time (a node that joined the cluster): its lanes come
+    /// up as a starting peer's do. Returns false, changing nothing, when `id` is this node or
+    /// a peer already (with another address: logged, the known one kept) or the transport is
+    /// shut down.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] for id 0, [`TransportError::Spawn`] when a thread cannot
+    /// start.
+    pub fn add_peer(&self, id: NodeId, addr: SocketAddr) -> Result<bool, TransportError> {
+        if id == 0 {
+            return Err(TransportError::Config("peer id 0 is not a raft-rs node id".into()));
+        }
+        if id == self.shared.me || self.shared.stop.is_set() {
+            return Ok(false);
+        }
+        if let Some(known) = self.shared.find_peer(id) {
+            if known.addr != addr {
+                warn!(peer = id, known = %known.addr, given = %addr, "cluster: peer already known at another address; keeping it");
+            }
+            return Ok(false);
+        }
+        self.start_peer(id, addr)?;
+        info!(peer = id, %addr, "cluster: peer added");
+        Ok(true)
+    }
+
+    /// Sets what answers admin requests (`Lane::Admin`, [`super::OnAdmin`]); until then they
+    /// are answered with an empty payload.
+    pub fn on_admin(&self, f: super::OnAdmin) {
+        *self.shared.on_admin.write() = Some(f);
     }
 
     /// This node's id.
@@ -318,7 +368,7 @@ impl Transport {
     pub fn send(&self, msg: Message) {
         let to = msg.to;
         let is_snapshot = msg.msg_type == MessageType::MsgSnapshot;
-        let Some(peer) = self.shared.peers.get(&to) else {
+        let Some(peer) = self.shared.find_peer(to) else {
             debug!(to, msg_type = ?msg.msg_type, "cluster: message to an unknown peer dropped");
             self.shared.report(if is_snapshot { Report::SnapshotFailed(to) } else { Report::Unreachable(to) });
             return;
@@ -360,7 +410,7 @@ impl Transport {
     /// outbound data lane to `to` is not up (or the transport is shut down),
     /// [`DataError::Full`] when `data_queue_capacity` payloads are already queued for `to`.
     pub fn send_data(&self, to: NodeId, payload: Vec<u8>) -> Result<(), DataError> {
-        let Some(peer) = self.shared.peers.get(&to) else { return Err(DataError::UnknownPeer) };
+        let Some(peer) = self.shared.find_peer(to) else { return Err(DataError::UnknownPeer) };
         if self.shared.stop.is_set() {
             return Err(DataError::Down);
         }
@@ -369,7 +419,7 @@ impl Transport {
 
     /// Whether the outbound data lane to `to` is up (false for no peer).
     pub fn data_up(&self, to: NodeId) -> bool {
-        !self.shared.stop.is_set() && self.shared.peers.get(&to).is_some_and(|p| p.data.out_up())
+        !self.shared.stop.is_set() && self.shared.find_peer(to).is_some_and(|p| p.data.out_up())
     }
 
     /// The state of the links to every peer (this node excluded), by id.
@@ -377,6 +427,7 @@ impl Transport {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         self.shared
             .peers
+            .read()
             .values()
             .map(|p| PeerStatus {
                 id: p.id,
@@ -417,7 +468,8 @@ impl Transport {
         join_all(std::mem::take(&mut *self.shared.readers.lock()), deadline);
 
         *self.shared.snapshots_closed.write() = true;
-        for peer in self.shared.peers.values() {
+        let peers: Vec<Arc<Peer>> = self.shared.peers.read().values().cloned().collect();
+        for peer in peers {
             while peer.snap_rx.try_recv().is_ok() {
                 PeerStats::add(&peer.stats.snapshots_failed, 1);
                 self.shared.report(Report::SnapshotFailed(peer.id));
