@@ -81,7 +81,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
     }
     let voters: Vec<u64> = config.peers.keys().copied().collect();
     tracing::info!(node = me, cluster_listen = %listen, ?voters, "joining the cluster's metadata group");
-    let spec = ClusterSpec { voters, net: Arc::new(Net(transport.clone())) };
+    let spec = ClusterSpec { voters, joining: false, net: Arc::new(Net(transport.clone())) };
     let meta = MetaHandle::start_cluster(&config.meta_dir(), me, MetaConfig::default(), spec, inbox_rx, CLUSTER_START_WAIT)?;
     Ok((meta, Some(ClusterParts { transport, slot })))
 }

@@ -64,7 +64,7 @@ fn config() -> MetaConfig {
 fn spawn(net: &Arc<MemNet>, dir: &std::path::Path, id: NodeId) -> std::thread::JoinHandle<Result<MetaHandle, MetaError>> {
     let (tx, rx) = inbox();
     net.inboxes.lock().insert(id, tx);
-    let spec = ClusterSpec { voters: vec![1, 2, 3], net: Arc::new(Port { net: net.clone() }) };
+    let spec = ClusterSpec { voters: vec![1, 2, 3], joining: false, net: Arc::new(Port { net: net.clone() }) };
     let dir = dir.to_owned();
     std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, config(), spec, rx, Duration::from_secs(20)))
 }
@@ -250,9 +250,111 @@ fn a_directory_formed_with_other_peers_is_refused() {
     let h = MetaHandle::start(dir.path(), 1).unwrap();
     h.shutdown();
     let (_tx, rx) = inbox();
-    let spec = ClusterSpec { voters: vec![1, 2, 3], net: Arc::new(Port { net: Arc::new(MemNet::default()) }) };
+    let spec = ClusterSpec { voters: vec![1, 2, 3], joining: false, net: Arc::new(Port { net: Arc::new(MemNet::default()) }) };
     match MetaHandle::start_cluster(dir.path(), 1, config(), spec, rx, Duration::from_secs(1)) {
         Err(MetaError::Membership { stored, given }) => assert_eq!((stored, given), (vec![1], vec![1, 2, 3])),
         other => panic!("expected a membership error, got {other:?}"),
+    }
+}
+
+/// Starts node `id` joining the group: from the group's first voters, not voting.
+fn spawn_joiner(
+    net: &Arc<MemNet>,
+    dir: &std::path::Path,
+    id: NodeId,
+    voters: Vec<NodeId>,
+) -> std::thread::JoinHandle<Result<MetaHandle, MetaError>> {
+    let (tx, rx) = inbox();
+    net.inboxes.lock().insert(id, tx);
+    let spec = ClusterSpec { voters, joining: true, net: Arc::new(Port { net: net.clone() }) };
+    let dir = dir.to_owned();
+    std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, config(), spec, rx, Duration::from_secs(30)))
+}
+
+/// `change` through `h`, retried while raft-rs has no leader or another change is pending.
+fn change_members(h: &MetaHandle, change: crate::meta::MemberChange) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match h.change_members_blocking(change.clone()) {
+            Ok(()) => return,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("membership change {change:?} not applied yet: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("membership change {change:?} failed: {e}"),
+        }
+    }
+}
+
+fn voters(h: &MetaHandle) -> Vec<NodeId> {
+    let mut v = h.cluster_figures().voters;
+    v.sort_unstable();
+    v
+}
+
+#[test]
+fn a_node_joins_the_running_group_and_a_forgotten_one_no_longer_counts() {
+    use crate::meta::MemberChange;
+    for compacted_first in [false, true] {
+        eprintln!("--- the log compacted before the join: {compacted_first}");
+        let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+        let mut hs = start_all(&net, &dirs);
+        assert_eq!(declare_exchange(&hs[0], "before").unwrap(), Outcome::Created);
+        if compacted_first {
+            // Past the compaction threshold (50 entries here): a joiner needs a snapshot.
+            for i in 0..120 {
+                declare_exchange(&hs[(i % 3) as usize], &format!("x{i}")).unwrap();
+            }
+            wait_for("a compaction", Duration::from_secs(10), || hs.iter().any(|h| h.stats().snapshots > 0));
+        }
+        // Node 4 starts from the group's first voters and is added through a follower.
+        let dir4 = tempfile::tempdir().unwrap();
+        let joiner = spawn_joiner(&net, dir4.path(), 4, hs[0].initial_voters());
+        let follower = hs.iter().find(|h| !h.is_leader()).unwrap();
+        change_members(follower, MemberChange::Add { id: 4, addr: "127.0.0.1:1".into() });
+        let h4 = joiner.join().unwrap().expect("node 4 starts once added");
+        block_on(h4.sync()).unwrap();
+        assert!(h4.topology().exchange("/", "before").is_some(), "the joiner has what was declared before it");
+        if compacted_first {
+            assert!(h4.stats().snapshots_installed > 0, "past a compaction the joiner starts from a snapshot");
+        }
+        for h in hs.iter().chain([&h4]) {
+            wait_for("every node to count node 4", Duration::from_secs(10), || voters(h) == [1, 2, 3, 4]);
+            assert_eq!(h.with_state(|s| s.members.get(&4).cloned()).as_deref(), Some("127.0.0.1:1"));
+        }
+        assert_eq!(h4.boot_epoch(), 1);
+        assert_eq!(declare_exchange(&h4, "by-4").unwrap(), Outcome::Created);
+
+        // Four voters: with node 3 stopped and node 4 cut off, 2 of 4 commit nothing.
+        hs.pop().unwrap().shutdown();
+        net.inboxes.lock().remove(&3);
+        net.cut.lock().insert(4);
+        assert!(matches!(declare_exchange(&hs[0], "two-of-four"), Err(MetaError::NoQuorum { .. })), "2 of 4 voters committed");
+        net.cut.lock().clear();
+        // Node 3 forgotten: 1, 2 and 4 are the group, and 2 of those 3 commit.
+        change_members(&hs[0], MemberChange::Remove { id: 3 });
+        wait_for("node 3 forgotten everywhere", Duration::from_secs(10), || hs.iter().chain([&h4]).all(|h| voters(h) == [1, 2, 4]));
+        net.cut.lock().insert(4);
+        wait_for("a leader among nodes 1 and 2", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1]]).is_some_and(|l| l != 4));
+        assert_eq!(declare_exchange(&hs[1], "two-of-three").unwrap(), Outcome::Created);
+        net.cut.lock().clear();
+
+        // Node 4 restarts from its own directory as a voter (no joining any more).
+        h4.shutdown();
+        net.inboxes.lock().remove(&4);
+        let h4 = {
+            let (tx, rx) = inbox();
+            net.inboxes.lock().insert(4, tx);
+            let spec = ClusterSpec { voters: vec![1, 2, 3, 4], joining: false, net: Arc::new(Port { net: net.clone() }) };
+            MetaHandle::start_cluster(dir4.path(), 4, config(), spec, rx, Duration::from_secs(20)).expect("node 4 restarts")
+        };
+        assert_eq!(voters(&h4), [1, 2, 4]);
+        assert_eq!(h4.boot_epoch(), 2);
+        block_on(h4.sync()).unwrap();
+        assert!(h4.topology().exchange("/", "two-of-three").is_some());
+        h4.shutdown();
+        for h in &hs {
+            h.shutdown();
+        }
     }
 }

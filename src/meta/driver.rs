@@ -87,6 +87,11 @@ pub(super) enum Request {
     ReadIndex {
         reply: flume::Sender<Result<(), MetaError>>,
     },
+    /// A membership change (`members.rs`): resolves once applied here.
+    ChangeMembers {
+        change: super::members::MemberChange,
+        reply: flume::Sender<Result<(), MetaError>>,
+    },
     Step(Box<Message>),
     Unreachable(NodeId),
     SnapshotDone {
@@ -215,7 +220,7 @@ pub(super) struct Driver {
     pub(super) net: Option<Arc<dyn RaftNet>>,
     /// Identifies this driver's proposals in entry contexts (differs across restarts).
     pub(super) nonce: u64,
-    next_seq: u64,
+    pub(super) next_seq: u64,
     /// Proposed entries not applied yet, by batch sequence.
     pub(super) in_flight: HashMap<u64, InFlight>,
     /// Proposals made while no leader was known, retried each iteration.
@@ -235,11 +240,16 @@ pub(super) struct Driver {
     /// No compaction before this instant (set after a failed one).
     compact_after: Option<Instant>,
     /// The state a compaction waits to write (taken when the log first wanted it).
-    compact_state: Option<MetaState>,
+    pub(super) compact_state: Option<MetaState>,
+    /// A node joined while the log was compacted already: compact once more, past its join,
+    /// so that the snapshot it is sent names it (`members.rs`, step 3).
+    pub(super) compact_for_join: bool,
     pub(super) shutdown_done: Vec<flume::Sender<()>>,
     pub(super) voters: Vec<NodeId>,
+    /// Membership changes proposed here, not applied yet, by sequence (`members.rs`).
+    pub(super) conf_waiters: HashMap<u64, super::members::ConfWaiter>,
     /// [`MetaConfig::propose_timeout`].
-    propose_timeout: Duration,
+    pub(super) propose_timeout: Duration,
     /// Tests only (the simulator, `sim.rs`): when set, every applied normal entry; a leader's
     /// no-op has no commands.
     #[cfg(test)]
@@ -268,20 +278,39 @@ impl Driver {
         };
         wanted.sort_unstable();
         wanted.dedup();
+        let joining = cluster.as_ref().is_some_and(|c| c.joining);
         let empty = store.conf_state().voters.is_empty() && store.conf_state().learners.is_empty();
         if rec.fresh || empty {
+            // A joining node starts with the group's first voters, itself not among them
+            // (`members.rs`, step 3).
             let cs = raft::eraftpb::ConfState { voters: wanted.clone(), ..Default::default() };
             store.set_conf_state(cs)?;
         } else {
+            // The stored voters are the group's: `--peers` only names addresses now.
             let mut stored = store.conf_state().voters.clone();
             stored.sort_unstable();
-            if stored != wanted {
+            let single = |v: &[NodeId]| v == [node];
+            if single(&stored) != single(&wanted) || cluster.is_none() && stored != wanted {
                 return Err(MetaError::Membership { stored, given: wanted });
             }
+            if !stored.contains(&node) && !joining {
+                return Err(MetaError::NotAMember { node, voters: stored });
+            }
+            if stored != wanted && !joining {
+                tracing::info!(node, voters = ?stored, peers = ?wanted, "the metadata group's voters (from the log) differ from --peers: the log's are used");
+            }
+            wanted = stored;
         }
+        let voters = wanted;
         let applied = store.snapshot_index();
         shared.replay_to.store(store.hard_state().commit, Ordering::Release);
         if let Some(state) = rec.state {
+            // Nodes that joined after the snapshot are added again by the replay.
+            if let Some(net) = cluster.as_ref().map(|c| &c.net) {
+                for (id, addr) in &state.members {
+                    net.add_peer(*id, addr);
+                }
+            }
             *shared.state.lock() = state;
         }
         tracing::debug!(node, snapshot_index = applied, log_entries = rec.entries, torn_bytes = rec.torn_bytes, "metadata log replayed");
@@ -326,8 +355,10 @@ impl Driver {
             leader_changes: 0,
             compact_after: None,
             compact_state: None,
+            compact_for_join: false,
             shutdown_done: Vec::new(),
-            voters: wanted,
+            voters,
+            conf_waiters: HashMap::new(),
             propose_timeout: meta_config.propose_timeout,
             #[cfg(test)]
             applied_log: None,
@@ -385,7 +416,7 @@ impl Driver {
                     Request::Propose { reply, .. } => {
                         let _ = reply.send(Err(MetaError::Failed(why.clone())));
                     }
-                    Request::ReadIndex { reply } => {
+                    Request::ReadIndex { reply } | Request::ChangeMembers { reply, .. } => {
                         let _ = reply.send(Err(MetaError::Failed(why.clone())));
                     }
                     Request::Shutdown { done } => self.shutdown_done.push(done),
@@ -452,8 +483,9 @@ impl Driver {
         self.on_persisted()?;
         self.repropose();
         self.expire();
+        self.expire_member_changes();
         self.publish_figures();
-        if self.raw.store().wants_compaction() && self.compact_after.is_none_or(|t| now >= t) {
+        if (self.raw.store().wants_compaction() || self.compact_for_join) && self.compact_after.is_none_or(|t| now >= t) {
             // The state to snapshot is taken when the log first wants compaction; a leader
             // writes it once every follower has its index (`follower_lags`).
             let state = self.compact_state.take().unwrap_or_else(|| self.shared.state.lock().clone());
@@ -470,7 +502,10 @@ impl Driver {
                 // replaces `meta.log`, so every write in flight lands first.
                 self.writer.wait_idle()?;
                 match self.raw.mut_store().compact(&state) {
-                    Ok(()) => self.compact_after = None,
+                    Ok(()) => {
+                        self.compact_after = None;
+                        self.compact_for_join = false;
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
                         self.compact_after = Some(now + Duration::from_secs(10));
@@ -497,7 +532,8 @@ impl Driver {
         if r.state != StateRole::Leader || store.entry_count() > factor * entries || store.log_bytes() > factor * bytes {
             return false;
         }
-        r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index)
+        // A node that just joined has nothing yet: it is what the compaction is for.
+        r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index && !(self.compact_for_join && pr.matched == 0))
     }
 
     /// Files one request; returns true for a shutdown request.
@@ -534,6 +570,7 @@ impl Driver {
                     self.reads.insert(id, (self.now, reply));
                 }
             }
+            Request::ChangeMembers { change, reply } => self.propose_member_change(change, reply),
             Request::Step(msg) => self.step(*msg),
             Request::Unreachable(to) => self.raw.report_unreachable(to),
             Request::SnapshotDone { to, ok } => {
@@ -678,6 +715,9 @@ impl Driver {
         }
         for (_, _, reply) in self.reads_at.drain(..) {
             let _ = reply.send(Err(err()));
+        }
+        for (_, w) in self.conf_waiters.drain() {
+            let _ = w.reply.send(Err(err()));
         }
     }
 }

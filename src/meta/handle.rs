@@ -240,6 +240,37 @@ impl MetaHandle {
         }
     }
 
+    /// Changes the group's voters (`members.rs`): resolves once the change is committed and
+    /// applied on this node. Blocks the calling thread: for plain threads (the transport's
+    /// admin handler, tests), never a glommio executor.
+    ///
+    /// # Errors
+    /// [`MetaError::NoQuorum`] when no leader is known or the change was not applied within the
+    /// proposal timeout (raft-rs drops a change proposed while another is pending: retry),
+    /// [`MetaError::Raft`] when raft-rs refuses it, [`MetaError::Stopped`] /
+    /// [`MetaError::Failed`].
+    pub fn change_members_blocking(&self, change: super::MemberChange) -> Result<(), MetaError> {
+        if self.shared.stopped.load(Ordering::Acquire) {
+            return Err(self.shared.stopped_error());
+        }
+        let (reply, rx) = flume::bounded(1);
+        if self.tx.send(Request::ChangeMembers { change, reply }).is_err() {
+            return Err(self.shared.stopped_error());
+        }
+        rx.recv().unwrap_or_else(|_| Err(self.shared.stopped_error()))
+    }
+
+    /// The voters the group was formed with: what a joining node starts from
+    /// ([`super::ClusterSpec::joining`]). The current voters while no change ever applied.
+    pub fn initial_voters(&self) -> Vec<NodeId> {
+        let recorded = self.shared.state.lock().initial_voters.clone();
+        if recorded.is_empty() {
+            self.cluster_figures().voters
+        } else {
+            recorded
+        }
+    }
+
     /// The current topology: an `Arc` clone under a short lock. Rebuilt (one clone of the
     /// topology) only on the first call after a change. A proposal that changed the topology
     /// is visible here before that proposal resolves.

@@ -48,6 +48,7 @@ pub mod codec;
 pub mod data;
 pub mod driver;
 pub mod handle;
+mod members;
 pub mod net;
 #[cfg(test)]
 mod proptests;
@@ -70,6 +71,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 // is defined below, not re-exported. The other names below have no caller outside src/meta
 // today; they keep the `meta::` paths they had before the split (then via `state.rs`).
 pub use handle::MetaHandle;
+pub use members::MemberChange;
 pub use net::{ClusterFigures, ClusterSpec, NetInbox, NetInboxRx, RaftNet, Role};
 pub use state::{Command, MetaState, Outcome};
 pub use topology::{Binding, DestKind, ExchangeDef, ExchangeKind, NodeId, QueueDef, Topology, PREDECLARED_EXCHANGES};
@@ -154,14 +156,24 @@ pub enum MetaError {
         /// The leader known at the time, if any.
         leader: Option<NodeId>,
     },
-    /// The data directory's stored voters differ from the ones this node was started with
-    /// (`--peers`): membership changes go through Raft, never through a different list.
+    /// The data directory's stored voters do not fit how this node was started: a single
+    /// node's directory started with `--peers`, or a cluster's without (membership changes go
+    /// through Raft, never through a different list).
     #[error("the metadata group in this data directory has voters {stored:?}, but this node was started with {given:?}; start it with the peers it was formed with (or from an empty data directory)")]
     Membership {
         /// Voters recorded in the log or snapshot.
         stored: Vec<NodeId>,
         /// Voters given at start.
         given: Vec<NodeId>,
+    },
+    /// This node's data directory belongs to a cluster whose voters no longer include it
+    /// (it was forgotten): it must not vote or serve with that state.
+    #[error("node {node} is not a member of the cluster in this data directory (voters {voters:?}): it was removed; start it from an empty data directory with --join to add it again")]
+    NotAMember {
+        /// This node.
+        node: NodeId,
+        /// The voters recorded in the log or snapshot.
+        voters: Vec<NodeId>,
     },
 }
 
@@ -203,6 +215,9 @@ pub struct MetaStats {
     pub log_bytes_written: u64,
     /// Snapshots written (log compactions).
     pub snapshots: u64,
+    /// Snapshots received from the leader and installed (this node was too far behind, or
+    /// joined past a compaction).
+    pub snapshots_installed: u64,
 }
 
 /// One monotonically increasing counter.
@@ -228,6 +243,7 @@ pub(crate) struct Counters {
     pub(crate) proposals: Counter,
     pub(crate) log_bytes_written: Counter,
     pub(crate) snapshots: Counter,
+    pub(crate) snapshots_installed: Counter,
 }
 
 impl Counters {
@@ -239,6 +255,7 @@ impl Counters {
             proposals: self.proposals.get(),
             log_bytes_written: self.log_bytes_written.get(),
             snapshots: self.snapshots.get(),
+            snapshots_installed: self.snapshots_installed.get(),
         }
     }
 }

@@ -22,13 +22,25 @@ use super::topology::NodeId;
 pub trait RaftNet: Send + Sync {
     /// Queues `msgs` for their `to` nodes.
     fn send(&self, msgs: Vec<Message>);
+
+    /// Node `id`, listening at `addr` (as given in its join request), became a voter: send to
+    /// it from now on. Called on the driver thread, also for the changes a restart replays;
+    /// must not block. The default does nothing (a network that knows every node).
+    fn add_peer(&self, id: NodeId, addr: &str) {
+        let _ = (id, addr);
+    }
 }
 
 /// A cluster's shape as the metadata group sees it.
 #[derive(Clone)]
 pub struct ClusterSpec {
-    /// Every voter of the group, this node included (the static `--peers` list).
+    /// The voters to start a fresh data directory with: every node of the `--peers` list, this
+    /// one included; for a node joining a running group (`joining`), the voters that group was
+    /// formed with (this node not among them).
     pub voters: Vec<NodeId>,
+    /// This node joins a running group: it starts as no voter and becomes one when the group
+    /// applies its `MemberChange::Add` (`members.rs`).
+    pub joining: bool,
     /// The outbound side of the transport.
     pub net: Arc<dyn RaftNet>,
 }

@@ -47,6 +47,12 @@ impl Driver {
                 let state = self.raw.mut_store().install_snapshot(rd.snapshot())?;
                 tracing::info!(index = state.applied_index, "metadata snapshot installed from the leader");
                 self.shared.data.skipped_to(state.applied_index);
+                self.voters = rd.snapshot().get_metadata().get_conf_state().voters.clone();
+                if let Some(net) = &self.net {
+                    for (id, addr) in &state.members {
+                        net.add_peer(*id, addr);
+                    }
+                }
                 let mut st = self.shared.state.lock();
                 *st = state;
                 self.shared.version.fetch_add(1, Ordering::AcqRel);
@@ -206,18 +212,24 @@ impl Driver {
                 EntryType::EntryNormal => self.apply_normal(&e)?,
                 EntryType::EntryConfChange | EntryType::EntryConfChangeV2 => {
                     let bad = |err: protobuf::ProtobufError| MetaError::Raft(format!("conf change: {err}"));
+                    let mut v1 = None;
                     let applied = if e.get_entry_type() == EntryType::EntryConfChange {
                         let cc = ConfChange::parse_from_bytes(&e.data).map_err(bad)?;
-                        self.raw.apply_conf_change(&cc)
+                        let applied = self.raw.apply_conf_change(&cc);
+                        v1 = Some(cc);
+                        applied
                     } else {
                         let cc = ConfChangeV2::parse_from_bytes(&e.data).map_err(bad)?;
                         self.raw.apply_conf_change(&cc)
                     };
                     let cs = applied.map_err(|err| MetaError::Raft(format!("apply conf change: {err}")))?;
                     tracing::info!(voters = ?cs.voters, "metadata group membership changed");
-                    self.voters = cs.voters.clone();
+                    let before = std::mem::replace(&mut self.voters, cs.voters.clone());
                     let w = self.raw.mut_store().stage_conf_state(cs);
                     self.writer.submit(w)?;
+                    if let Some(cc) = v1 {
+                        self.applied_member_change(&e, &cc, &before);
+                    }
                     self.shared.state.lock().applied_index = e.index;
                 }
             }

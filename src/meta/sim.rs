@@ -361,7 +361,7 @@ impl Sim {
         let node = &mut self.nodes[i];
         let counters = Arc::new(Counters::default());
         let shared = Arc::new(Shared::new(node.id, true, counters.clone()));
-        let spec = ClusterSpec { voters, net };
+        let spec = ClusterSpec { voters, joining: false, net };
         let mut d = Driver::open(node.dir.path(), shared, counters, self.config, Some(spec), now)
             .map_err(|e| format!("node {} does not reopen: {e}", node.id))?;
         d.applied_log = Some(Vec::new());

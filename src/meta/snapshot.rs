@@ -114,6 +114,7 @@ impl DiskStorage {
     /// Installs a snapshot received from a leader (its data is a JSON [`SnapshotBody`]); returns
     /// the state to continue from. Errors: [`MetaError::CorruptSnapshot`], [`MetaError::Io`].
     pub fn install_snapshot(&mut self, snap: &Snapshot) -> Result<MetaState, MetaError> {
+        self.counters.snapshots_installed.add(1);
         let path = self.dir.join(SNAP_FILE);
         let mut body: SnapshotBody = serde_json::from_slice(&snap.data)
             .map_err(|e| MetaError::CorruptSnapshot { path: path.clone(), why: format!("received: {e}") })?;

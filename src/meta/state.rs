@@ -48,6 +48,15 @@ pub struct MetaState {
     pub next_offsets: BTreeMap<(String, String), u64>,
     /// Index of the last Raft entry applied to this state (set by the driver, not by `apply`).
     pub applied_index: u64,
+    /// Cluster addresses of the nodes added by a membership change (`members.rs`), by id; the
+    /// founding nodes' addresses are in every node's `--peers`.
+    #[serde(default)]
+    pub members: BTreeMap<NodeId, String>,
+    /// The voters the group was formed with, recorded when the first membership change
+    /// applies (empty before: the voters never changed). A joining node starts from them and
+    /// replays every change after.
+    #[serde(default)]
+    pub initial_voters: Vec<NodeId>,
 }
 
 /// A state-machine command. Proposed through the Raft log, applied by [`MetaState::apply`].
