@@ -86,6 +86,16 @@ pub struct Cli {
     /// --peers [default: 3]
     #[arg(long, value_name = "N")]
     pub replicas: Option<u32>,
+    /// Join a running cluster: start this node (an id the cluster does not have, listed with
+    /// its address in --peers beside the nodes already running) and ask those nodes to add
+    /// it as a voter. Needed only the first time; harmless afterwards
+    #[arg(long)]
+    pub join: bool,
+    /// Do not start a broker: ask the cluster in --peers to forget node ID (stopped for good,
+    /// or its data directory lost: RabbitMQ's forget_cluster_node), print the outcome, exit
+    /// (0 when done)
+    #[arg(long, value_name = "ID")]
+    pub forget_node: Option<u64>,
 }
 
 /// Default disk alarm threshold, bytes (RabbitMQ's `disk_free_limit` default, 50 MB).
@@ -138,6 +148,7 @@ struct FileConfig {
     /// `[peers]` table: `1 = "127.0.0.1:25672"` (TOML keys are strings; parsed like `--peers`).
     peers: Option<BTreeMap<String, String>>,
     replicas: Option<u32>,
+    join: Option<bool>,
 }
 
 /// Effective configuration.
@@ -183,6 +194,10 @@ pub struct Config {
     /// How many nodes store each replicated queue (≥ 1; [`DEFAULT_REPLICAS`]), capped at the
     /// cluster size when a queue is declared; a queue's `x-quorum-initial-group-size` wins.
     pub replicas: u32,
+    /// Ask the nodes in `peers` to add this one as a voter at start (`--join`).
+    pub join: bool,
+    /// The one-shot `--forget-node ID` request instead of a broker (command line only).
+    pub forget_node: Option<u64>,
 }
 
 /// Configuration errors.
@@ -254,6 +269,8 @@ impl Config {
             cluster_listen: cli.cluster_listen.or(file.cluster_listen),
             peers,
             replicas: cli.replicas.or(file.replicas).unwrap_or(DEFAULT_REPLICAS),
+            join: cli.join || file.join.unwrap_or(false),
+            forget_node: cli.forget_node,
         };
         if c.cores == 0 || c.cores > 1024 {
             return Err(ConfigError::Invalid(format!("cores must be 1..=1024, got {}", c.cores)));
@@ -271,6 +288,9 @@ impl Config {
             return Err(ConfigError::Invalid("replicas must be at least 1".into()));
         }
         c.cluster_listen = c.check_cluster()?;
+        if (c.join || c.forget_node.is_some()) && !c.is_cluster() {
+            return Err(ConfigError::Invalid("--join and --forget-node need --peers (the cluster's nodes and their addresses)".into()));
+        }
         Ok(c)
     }
 

@@ -7,7 +7,9 @@
 //! # Layout (arrows point down only)
 //! `main.rs → server → amqp → broker → {meta, cluster, observe, core, shards, config}`
 //! - [`server`]: the wiring — puts [`broker::node::Node`] and [`amqp::connection::serve`] on
-//!   the runtime; the only module naming every layer.
+//!   the runtime; the only module naming every layer. [`membership`] beside it: `--join`
+//!   and `--forget-node`, admin requests on the cluster transport turned into metadata
+//!   membership changes.
 //! - [`amqp`]: the protocol (codec, connection, channels, unacked ledger, one handler per
 //!   class). Never touches a file; maps [`broker::QueueError`] to reply codes.
 //! - [`broker`]: the domain (each core's queue registry and tick, exchanges, routing,
@@ -71,6 +73,7 @@ pub mod broker;
 pub mod cluster;
 pub mod config;
 pub mod core;
+pub mod membership;
 pub mod meta;
 pub mod observe;
 pub mod server;

@@ -28,6 +28,11 @@ fn main() {
     use std::io::IsTerminal;
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
     ringmq::core::fatal::install_panic_hook();
+    if let Some(id) = config.forget_node {
+        let (line, code) = ringmq::membership::forget(&config, id);
+        println!("{line}");
+        std::process::exit(code);
+    }
     if let Err(e) = run(config) {
         eprintln!("ringmq: {e}");
         std::process::exit(1);

@@ -78,11 +78,28 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
         fn send(&self, msgs: Vec<raft::eraftpb::Message>) {
             self.0.send_all(msgs);
         }
+
+        fn add_peer(&self, id: u64, addr: &str) {
+            match addr.parse() {
+                Ok(addr) => {
+                    if let Err(e) = self.0.add_peer(id, addr) {
+                        tracing::error!(node = id, %addr, error = %e, "cannot add a node that joined to the transport");
+                    }
+                }
+                Err(_) => tracing::error!(node = id, addr, "a node joined with an address that does not parse"),
+            }
+        }
     }
-    let voters: Vec<u64> = config.peers.keys().copied().collect();
-    tracing::info!(node = me, cluster_listen = %listen, ?voters, "joining the cluster's metadata group");
-    let spec = ClusterSpec { voters, joining: false, net: Arc::new(Net(transport.clone())) };
+    // A node that joins starts from the group's first voters, once a running node added it.
+    let (voters, joining) = if config.join {
+        (crate::membership::join(config, CLUSTER_START_WAIT)?, true)
+    } else {
+        (config.peers.keys().copied().collect::<Vec<u64>>(), false)
+    };
+    tracing::info!(node = me, cluster_listen = %listen, ?voters, joining, "joining the cluster's metadata group");
+    let spec = ClusterSpec { voters, joining, net: Arc::new(Net(transport.clone())) };
     let meta = MetaHandle::start_cluster(&config.meta_dir(), me, MetaConfig::default(), spec, inbox_rx, CLUSTER_START_WAIT)?;
+    transport.on_admin(crate::membership::admin_handler(meta.clone()));
     Ok((meta, Some(ClusterParts { transport, slot })))
 }
 

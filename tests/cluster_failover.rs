@@ -340,3 +340,66 @@ fn with_five_nodes_a_queue_lives_on_its_replica_set_and_fails_over_inside_it() {
         assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
     });
 }
+
+/// Polls (up to 20 s) until every node in `nodes` reports `ringmq_cluster_members` `n`.
+async fn wait_members(c: &Cluster, nodes: &[usize], n: f64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let seen: Vec<Option<f64>> = nodes.iter().map(|&i| c.metric(i, "ringmq_cluster_members", None)).collect();
+        if seen.iter().all(|v| *v == Some(n)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not every node of {nodes:?} counts {n} members: {seen:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let old = uniq("before-join");
+        durable_queue(&n1, &old).await;
+        publish_all(&confirming(&n1).await, &old, "a", 20).await;
+
+        // Node 4 joins with --join (its --peers: the three and itself; theirs unchanged).
+        let four = c.add_node(&["--join"]);
+        wait_members(&c, &[0, 1, 2, four], 4.0).await;
+        assert!(c.log(four).contains("added to the cluster"), "node 4's log does not say it was added");
+        let n4 = connect_uri(&c.amqp_uri(four)).await;
+        // It serves the queue declared before it came (forwarded to its node)...
+        let opts = QueueDeclareOptions { passive: true, ..Default::default() };
+        let q =
+            t("passive queue.declare", channel(&n4).await.queue_declare(old.as_str().into(), opts, FieldTable::default())).await.unwrap();
+        assert_eq!(q.message_count(), 20);
+        // ...and stores a queue of four replicas declared on it.
+        let new = uniq("after-join");
+        let mut args = FieldTable::default();
+        args.insert("x-quorum-initial-group-size".into(), lapin::types::AMQPValue::LongInt(4));
+        t("queue.declare", channel(&n4).await.queue_declare(new.as_str().into(), QueueDeclareOptions::durable(), args)).await.unwrap();
+        let mut p4 = confirming(&n4).await;
+        publish_all(&p4, &new, "b", 10).await;
+        assert_eq!(settled_stores(&c, &new, 4).await, vec![0, 1, 2, four]);
+
+        // Node 3 dies for good and is forgotten with the one-shot --forget-node.
+        c.kill9(2);
+        let out = std::process::Command::new(broker_binary())
+            .args(["--forget-node", "3", "--peers", &c.all_peers()])
+            .output()
+            .expect("run ringmq --forget-node");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "--forget-node 3 failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("node 3 is no longer a member"), "{stdout}");
+        wait_members(&c, &[0, 1, four], 3.0).await;
+
+        // Three voters now: with node 2 gone as well, nodes 1 and 4 are a majority and confirm.
+        c.kill9(1);
+        for (queue, body) in [(&new, "c-new"), (&old, "c-old")] {
+            let ok = publish_until_confirmed(&n4, &mut p4, queue, body, Instant::now() + Duration::from_secs(30)).await;
+            assert!(ok.is_some(), "no confirm for {queue} with nodes 1 and 4 of the three voters left");
+        }
+        let (got, _) = drain_distinct(&n4, &new, 11, Duration::from_secs(30)).await;
+        assert_eq!(got.len(), 11, "the four-replica queue lost messages: {got:?}");
+    });
+}

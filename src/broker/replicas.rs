@@ -220,13 +220,22 @@ impl super::node::Node {
         let me = self.shared.meta.node_id();
         let mut live: Vec<NodeId> = links.iter().filter(|(_, up)| *up).map(|(id, _)| *id).chain([me]).collect();
         live.sort_unstable();
-        let gone: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
+        let mut gone: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
+        // A node the group forgot (`--forget-node`) is gone too, whether its link is known or not.
+        let (voters, topo) = (&figures.voters, self.shared.meta.topology());
+        if !voters.is_empty() {
+            let forgotten = topo.queues.values().map(|q| q.owner_node).filter(|n| !voters.contains(n) && *n != me);
+            gone.extend(forgotten);
+            gone.sort_unstable();
+            gone.dedup();
+            live.retain(|n| voters.contains(n));
+        }
         if gone.is_empty() {
             unplaced.clear();
             return;
         }
         let mut still_unplaced = HashSet::new();
-        let (topo, epochs) = (self.shared.meta.topology(), self.shared.meta.with_state(|s| s.boot_epochs.clone()));
+        let epochs = self.shared.meta.with_state(|s| s.boot_epochs.clone());
         let mut moves = Vec::new();
         for def in topo.queues.values() {
             if !gone.contains(&def.owner_node) || !is_replicated(def, true) {

@@ -285,31 +285,6 @@ fn shrink(payload: &mut Vec<u8>) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn chunk(seq: u64, offset: u64, total: u64, data: &[u8]) -> Chunk<'_> {
-        Chunk { seq, offset, total, data }
-    }
-
-    #[test]
-    fn chunks_reassemble_in_order_only() {
-        let mut cur = None;
-        assert_eq!(Assembly::add(&mut cur, &chunk(1, 0, 6, b"abc")).unwrap(), None);
-        assert_eq!(Assembly::add(&mut cur, &chunk(1, 3, 6, b"def")).unwrap(), Some(b"abcdef".to_vec()));
-        assert!(cur.is_none());
-
-        let mut cur = None;
-        assert!(Assembly::add(&mut cur, &chunk(2, 3, 6, b"def")).is_err(), "must start at 0");
-        Assembly::add(&mut cur, &chunk(2, 0, 6, b"abc")).unwrap();
-        assert!(Assembly::add(&mut cur, &chunk(3, 3, 6, b"def")).is_err(), "other seq");
-        assert!(Assembly::add(&mut cur, &chunk(2, 2, 6, b"def")).is_err(), "gap/overlap");
-        assert!(Assembly::add(&mut cur, &chunk(2, 3, 7, b"def")).is_err(), "other total");
-        assert!(Assembly::add(&mut cur, &chunk(2, 3, 6, b"defg")).is_err(), "past total");
-    }
-}
-
 /// Serves one admin lane: answer the hello, read the one request, hand it to `on_admin`
 /// (which may block: this is the connection's own thread), write its answer, close.
 fn serve_admin(shared: &Shared, stream: &TcpStream, hello: &Hello, addr: SocketAddr) {
@@ -343,4 +318,29 @@ fn serve_admin(shared: &Shared, stream: &TcpStream, hello: &Hello, addr: SocketA
         }
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(seq: u64, offset: u64, total: u64, data: &[u8]) -> Chunk<'_> {
+        Chunk { seq, offset, total, data }
+    }
+
+    #[test]
+    fn chunks_reassemble_in_order_only() {
+        let mut cur = None;
+        assert_eq!(Assembly::add(&mut cur, &chunk(1, 0, 6, b"abc")).unwrap(), None);
+        assert_eq!(Assembly::add(&mut cur, &chunk(1, 3, 6, b"def")).unwrap(), Some(b"abcdef".to_vec()));
+        assert!(cur.is_none());
+
+        let mut cur = None;
+        assert!(Assembly::add(&mut cur, &chunk(2, 3, 6, b"def")).is_err(), "must start at 0");
+        Assembly::add(&mut cur, &chunk(2, 0, 6, b"abc")).unwrap();
+        assert!(Assembly::add(&mut cur, &chunk(3, 3, 6, b"def")).is_err(), "other seq");
+        assert!(Assembly::add(&mut cur, &chunk(2, 2, 6, b"def")).is_err(), "gap/overlap");
+        assert!(Assembly::add(&mut cur, &chunk(2, 3, 7, b"def")).is_err(), "other total");
+        assert!(Assembly::add(&mut cur, &chunk(2, 3, 6, b"defg")).is_err(), "past total");
+    }
 }

@@ -273,6 +273,35 @@ pub(super) fn check_open(stream: &TcpStream) -> Result<(), LinkError> {
     }
 }
 
+/// One admin exchange as node `from` (0 for a tool) with node `to` at `addr`: dial an admin
+/// lane, handshake, send `request`, and read the answer, each step within `timeout`.
+///
+/// # Errors
+/// Connect and I/O errors (the timeout included), [`LinkError::Handshake`] for a wrong
+/// answer (another node at that address), [`LinkError::Protocol`] for an answer that is no
+/// admin frame.
+pub(super) fn admin_exchange(addr: SocketAddr, from: NodeId, to: NodeId, request: &[u8], timeout: Duration) -> Result<Vec<u8>, LinkError> {
+    let stream = TcpStream::connect_timeout(&addr, timeout.min(CONNECT_TIMEOUT * 4))?;
+    if stream.local_addr()? == stream.peer_addr()? {
+        return Err(LinkError::Handshake(format!("connection to {addr} is connected to itself")));
+    }
+    configure(&stream)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + HELLO_LEN + request.len());
+    frame::encode_hello(&Hello { version: VERSION, lane: Lane::Admin, from, to }, &mut out);
+    frame::encode_admin(request, &mut out)?;
+    (&stream).write_all(&out)?;
+    let answer = read_hello(&mut &stream)?;
+    check_answer(&answer, from, to, Lane::Admin)?;
+    let mut payload = Vec::new();
+    let header = read_frame(&mut &stream, &mut payload)?;
+    if header.kind != Kind::Admin {
+        return Err(LinkError::Protocol(format!("expected an admin answer, got a {:?} frame", header.kind)));
+    }
+    Ok(payload)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,33 +347,4 @@ mod tests {
         let header = read_frame(&mut &ok[..], &mut payload).unwrap();
         assert_eq!((header.kind, payload.len()), (Kind::SnapshotAck, 8));
     }
-}
-
-/// One admin exchange as node `from` (0 for a tool) with node `to` at `addr`: dial an admin
-/// lane, handshake, send `request`, and read the answer, each step within `timeout`.
-///
-/// # Errors
-/// Connect and I/O errors (the timeout included), [`LinkError::Handshake`] for a wrong
-/// answer (another node at that address), [`LinkError::Protocol`] for an answer that is no
-/// admin frame.
-pub(super) fn admin_exchange(addr: SocketAddr, from: NodeId, to: NodeId, request: &[u8], timeout: Duration) -> Result<Vec<u8>, LinkError> {
-    let stream = TcpStream::connect_timeout(&addr, timeout.min(CONNECT_TIMEOUT * 4))?;
-    if stream.local_addr()? == stream.peer_addr()? {
-        return Err(LinkError::Handshake(format!("connection to {addr} is connected to itself")));
-    }
-    configure(&stream)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + HELLO_LEN + request.len());
-    frame::encode_hello(&Hello { version: VERSION, lane: Lane::Admin, from, to }, &mut out);
-    frame::encode_admin(request, &mut out)?;
-    (&stream).write_all(&out)?;
-    let answer = read_hello(&mut &stream)?;
-    check_answer(&answer, from, to, Lane::Admin)?;
-    let mut payload = Vec::new();
-    let header = read_frame(&mut &stream, &mut payload)?;
-    if header.kind != Kind::Admin {
-        return Err(LinkError::Protocol(format!("expected an admin answer, got a {:?} frame", header.kind)));
-    }
-    Ok(payload)
 }

@@ -54,6 +54,8 @@ struct Node {
     dir: tempfile::TempDir,
     /// The running process, if any.
     child: Option<Child>,
+    /// This node's own `--peers` and extra flags (a node added later), else the cluster's.
+    own: Option<(String, Vec<String>)>,
 }
 
 impl Node {
@@ -93,6 +95,7 @@ impl Cluster {
                 cluster: loopback(free_port()),
                 dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
                 child: None,
+                own: None,
             })
             .collect();
         let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
@@ -106,6 +109,33 @@ impl Cluster {
             panic!("cluster of {n} did not start: {e}");
         }
         c
+    }
+
+    /// Starts one more node (the next id) with `args` besides the usual flags and a `--peers`
+    /// list of every node so far and itself (the others keep theirs), and waits until it is
+    /// ready; returns its index. With `--join`, how a node joins a running cluster.
+    pub fn add_node(&mut self, args: &[&str]) -> usize {
+        let i = self.nodes.len();
+        let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let node = Node {
+            id: i as u64 + 1,
+            amqp: loopback(free_port()),
+            metrics: loopback(free_port()),
+            cluster: loopback(free_port()),
+            dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
+            child: None,
+            own: None,
+        };
+        let peers = self.nodes.iter().chain([&node]).map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
+        let node = Node { own: Some((peers, args.iter().map(|s| s.to_string()).collect())), ..node };
+        self.nodes.push(node);
+        self.start_node(i);
+        i
+    }
+
+    /// The `--peers` list of every node, this cluster's and those added since.
+    pub fn all_peers(&self) -> String {
+        self.nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",")
     }
 
     /// Number of nodes (running or not).
@@ -265,6 +295,10 @@ impl Cluster {
     }
 
     fn spawn(&mut self, i: usize) {
+        let (peers, own_args) = match &self.nodes[i].own {
+            Some((peers, args)) => (peers.clone(), args.clone()),
+            None => (self.peers.clone(), Vec::new()),
+        };
         let node = &mut self.nodes[i];
         let log = File::options().create(true).append(true).open(node.log_path()).expect("node log file");
         let out = log.try_clone().expect("dup log file");
@@ -278,12 +312,13 @@ impl Cluster {
             .arg("--cluster-listen")
             .arg(node.cluster.to_string())
             .arg("--peers")
-            .arg(&self.peers)
+            .arg(&peers)
             .arg("--data-dir")
             .arg(node.data_dir())
             .arg("--cores")
             .arg("1")
             .args(&self.extra_args)
+            .args(&own_args)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(log)
