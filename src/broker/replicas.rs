@@ -91,6 +91,13 @@ impl DataSink for ReplicaSink {
     }
 
     fn skipped_to(&self, index: u64) {
+        // A node that just joined stores no queue yet: nothing of its own was skipped.
+        let me = self.meta.node_id();
+        let stored = self.meta.topology().queues.values().filter(|q| is_replicated(q, true) && q.stored_on(me)).count();
+        if stored == 0 {
+            tracing::info!(index, "metadata snapshot installed; this node stores no replicated queue yet");
+            return;
+        }
         tracing::warn!(
             index,
             "this node was too far behind: a metadata snapshot replaced its log, and replicated queue messages committed meanwhile are not stored here"
