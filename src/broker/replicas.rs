@@ -194,6 +194,13 @@ impl super::node::Node {
                 (q.qref.key.clone(), q.serving(), q.replicated())
             };
             let Some(def) = topo.topology.queue(&key.vhost, &key.name) else { continue };
+            if replicated && !serving && !def.stored_on(me) {
+                // Out of the queue's replica set (its copy here missed messages, or the node
+                // was forgotten): the copy goes; the queue lives on in its set.
+                tracing::info!(queue = %key.name, vhost = %key.vhost, "this node left the queue's replica set: dropping its copy");
+                self.drop_replica(&cell);
+                continue;
+            }
             if !replicated || !is_replicated(def, true) || (def.owner_node == me) == serving {
                 continue;
             }

@@ -358,3 +358,57 @@ fn a_node_joins_the_running_group_and_a_forgotten_one_no_longer_counts() {
         }
     }
 }
+
+/// Stores nothing: what a node without cores would do with replicated data.
+struct NullSink;
+
+impl crate::meta::data::DataSink for NullSink {
+    fn applied(&self, _index: u64, _ops: Vec<crate::meta::data::DataOp>) {}
+    fn flush(&self) -> bool {
+        true
+    }
+    fn skipped_to(&self, _index: u64) {}
+}
+
+#[test]
+fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_it_missed() {
+    use crate::meta::topology::QueueDef;
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
+    for h in &hs {
+        h.attach_data_sink(Arc::new(NullSink));
+    }
+    for name in ["busy", "idle"] {
+        let def = QueueDef { replicas: vec![1, 2, 3], ..queue(name, true, None) };
+        block_on(hs[0].propose(Command::DeclareQueue(def))).unwrap();
+    }
+    let replicas = |h: &MetaHandle, q: &str| h.topology().queue("/", q).map(|d| d.replicas.clone());
+    wait_for("node 3 to know both queues", Duration::from_secs(10), || replicas(&hs[2], "idle").is_some());
+    // Node 3 cut off while more than the leader holds for a lagging follower (64 × 50
+    // entries here) goes through the log: it will be sent a snapshot.
+    net.cut.lock().insert(3);
+    let enqueue = || Command::Enqueue {
+        vhost: "/".into(),
+        queue: "busy".into(),
+        flags: 1,
+        header: bytes::Bytes::from_static(b"h"),
+        body: bytes::Bytes::from_static(b"m"),
+    };
+    let mut n = 0;
+    // (A follower compacts on its own at 50; the leader is what node 3 catches up from.)
+    while !hs[..2].iter().any(|h| h.is_leader() && h.stats().snapshots > 0) {
+        assert!(n < 10_000, "no compaction after {n} entries");
+        hs[n % 2].propose_blocking(vec![enqueue()]).unwrap();
+        n += 1;
+    }
+    net.cut.lock().clear();
+    wait_for("node 3 to install a snapshot", Duration::from_secs(20), || hs[2].stats().snapshots_installed > 0);
+    // Its copy of "busy" lacks messages: it is out of that set everywhere, not out of "idle".
+    for h in &hs {
+        wait_for("node 3 out of busy's replica set", Duration::from_secs(10), || replicas(h, "busy") == Some(vec![1, 2]));
+        assert_eq!(replicas(h, "idle"), Some(vec![1, 2, 3]), "node {}", h.node_id());
+    }
+    for h in &hs {
+        h.shutdown();
+    }
+}

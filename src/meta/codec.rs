@@ -64,6 +64,7 @@ const TAG_NODE_BOOT_CLUSTER: u8 = 10;
 const TAG_ENQUEUE: u8 = 11;
 const TAG_SETTLE: u8 = 12;
 const TAG_MOVE_QUEUE: u8 = 13;
+const TAG_LEAVE_REPLICA_SET: u8 = 14;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -178,6 +179,12 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, *to);
             put_varint(out, *to_epoch);
         }
+        Command::LeaveReplicaSet { vhost, queue, node } => {
+            out.push(TAG_LEAVE_REPLICA_SET);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *node);
+        }
     }
 }
 
@@ -273,6 +280,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
         TAG_MOVE_QUEUE => {
             Command::MoveQueue { vhost: r.string()?, queue: r.string()?, from: r.varint()?, to: r.varint()?, to_epoch: r.varint()? }
         }
+        TAG_LEAVE_REPLICA_SET => Command::LeaveReplicaSet { vhost: r.string()?, queue: r.string()?, node: r.varint()? },
         _ => return Err(r.err("unknown command tag")),
     })
 }

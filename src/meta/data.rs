@@ -26,6 +26,10 @@
 //!    cursors are): two leaders of the metadata group in a row cannot move a queue twice.
 //!    It moves a queue only to a node of its replica set (`QueueDef::replicas`): only those
 //!    store its messages (a member outside the set skips its `Enqueue` and `Settle` data).
+//! 4. A node sent a snapshot never applies the entries inside it, so its copies lack the
+//!    messages enqueued in them. It takes itself out of those queues' replica sets
+//!    (`LeaveReplicaSet`, proposed by its driver as it installs the snapshot), so failover
+//!    never makes an incomplete copy the server. The set's last node and the server stay.
 
 use std::sync::Arc;
 
@@ -184,6 +188,33 @@ pub(super) fn enqueue(st: &mut MetaState, vhost: &str, queue: &str) -> Outcome {
     Outcome::Enqueued { offset }
 }
 
+/// Applies `LeaveReplicaSet` (invariant 4).
+pub(super) fn leave_replica_set(st: &mut MetaState, vhost: &str, queue: &str, node: NodeId) -> Outcome {
+    let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
+        return Outcome::NotFound;
+    };
+    if def.replicas.len() < 2 || !def.replicas.contains(&node) || def.owner_node == node {
+        return Outcome::Existed;
+    }
+    def.replicas.retain(|n| *n != node);
+    Outcome::Moved
+}
+
+/// The replicated queues whose messages `node` missed when a snapshot replaced its state
+/// `old` with `new` (invariant 4): those stored on `node` (by an explicit set) whose offset
+/// counter moved in between.
+pub(super) fn missed_queues(old: &MetaState, new: &MetaState, node: NodeId) -> Vec<(String, String)> {
+    new.topology
+        .queues
+        .iter()
+        .filter(|(_, q)| {
+            q.durable && q.exclusive_owner.is_none() && q.replicas.len() > 1 && q.replicas.contains(&node) && q.owner_node != node
+        })
+        .filter(|(key, _)| new.next_offsets.get(*key).copied().unwrap_or(0) > old.next_offsets.get(*key).copied().unwrap_or(0))
+        .map(|(key, _)| key.clone())
+        .collect()
+}
+
 /// Applies `MoveQueue` (invariant 3).
 pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: NodeId, to: NodeId, to_epoch: u64) -> Outcome {
     let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
@@ -264,6 +295,33 @@ mod tests {
     }
 
     #[test]
+    fn a_node_that_missed_messages_leaves_only_those_sets_and_never_the_last_place() {
+        let mut old = MetaState::default();
+        old.apply(&Command::DeclareVhost { name: "/".into() });
+        for (name, set) in [("busy", vec![1, 2, 3]), ("idle", vec![1, 2, 3]), ("elsewhere", vec![1, 2]), ("alone", vec![3])] {
+            old.apply(&Command::DeclareQueue(QueueDef { replicas: set, ..queue(name, true, None) }));
+        }
+        let mut new = old.clone();
+        for q in ["busy", "elsewhere", "alone"] {
+            new.apply(&enqueue(q, b"m"));
+        }
+        new.apply(&Command::DeclareQueue(QueueDef { replicas: vec![1, 2, 3], ..queue("born", true, None) }));
+        new.apply(&enqueue("born", b"m"));
+        let mut missed = missed_queues(&old, &new, 3);
+        missed.sort();
+        assert_eq!(missed, vec![("/".to_string(), "born".to_string()), ("/".to_string(), "busy".to_string())]);
+        let leave = |q: &str| Command::LeaveReplicaSet { vhost: "/".into(), queue: q.into(), node: 3 };
+        assert_eq!(new.apply(&leave("busy")), Outcome::Moved);
+        assert!(leave("busy").changed_topology(&Outcome::Moved));
+        assert_eq!(new.topology.queue("/", "busy").unwrap().replicas, vec![1, 2]);
+        assert_eq!(new.apply(&leave("busy")), Outcome::Existed, "once");
+        assert_eq!(new.apply(&leave("alone")), Outcome::Existed, "the last copy stays");
+        let served = Command::LeaveReplicaSet { vhost: "/".into(), queue: "idle".into(), node: 1 };
+        assert_eq!(new.apply(&served), Outcome::Existed, "the server stays");
+        assert_eq!(new.apply(&leave("gone")), Outcome::NotFound);
+    }
+
+    #[test]
     fn a_move_goes_only_to_a_node_of_the_replica_set() {
         let mut st = MetaState::default();
         st.apply(&Command::DeclareVhost { name: "/".into() });
@@ -281,6 +339,7 @@ mod tests {
             enqueue("a", b"body bytes \x00\xff"),
             Command::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![0, 5, 1 << 40] },
             Command::MoveQueue { vhost: "v".into(), queue: "q".into(), from: 1, to: 3, to_epoch: 9 },
+            Command::LeaveReplicaSet { vhost: "v".into(), queue: "q".into(), node: 2 },
         ];
         let mut buf = Vec::new();
         encode_batch(cmds.len(), &cmds, &mut buf);

@@ -536,6 +536,13 @@ impl Driver {
         r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index && !(self.compact_for_join && pr.matched == 0))
     }
 
+    /// Proposes `cmds` on this driver's own account (nobody waits for the outcome) at the
+    /// next turn, once a leader is known.
+    pub(super) fn propose_own(&mut self, cmds: Vec<Command>) {
+        let bytes_estimate = cmds.iter().map(estimate_bytes).sum();
+        self.awaiting_leader.push(PendingEntry { cmds, waiters: Vec::new(), bytes_estimate, since: self.now });
+    }
+
     /// Files one request; returns true for a shutdown request.
     fn take(&mut self, req: Request, batch: &mut Vec<PendingEntry>) -> bool {
         match req {
@@ -742,10 +749,10 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::NodeBoot { .. } => 12,
         Command::Enqueue { vhost, queue, header, body, .. } => 16 + vhost.len() + queue.len() + header.len() + body.len(),
         Command::Settle { vhost, queue, offsets } => 8 + vhost.len() + queue.len() + 5 * offsets.len(),
-        Command::MoveQueue { vhost, queue, .. } => 24 + vhost.len() + queue.len(),
+        Command::MoveQueue { vhost, queue, .. } | Command::LeaveReplicaSet { vhost, queue, .. } => 24 + vhost.len() + queue.len(),
         // Definitions carry field tables; a generous flat guess keeps this cheap.
         Command::DeclareExchange(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),
-        Command::DeclareQueue(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),
+        Command::DeclareQueue(d) => 80 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len() + 10 * d.replicas.len(),
         Command::Bind(b) | Command::Unbind(b) => {
             64 + b.vhost.len() + b.source.len() + b.dest.len() + b.routing_key.len() + 32 * b.arguments.inner().len()
         }

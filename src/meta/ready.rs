@@ -53,9 +53,24 @@ impl Driver {
                         net.add_peer(*id, addr);
                     }
                 }
-                let mut st = self.shared.state.lock();
-                *st = state;
+                let old = std::mem::replace(&mut *self.shared.state.lock(), state);
                 self.shared.version.fetch_add(1, Ordering::AcqRel);
+                // This node's copies of the queues enqueued to meanwhile lack those messages:
+                // it leaves their replica sets (`data.rs`, invariant 4).
+                let missed = {
+                    let st = self.shared.state.lock();
+                    super::data::missed_queues(&old, &st, self.shared.node)
+                };
+                if !missed.is_empty() {
+                    tracing::warn!(
+                        queues = missed.len(),
+                        "this node missed messages of the queues it stores (a snapshot replaced its log): it leaves their replica sets"
+                    );
+                    let me = self.shared.node;
+                    self.propose_own(
+                        missed.into_iter().map(|(vhost, queue)| Command::LeaveReplicaSet { vhost, queue, node: me }).collect(),
+                    );
+                }
             }
             for rs in rd.take_read_states() {
                 self.read_state(rs.index, &rs.request_ctx);

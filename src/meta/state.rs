@@ -146,6 +146,17 @@ pub enum Command {
         /// Queue offsets.
         offsets: Vec<u64>,
     },
+    /// Takes `node` out of a queue's replica set: its copy missed messages (it was sent a
+    /// snapshot, `data.rs`, invariant 4) → `Moved` | `Existed` (not in the set, the set's only
+    /// node, or the queue's server) | `NotFound`.
+    LeaveReplicaSet {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The node whose copy is incomplete.
+        node: NodeId,
+    },
     /// Moves a queue to another node while `from` serves it (`data.rs`, invariant 3)
     /// → `Moved` | `Existed` (not served by `from` any more) | `NotFound`.
     MoveQueue {
@@ -206,7 +217,7 @@ impl Command {
         match self {
             Command::CursorCas { .. } | Command::Enqueue { .. } | Command::Settle { .. } => false,
             Command::NodeBoot { .. } => true,
-            Command::MoveQueue { .. } => matches!(outcome, Outcome::Moved),
+            Command::MoveQueue { .. } | Command::LeaveReplicaSet { .. } => matches!(outcome, Outcome::Moved),
             _ => matches!(outcome, Outcome::Created | Outcome::Deleted),
         }
     }
@@ -367,6 +378,7 @@ impl MetaState {
                 }
             }
             Command::MoveQueue { vhost, queue, from, to, to_epoch } => super::data::move_queue(self, vhost, queue, *from, *to, *to_epoch),
+            Command::LeaveReplicaSet { vhost, queue, node } => super::data::leave_replica_set(self, vhost, queue, *node),
         }
     }
 
