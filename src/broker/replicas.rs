@@ -121,8 +121,16 @@ pub fn replica_set_for(shared: &Shared, def: &crate::meta::QueueDef) -> Vec<Node
     if members.is_empty() {
         members = shared.config.peers.keys().copied().collect();
     }
-    let topo = shared.meta.topology();
-    let stored = |node: NodeId| topo.queues.values().filter(|q| is_replicated(q, true) && q.stored_on(node)).count();
+    // One pass over the queues: how many replica sets name each member.
+    let mut load: HashMap<NodeId, usize> = HashMap::new();
+    for q in shared.meta.topology().queues.values().filter(|q| is_replicated(q, true)) {
+        for &m in &members {
+            if q.stored_on(m) {
+                *load.entry(m).or_default() += 1;
+            }
+        }
+    }
+    let stored = |node: NodeId| load.get(&node).copied().unwrap_or(0);
     crate::core::placement::replica_set(&def.vhost, &def.name, def.owner_node, &members, size, stored)
 }
 
