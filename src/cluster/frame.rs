@@ -281,12 +281,7 @@ pub fn encode_ack(seq: u64, out: &mut Vec<u8>) {
 /// [`FrameError::TooLarge`] when `payload` exceeds [`MAX_FRAME_BYTES`]; `out` is then left as
 /// it was.
 pub fn encode_data(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
-    if payload.len() > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge { len: payload.len(), max: MAX_FRAME_BYTES });
-    }
-    put_header(out, Kind::Data, payload.len());
-    out.extend_from_slice(payload);
-    Ok(())
+    encode_opaque(Kind::Data, payload, out)
 }
 
 /// Appends a [`Kind::Admin`] frame carrying `payload` to `out`.
@@ -295,10 +290,15 @@ pub fn encode_data(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> 
 /// [`FrameError::TooLarge`] when `payload` exceeds [`MAX_FRAME_BYTES`]; `out` is then left as
 /// it was.
 pub fn encode_admin(payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    encode_opaque(Kind::Admin, payload, out)
+}
+
+/// A frame of `kind` whose payload is `payload` as given.
+fn encode_opaque(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
     if payload.len() > MAX_FRAME_BYTES {
         return Err(FrameError::TooLarge { len: payload.len(), max: MAX_FRAME_BYTES });
     }
-    put_header(out, Kind::Admin, payload.len());
+    put_header(out, kind, payload.len());
     out.extend_from_slice(payload);
     Ok(())
 }

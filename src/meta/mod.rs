@@ -159,7 +159,7 @@ pub enum MetaError {
     /// The data directory's stored voters do not fit how this node was started: a single
     /// node's directory started with `--peers`, or a cluster's without (membership changes go
     /// through Raft, never through a different list).
-    #[error("the metadata group in this data directory has voters {stored:?}, but this node was started with {given:?}; start it with the peers it was formed with (or from an empty data directory)")]
+    #[error("the metadata group in this data directory has voters {stored:?}, but this node was started with {given:?}: a single node's data directory does not become a cluster node through --peers, nor a cluster node's a single node; start it as it was formed (a new node of a running cluster: an empty data directory and --join)")]
     Membership {
         /// Voters recorded in the log or snapshot.
         stored: Vec<NodeId>,

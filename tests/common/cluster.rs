@@ -59,6 +59,20 @@ struct Node {
 }
 
 impl Node {
+    /// Node index `i` (id `i + 1`): free loopback ports, a fresh temp dir, not started.
+    fn fresh(i: usize) -> Node {
+        let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        Node {
+            id: i as u64 + 1,
+            amqp: loopback(free_port()),
+            metrics: loopback(free_port()),
+            cluster: loopback(free_port()),
+            dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
+            child: None,
+            own: None,
+        }
+    }
+
     fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }
@@ -86,18 +100,7 @@ impl Cluster {
     /// [`Cluster::start`] with extra flags given to every node at every start.
     pub fn start_with_args(n: usize, extra: &[&str]) -> Cluster {
         assert!(n >= 1, "a cluster has at least one node");
-        let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-        let nodes: Vec<Node> = (0..n)
-            .map(|i| Node {
-                id: i as u64 + 1,
-                amqp: loopback(free_port()),
-                metrics: loopback(free_port()),
-                cluster: loopback(free_port()),
-                dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
-                child: None,
-                own: None,
-            })
-            .collect();
+        let nodes: Vec<Node> = (0..n).map(Node::fresh).collect();
         let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
         let mut c = Cluster { nodes, peers, extra_args: extra.iter().map(|s| s.to_string()).collect() };
         // All first, then wait: a node may not serve before a majority of its peers is up.
@@ -116,16 +119,7 @@ impl Cluster {
     /// ready; returns its index. With `--join`, how a node joins a running cluster.
     pub fn add_node(&mut self, args: &[&str]) -> usize {
         let i = self.nodes.len();
-        let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-        let node = Node {
-            id: i as u64 + 1,
-            amqp: loopback(free_port()),
-            metrics: loopback(free_port()),
-            cluster: loopback(free_port()),
-            dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
-            child: None,
-            own: None,
-        };
+        let node = Node::fresh(i);
         let peers = self.nodes.iter().chain([&node]).map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
         let node = Node { own: Some((peers, args.iter().map(|s| s.to_string()).collect())), ..node };
         self.nodes.push(node);
