@@ -628,3 +628,36 @@ async fn quorum_queues_follow_rabbitmqs_rules() {
         "an unknown x-queue-type",
     );
 }
+
+#[tokio::test]
+async fn unbind_of_what_does_not_exist_is_ok_as_in_rabbitmq() {
+    // RabbitMQ answers unbind-ok since 3.2 whatever is missing (clients' cleanup relies on it).
+    let b = Broker::start();
+    let (c, ch) = setup(&b).await;
+    let q = plain_queue(&ch, "unb").await;
+    let x = exchange(&ch, "unb-x", ExchangeKind::Direct, FieldTable::default()).await;
+    let none = uniq("missing");
+    let unbind = |q: String, x: String| {
+        let ch = ch.clone();
+        async move { ch.queue_unbind(q.as_str().into(), x.as_str().into(), "k".into(), FieldTable::default()).await }
+    };
+    t("unbind, no binding", unbind(q.clone(), x.clone())).await.expect("unbind of a binding that does not exist");
+    t("unbind, no exchange", unbind(q.clone(), none.clone())).await.expect("unbind from an exchange that does not exist");
+    t("unbind, no queue", unbind(none.clone(), x.clone())).await.expect("unbind of a queue that does not exist");
+    let opts = ExchangeUnbindOptions::default();
+    t("x unbind, no destination", ch.exchange_unbind(none.as_str().into(), x.as_str().into(), "k".into(), opts, FieldTable::default()))
+        .await
+        .expect("exchange.unbind of a destination that does not exist");
+    // The channel is still open and the existing binding still works and goes.
+    bind(&ch, &q, &x, "k", FieldTable::default()).await;
+    pub_h(&ch, &x, "k", "routed", None).await;
+    assert_eq!(strs(drain(&ch, &q, 10).await), ["routed"]);
+    t("unbind", unbind(q.clone(), x.clone())).await.unwrap();
+    pub_h(&ch, &x, "k", "dropped", None).await;
+    assert!(drain(&ch, &q, 1).await.is_empty(), "routed after the unbind");
+    // The default exchange is still refused.
+    let ch2 = t("channel", c.create_channel()).await.unwrap();
+    let r = ch2.queue_unbind(q.as_str().into(), "".into(), "k".into(), FieldTable::default()).await;
+    assert_code(r, 403, "queue.unbind from the default exchange");
+    t("close", c.close(200, "".into())).await.unwrap();
+}

@@ -157,9 +157,14 @@ pub async fn bind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
     }
 }
 
-/// Removes a binding; a missing binding is not an error (RabbitMQ), missing ends are 404.
+/// Removes a binding. Idempotent, as RabbitMQ has been since 3.2: when the source, the destination or the binding
+/// does not exist there is nothing to remove, and the answer is still unbind-ok (clients'
+/// cleanup paths, aio-pika's among them, rely on it). Only the default exchange is refused.
 pub async fn unbind(s: &Rc<Session>, b: Binding) -> Result<(), AmqpError> {
-    check_ends(s, &b).await?;
+    match check_ends(s, &b).await {
+        Err(e) if e.code == crate::amqp::error::code::NOT_FOUND => return Ok(()),
+        other => other?,
+    }
     s.core.shared.meta.propose(Command::Unbind(b)).await.map_err(meta_error)?;
     Ok(())
 }

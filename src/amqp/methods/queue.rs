@@ -155,8 +155,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Unbind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
-            lookup(s, &binding.dest).await?;
-            unbind(s, binding).await?;
+            // A missing queue has no binding to remove: unbind-ok, as RabbitMQ answers (`unbind`);
+            // another connection's exclusive queue is still 405.
+            match lookup(s, &binding.dest).await {
+                Err(e) if e.code == crate::amqp::error::code::NOT_FOUND => {}
+                Err(e) => return Err(e),
+                Ok(_) => unbind(s, binding).await?,
+            }
             s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
             Ok(())
         }
