@@ -65,6 +65,36 @@ pub fn free_port() -> u16 {
     panic!("no unused loopback port after 1000 tries");
 }
 
+/// How many times a broker log says "ringmq ready" (once per start).
+fn ready_lines(log: &str) -> usize {
+    log.matches("ringmq ready:").count()
+}
+
+/// When a started broker is ready: its AMQP port accepts and its log has a new "ringmq ready"
+/// line (logged once every core listens). The port alone is not enough: the first core's
+/// socket may accept while the second's (SO_REUSEPORT, bound a moment later) does not listen
+/// yet, and a connect hashed to it is refused. With the info line filtered out of the log
+/// (`RINGMQ_LOG`), the port accepting for 1 s in a row counts.
+struct StartWatch {
+    before: usize,
+    accepting_since: Option<Instant>,
+}
+
+impl StartWatch {
+    fn new(before: usize) -> StartWatch {
+        StartWatch { before, accepting_since: None }
+    }
+
+    fn ready(&mut self, addr: SocketAddr, log: &str) -> bool {
+        if !accepts(addr) {
+            self.accepting_since = None;
+            return false;
+        }
+        let since = *self.accepting_since.get_or_insert_with(Instant::now);
+        ready_lines(log) > self.before || since.elapsed() >= Duration::from_secs(1)
+    }
+}
+
 /// True when something listens on `addr`: a TCP connection is established and is not the
 /// kernel's self-connection (connecting to a loopback port in the ephemeral range while
 /// nothing listens there can pick that same port as the source and "connect" to itself,
@@ -174,16 +204,19 @@ impl Broker {
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr);
+        let before = ready_lines(&self.log());
         let child = cmd.spawn().expect("spawn ringmq");
         self.child = Some(child);
-        self.wait_accepting();
+        self.wait_accepting(before);
     }
 
-    /// Wait until the AMQP port accepts a TCP connection (bounded by [`START_TIMEOUT`]).
-    fn wait_accepting(&mut self) {
+    /// Wait until the broker is ready ([`StartWatch`]; bounded by [`START_TIMEOUT`]); `before`:
+    /// the "ringmq ready" lines its log had before this start.
+    fn wait_accepting(&mut self, before: usize) {
         let deadline = Instant::now() + START_TIMEOUT;
+        let mut watch = StartWatch::new(before);
         loop {
-            if accepts(self.addr) {
+            if watch.ready(self.addr, &self.log()) {
                 return;
             }
             if let Some(child) = self.child.as_mut() {
@@ -652,10 +685,12 @@ impl OwnBroker {
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(log);
+        let before = ready_lines(&self.log());
         let mut child = cmd.spawn().map_err(|e| format!("spawn ringmq ({:?}): {e}", self.prefix))?;
         let deadline = Instant::now() + START_TIMEOUT;
+        let mut watch = StartWatch::new(before);
         loop {
-            if accepts(self.addr) {
+            if watch.ready(self.addr, &self.log()) {
                 self.child = Some(child);
                 return Ok(());
             }
