@@ -521,7 +521,7 @@ impl Node {
 /// The directory of a queue's shards: durable queues (not exclusive) under `queues/`, the
 /// others under `transient/` (emptied at every start); see [`Config::queue_dir`].
 pub fn queue_dir(config: &Config, def: &QueueDef) -> PathBuf {
-    config.queue_dir(&def.vhost, &def.name, def.durable && def.exclusive_owner.is_none())
+    config.queue_dir(&def.vhost, &def.name, def.survives_restart())
 }
 
 /// True when a 4 KiB write and fdatasync of a probe file in `dir` succeed (on the blocking

@@ -242,27 +242,22 @@ impl super::node::Node {
         let me = self.shared.meta.node_id();
         let mut live: Vec<NodeId> = links.iter().filter(|(_, up)| *up).map(|(id, _)| *id).chain([me]).collect();
         live.sort_unstable();
-        let mut gone: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
+        let down: Vec<NodeId> = down_since.iter().filter(|(_, t)| now.duration_since(**t) >= DOWN_AFTER).map(|(id, _)| *id).collect();
         // A node the group forgot (`--forget-node`) is gone too, whether its link is known or not.
-        let (voters, topo) = (&figures.voters, self.shared.meta.topology());
-        if !voters.is_empty() {
-            let forgotten = topo.queues.values().map(|q| q.owner_node).filter(|n| !voters.contains(n) && *n != me);
-            gone.extend(forgotten);
-            gone.sort_unstable();
-            gone.dedup();
-            live.retain(|n| voters.contains(n));
-        }
-        if gone.is_empty() {
+        let voters = &figures.voters;
+        let forgotten = |n: NodeId| !voters.is_empty() && !voters.contains(&n) && n != me;
+        live.retain(|n| !forgotten(*n));
+        let topo = self.shared.meta.topology();
+        let orphans: Vec<&crate::meta::QueueDef> =
+            topo.queues.values().filter(|d| is_replicated(d, true) && (down.contains(&d.owner_node) || forgotten(d.owner_node))).collect();
+        if orphans.is_empty() {
             unplaced.clear();
             return;
         }
         let mut still_unplaced = HashSet::new();
         let epochs = self.shared.meta.with_state(|s| s.boot_epochs.clone());
         let mut moves = Vec::new();
-        for def in topo.queues.values() {
-            if !gone.contains(&def.owner_node) || !is_replicated(def, true) {
-                continue;
-            }
+        for def in orphans {
             // Only a live node of its replica set holds its messages.
             let candidates: Vec<NodeId> = live.iter().copied().filter(|n| def.stored_on(*n)).collect();
             if candidates.is_empty() {

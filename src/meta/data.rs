@@ -207,9 +207,7 @@ pub(super) fn missed_queues(old: &MetaState, new: &MetaState, node: NodeId) -> V
     new.topology
         .queues
         .iter()
-        .filter(|(_, q)| {
-            q.durable && q.exclusive_owner.is_none() && q.replicas.len() > 1 && q.replicas.contains(&node) && q.owner_node != node
-        })
+        .filter(|(_, q)| q.survives_restart() && q.replicas.len() > 1 && q.replicas.contains(&node) && q.owner_node != node)
         .filter(|(key, _)| new.next_offsets.get(*key).copied().unwrap_or(0) > old.next_offsets.get(*key).copied().unwrap_or(0))
         .map(|(key, _)| key.clone())
         .collect()

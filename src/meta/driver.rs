@@ -305,12 +305,7 @@ impl Driver {
         let applied = store.snapshot_index();
         shared.replay_to.store(store.hard_state().commit, Ordering::Release);
         if let Some(state) = rec.state {
-            // Nodes that joined after the snapshot are added again by the replay.
-            if let Some(net) = cluster.as_ref().map(|c| &c.net) {
-                for (id, addr) in &state.members {
-                    net.add_peer(*id, addr);
-                }
-            }
+            super::members::add_joined_peers(cluster.as_ref().map(|c| &c.net), &state);
             *shared.state.lock() = state;
         }
         tracing::debug!(node, snapshot_index = applied, log_entries = rec.entries, torn_bytes = rec.torn_bytes, "metadata log replayed");

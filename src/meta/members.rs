@@ -23,11 +23,13 @@
 //!    before replica sets) gets the voters before a join as its set, so a node that joins
 //!    never stores a queue whose earlier messages it lacks.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use raft::eraftpb::{ConfChange, ConfChangeType, Entry};
 
 use super::driver::Driver;
+use super::net::RaftNet;
 use super::state::MetaState;
 use super::topology::NodeId;
 use super::MetaError;
@@ -84,6 +86,17 @@ fn decode_context(ctx: &[u8]) -> (u64, u64, String) {
     (word(&ctx[..8]), word(&ctx[8..16]), String::from_utf8_lossy(&ctx[16..]).into_owned())
 }
 
+/// Hands `net` the address of every node that joined, as recorded in `state`: for a state
+/// loaded from a snapshot, at start or from the leader (the nodes that join later come with
+/// their `AddNode` entries, step 2).
+pub(super) fn add_joined_peers(net: Option<&Arc<dyn RaftNet>>, state: &MetaState) {
+    if let Some(net) = net {
+        for (id, addr) in &state.members {
+            net.add_peer(*id, addr);
+        }
+    }
+}
+
 impl MetaState {
     /// Step 2: records `change` (invariants 1–2), `voters_before` being the voters before it.
     /// Returns true when the topology changed (a replica set did).
@@ -98,7 +111,7 @@ impl MetaState {
                     self.members.insert(*id, addr.clone());
                 }
                 for q in self.topology.queues.values_mut() {
-                    if q.replicas.is_empty() && q.durable && q.exclusive_owner.is_none() && !voters_before.contains(id) {
+                    if q.replicas.is_empty() && q.survives_restart() && !voters_before.contains(id) {
                         q.replicas = voters_before.to_vec();
                         changed = true;
                     }

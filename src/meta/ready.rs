@@ -48,11 +48,7 @@ impl Driver {
                 tracing::info!(index = state.applied_index, "metadata snapshot installed from the leader");
                 self.shared.data.skipped_to(state.applied_index);
                 self.voters = rd.snapshot().get_metadata().get_conf_state().voters.clone();
-                if let Some(net) = &self.net {
-                    for (id, addr) in &state.members {
-                        net.add_peer(*id, addr);
-                    }
-                }
+                super::members::add_joined_peers(self.net.as_ref(), &state);
                 let old = std::mem::replace(&mut *self.shared.state.lock(), state);
                 self.shared.version.fetch_add(1, Ordering::AcqRel);
                 // This node's copies of the queues enqueued to meanwhile lack those messages:

@@ -111,6 +111,12 @@ pub struct QueueDef {
 }
 
 impl QueueDef {
+    /// Durable and not exclusive: the queue survives a restart of its node (an exclusive one
+    /// dies with its connection); in a cluster it is replicated.
+    pub fn survives_restart(&self) -> bool {
+        self.durable && self.exclusive_owner.is_none()
+    }
+
     /// True when `node` stores this queue's replicated messages: it is in the replica set, or
     /// the set is empty (every member).
     pub fn stored_on(&self, node: NodeId) -> bool {

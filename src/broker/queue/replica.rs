@@ -50,7 +50,7 @@ thread_local! {
 /// True when `def` is replicated in a cluster: durable and not exclusive (an exclusive
 /// queue dies with its connection, so with its node).
 pub fn is_replicated(def: &crate::meta::state::QueueDef, cluster: bool) -> bool {
-    cluster && def.durable && def.exclusive_owner.is_none()
+    cluster && def.survives_restart()
 }
 
 /// Most messages proposed in one batch.
