@@ -108,9 +108,8 @@ fn a_killed_queue_node_fails_over_with_every_confirmed_message() {
                 t("basic.ack", d.ack(BasicAckOptions::default())).await.unwrap();
             }
         }
-        // Let the acks and the cursor commit (at most every 20 ms) reach the log: an ack lost
-        // with the node is a redelivery, allowed, and a delivery after the last cursor commit
-        // comes again unflagged (`queue/replica.rs`, step 5), which would blur this check.
+        // Let the acks reach the log: an ack lost with the node is a redelivery, allowed, which
+        // would blur the check of what comes back.
         tokio::time::sleep(Duration::from_millis(500)).await;
 
         let killed = Instant::now();
@@ -161,6 +160,51 @@ fn a_killed_queue_node_fails_over_with_every_confirmed_message() {
         assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", want.difference(&got).count());
         let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
         assert!(unflagged.is_empty(), "delivered before the kill but not redelivered=true after it: {unflagged:?}");
+    });
+}
+
+/// The rule 4 to the letter: the messages a server handed out in its last
+/// milliseconds, with no cursor commit after them, come again redelivered=true from the node
+/// that takes the queue over (the delivery reservation, `queue/replica.rs` step 5).
+#[test]
+fn what_a_killed_server_handed_out_last_comes_again_flagged() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("last-ms");
+        durable_queue(&n1, &q).await;
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let confirmed: BTreeSet<String> = publish_all(&confirming(&n2).await, &q, "m", 300).await.into_iter().collect();
+
+        // A consumer on node 3 takes 200 in one burst; node 1 (the server) dies the moment
+        // the 200th arrives: far sooner than a cursor commit (every 20 ms at most) follows.
+        let n3 = connect_uri(&c.amqp_uri(2)).await;
+        let c3 = channel(&n3).await;
+        t("basic.qos", c3.basic_qos(200, BasicQosOptions::default())).await.unwrap();
+        let mut sub =
+            t("basic.consume", c3.basic_consume(q.as_str().into(), "burst".into(), BasicConsumeOptions::default(), FieldTable::default()))
+                .await
+                .unwrap();
+        let mut held = BTreeSet::new();
+        while held.len() < 200 {
+            let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
+            assert!(!d.redelivered, "first delivery flagged redelivered");
+            held.insert(String::from_utf8_lossy(&d.data).into_owned());
+        }
+        c.kill9(0);
+
+        // Every message is there on a survivor, and each of the 200 comes back flagged.
+        let (got, redelivered) = drain_distinct(&n2, &q, confirmed.len(), Duration::from_secs(60)).await;
+        let lost: Vec<&String> = confirmed.difference(&got).take(10).collect();
+        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
+        let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
+        assert!(
+            unflagged.is_empty(),
+            "{} handed out before the kill but not redelivered=true after it, e.g. {:?}",
+            unflagged.len(),
+            &unflagged[..unflagged.len().min(5)]
+        );
+        eprintln!("flagged {} of 300 ({} handed out before the kill)", redelivered.len(), held.len());
     });
 }
 

@@ -353,8 +353,9 @@ impl Node {
         let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
         let held = read_index(&index).await?;
-        let cursor = self.shared.meta.cursor(&qref.key.vhost, &qref.key.name).unwrap_or(0);
-        Ok((shard, Some(index), Recovered { cursor, held }))
+        let (vhost, name) = (&qref.key.vhost, &qref.key.name);
+        let (cursor, reserved) = self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name)));
+        Ok((shard, Some(index), Recovered { cursor, held, reserved }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {

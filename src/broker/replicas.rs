@@ -11,7 +11,8 @@
 //! 2. Every member compares, whenever the topology changed, whom the metadata names as serving each of its
 //!    replicated queues with what its own copy does; when that changed, the copy is
 //!    reopened from its store in its new role. A member that starts serving opens the queue
-//!    as after a restart: messages below the committed cursor come back redelivered=true.
+//!    as after a restart: messages below the committed cursor come back redelivered=true
+//!    (the move raised it to what the old server had reserved: `queue/replica.rs`, step 5).
 //!    One that stops serving cancels its consumers (basic.cancel to those that announced
 //!    consumer_cancel_notify) and answers waiting publishes "not stored".
 //! 3. A minority side never moves a queue (the move is a Raft proposal) and never confirms

@@ -65,6 +65,7 @@ const TAG_ENQUEUE: u8 = 11;
 const TAG_SETTLE: u8 = 12;
 const TAG_MOVE_QUEUE: u8 = 13;
 const TAG_LEAVE_REPLICA_SET: u8 = 14;
+const TAG_RESERVE: u8 = 15;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -185,6 +186,13 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_str(out, queue);
             put_varint(out, *node);
         }
+        Command::Reserve { vhost, queue, node, until } => {
+            out.push(TAG_RESERVE);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *node);
+            put_varint(out, *until);
+        }
     }
 }
 
@@ -281,6 +289,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             Command::MoveQueue { vhost: r.string()?, queue: r.string()?, from: r.varint()?, to: r.varint()?, to_epoch: r.varint()? }
         }
         TAG_LEAVE_REPLICA_SET => Command::LeaveReplicaSet { vhost: r.string()?, queue: r.string()?, node: r.varint()? },
+        TAG_RESERVE => Command::Reserve { vhost: r.string()?, queue: r.string()?, node: r.varint()?, until: r.varint()? },
         _ => return Err(r.err("unknown command tag")),
     })
 }

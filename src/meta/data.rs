@@ -30,6 +30,14 @@
 //!    messages enqueued in them. It takes itself out of those queues' replica sets
 //!    (`LeaveReplicaSet`, proposed by its driver as it installs the snapshot), so failover
 //!    never makes an incomplete copy the server. The set's last node and the server stay.
+//! 5. The serving node hands out a message only below the queue's *reservation*
+//!    ([`Command::Reserve`], applied only for the node that serves the queue, renewed ahead of
+//!    the deliveries so they never wait for it). `MoveQueue` raises the cursor to the old
+//!    server's reservation, capped at the queue's next offset (the old server applies the
+//!    log in order, so it never held a message enqueued after the move), and the new server
+//!    flags what lies below it redelivered=true: every message a dead server may have handed
+//!    out, plus at most the reserved but undelivered rest (a flag too many, never one too
+//!    few). A `Reserve` proposed by the old server and ordered after the move is refused.
 
 use std::sync::Arc;
 
@@ -66,6 +74,16 @@ pub enum DataOp {
         /// Queue offsets.
         offsets: Vec<u64>,
     },
+    /// Another node serves the queue from this point of the log on (`MoveQueue` applied):
+    /// the old server hands out nothing more (invariant 5), before it applies what follows.
+    Moved {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The node that serves it now.
+        to: NodeId,
+    },
     /// The queue was deleted: its store goes, before any op of a queue declared again
     /// under the name.
     Dropped {
@@ -82,9 +100,10 @@ impl DataOp {
     /// The queue the op is for: (vhost, queue).
     pub fn queue(&self) -> (&str, &str) {
         match self {
-            DataOp::Enqueue { vhost, queue, .. } | DataOp::Settle { vhost, queue, .. } | DataOp::Dropped { vhost, queue, .. } => {
-                (vhost, queue)
-            }
+            DataOp::Enqueue { vhost, queue, .. }
+            | DataOp::Settle { vhost, queue, .. }
+            | DataOp::Moved { vhost, queue, .. }
+            | DataOp::Dropped { vhost, queue, .. } => (vhost, queue),
         }
     }
 }
@@ -213,9 +232,10 @@ pub(super) fn missed_queues(old: &MetaState, new: &MetaState, node: NodeId) -> V
         .collect()
 }
 
-/// Applies `MoveQueue` (invariant 3).
+/// Applies `MoveQueue` (invariants 3 and 5).
 pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: NodeId, to: NodeId, to_epoch: u64) -> Outcome {
-    let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
+    let key = (vhost.to_owned(), queue.to_owned());
+    let Some(def) = st.topology.queues.get_mut(&key) else {
         return Outcome::NotFound;
     };
     // A node outside the replica set holds none of the queue's messages.
@@ -224,7 +244,27 @@ pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: Nod
     }
     def.owner_node = to;
     def.owner_epoch = to_epoch;
+    // What `from` may have handed out: below its reservation, and only what it had applied.
+    let reserved = st.reservations.remove(&key).unwrap_or(0);
+    let tail = st.next_offsets.get(&key).copied().unwrap_or(0);
+    if let Some(cursor) = st.cursors.get_mut(&key) {
+        *cursor = (*cursor).max(reserved.min(tail));
+    }
     Outcome::Moved
+}
+
+/// Applies `Reserve` (invariant 5).
+pub(super) fn reserve(st: &mut MetaState, vhost: &str, queue: &str, node: NodeId, until: u64) -> Outcome {
+    let key = (vhost.to_owned(), queue.to_owned());
+    let Some(def) = st.topology.queues.get(&key) else {
+        return Outcome::NotFound;
+    };
+    if def.owner_node != node {
+        return Outcome::Existed;
+    }
+    let stored = st.reservations.entry(key).or_insert(0);
+    *stored = (*stored).max(until);
+    Outcome::Reserved { until: *stored }
 }
 
 #[cfg(test)]
@@ -332,12 +372,40 @@ mod tests {
     }
 
     #[test]
+    fn a_move_flags_what_the_old_server_had_reserved_up_to_the_tail() {
+        let mut st = declared(&["a"]);
+        let reserve = |node, until| Command::Reserve { vhost: "/".into(), queue: "a".into(), node, until };
+        let mv = |from, to| Command::MoveQueue { vhost: "/".into(), queue: "a".into(), from, to, to_epoch: 2 };
+        assert_eq!(st.apply(&reserve(2, 10)), Outcome::Existed, "only the server reserves");
+        assert_eq!(st.apply(&reserve(1, 10)), Outcome::Reserved { until: 10 });
+        assert_eq!(st.apply(&reserve(1, 4)), Outcome::Reserved { until: 10 }, "a reservation never shrinks");
+        for _ in 0..6 {
+            st.apply(&enqueue("a", b"m"));
+        }
+        // Reserved up to 10, but only offsets 0..6 existed when the queue moved: those are
+        // flagged, and what is enqueued after the move is not.
+        assert_eq!(st.apply(&mv(1, 2)), Outcome::Moved);
+        assert_eq!(st.cursor("/", "a"), Some(6));
+        assert_eq!(st.reservation("/", "a"), 0, "the new server reserves for itself");
+        assert_eq!(st.apply(&reserve(1, 20)), Outcome::Existed, "the old server's late reservation is refused");
+        st.apply(&enqueue("a", b"m"));
+        assert_eq!(st.apply(&reserve(2, 3)), Outcome::Reserved { until: 3 });
+        // A cursor already past the reservation stays.
+        st.apply(&Command::CursorCas { vhost: "/".into(), queue: "a".into(), expected: 6, new: 7 });
+        assert_eq!(st.apply(&mv(2, 1)), Outcome::Moved);
+        assert_eq!(st.cursor("/", "a"), Some(7));
+        st.apply(&Command::DeleteQueue { vhost: "/".into(), name: "a".into() });
+        assert_eq!(st.check_invariants(), Ok(()));
+    }
+
+    #[test]
     fn data_commands_survive_the_codec() {
         let cmds = vec![
             enqueue("a", b"body bytes \x00\xff"),
             Command::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![0, 5, 1 << 40] },
             Command::MoveQueue { vhost: "v".into(), queue: "q".into(), from: 1, to: 3, to_epoch: 9 },
             Command::LeaveReplicaSet { vhost: "v".into(), queue: "q".into(), node: 2 },
+            Command::Reserve { vhost: "v".into(), queue: "q".into(), node: 3, until: 1 << 33 },
         ];
         let mut buf = Vec::new();
         encode_batch(cmds.len(), &cmds, &mut buf);

@@ -76,9 +76,11 @@ fn command() -> impl Strategy<Value = Command> {
         2 => (vhost.clone(), name()).prop_map(|(vhost, name)| Command::DeleteQueue { vhost, name }),
         4 => binding().prop_map(Command::Bind),
         2 => binding().prop_map(Command::Unbind),
-        6 => (vhost, name(), 0u64..4, 0u64..4)
+        6 => (vhost.clone(), name(), 0u64..4, 0u64..4)
             .prop_map(|(vhost, queue, expected, new)| Command::CursorCas { vhost, queue, expected, new }),
         1 => (1u64..3, proptest::option::of(0u64..3)).prop_map(|(node, cluster)| Command::NodeBoot { node, cluster }),
+        1 => (vhost, name(), 1u64..3, 0u64..8)
+            .prop_map(|(vhost, queue, node, until)| Command::Reserve { vhost, queue, node, until }),
     ]
 }
 

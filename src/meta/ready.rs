@@ -317,6 +317,9 @@ fn data_ops(cmds: &[Command], outcomes: &[Outcome], dropped_cores: &[u32]) -> Ve
             (Command::Settle { vhost, queue, offsets }, Outcome::Settled) => {
                 ops.push(DataOp::Settle { vhost: vhost.clone(), queue: queue.clone(), offsets: offsets.clone() })
             }
+            (Command::MoveQueue { vhost, queue, to, .. }, Outcome::Moved) => {
+                ops.push(DataOp::Moved { vhost: vhost.clone(), queue: queue.clone(), to: *to })
+            }
             (Command::DeleteQueue { vhost, name }, o) => {
                 let owner_core = cores.next().copied().unwrap_or(0);
                 if *o == Outcome::Deleted {

@@ -12,7 +12,10 @@
 //!    deleting an object deletes every binding that names it, in either role.
 //! 3. No two bindings are equal (vhost, source, dest_kind, dest, routing_key, arguments).
 //! 4. A cursor only changes through [`Command::CursorCas`] whose `expected` equals the stored
-//!    value (compare-and-set; DESIGN.md, "Cursor writes are conditional").
+//!    value (compare-and-set; DESIGN.md, "Cursor writes are conditional"), and through
+//!    [`Command::MoveQueue`], which raises it over what the old server may have handed out
+//!    (`data.rs`, invariant 5).
+//! 5. Every delivery reservation (`reservations`) belongs to a queue.
 //!
 //! # Where the rest lives
 //! - `topology.rs`: the types the commands carry and [`Topology`] (re-exported here).
@@ -38,7 +41,8 @@ pub struct MetaState {
     /// Vhosts, exchanges, queues, bindings.
     pub topology: Topology,
     /// Shared cursor per queue, by `(vhost, queue)`: the queue offset below which every message
-    /// has been handed out (DESIGN.md, "The ack path", rule 1).
+    /// has been handed out (DESIGN.md, "The ack path", rule 1), or may have been (a move
+    /// raises it to the old server's reservation: `data.rs`, invariant 5).
     #[serde(with = "keyed_cursors")]
     pub cursors: BTreeMap<(String, String), u64>,
     /// Boot epoch per node: 1 after its first boot, +1 on every [`Command::NodeBoot`].
@@ -46,6 +50,10 @@ pub struct MetaState {
     /// Next offset per replicated queue, by `(vhost, queue)` (`data.rs`, invariant 1).
     #[serde(with = "keyed_cursors", default)]
     pub next_offsets: BTreeMap<(String, String), u64>,
+    /// Delivery reservation per replicated queue, by `(vhost, queue)`: the queue offset below
+    /// which its serving node may hand messages out (`data.rs`, invariant 5). Absent: 0.
+    #[serde(with = "keyed_cursors", default)]
+    pub reservations: BTreeMap<(String, String), u64>,
     /// Index of the last Raft entry applied to this state (set by the driver, not by `apply`).
     pub applied_index: u64,
     /// Cluster addresses of the nodes added by a membership change (`members.rs`), by id; the
@@ -157,7 +165,22 @@ pub enum Command {
         /// The node whose copy is incomplete.
         node: NodeId,
     },
-    /// Moves a queue to another node while `from` serves it (`data.rs`, invariant 3)
+    /// Lets the node serving a replicated queue hand out its messages below offset `until`
+    /// (`data.rs`, invariant 5) → `Reserved { until }` (the stored reservation, never lower
+    /// than before) | `Existed` (`node` does not serve the queue: nothing may be handed out)
+    /// | `NotFound`.
+    Reserve {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The node that asks (it must serve the queue).
+        node: NodeId,
+        /// Queue offset: messages below it may be delivered.
+        until: u64,
+    },
+    /// Moves a queue to another node while `from` serves it (`data.rs`, invariant 3); the
+    /// cursor rises to what `from` had reserved, up to the queue's tail (invariant 5)
     /// → `Moved` | `Existed` (not served by `from` any more) | `NotFound`.
     MoveQueue {
         /// Vhost name.
@@ -208,6 +231,11 @@ pub enum Outcome {
     Settled,
     /// `MoveQueue` applied.
     Moved,
+    /// `Reserve` applied: the queue's stored reservation (a queue offset).
+    Reserved {
+        /// Messages below this offset may be delivered by the queue's server.
+        until: u64,
+    },
 }
 
 impl Command {
@@ -215,7 +243,7 @@ impl Command {
     /// read). Cursor writes and no-op outcomes return false.
     pub fn changed_topology(&self, outcome: &Outcome) -> bool {
         match self {
-            Command::CursorCas { .. } | Command::Enqueue { .. } | Command::Settle { .. } => false,
+            Command::CursorCas { .. } | Command::Enqueue { .. } | Command::Settle { .. } | Command::Reserve { .. } => false,
             Command::NodeBoot { .. } => true,
             Command::MoveQueue { .. } | Command::LeaveReplicaSet { .. } => matches!(outcome, Outcome::Moved),
             _ => matches!(outcome, Outcome::Created | Outcome::Deleted),
@@ -284,6 +312,7 @@ impl MetaState {
                 }
                 self.cursors.remove(&key);
                 self.next_offsets.remove(&key);
+                self.reservations.remove(&key);
                 let sources = topo.remove_bindings_where(|b| b.dest_kind == DestKind::Queue && b.vhost == *vhost && b.dest == *name);
                 topo.reap_auto_delete(sources);
                 Outcome::Deleted
@@ -342,6 +371,7 @@ impl MetaState {
                     topo.queues.remove(key);
                     self.cursors.remove(key);
                     self.next_offsets.remove(key);
+                    self.reservations.remove(key);
                 }
                 let gone_exchanges: Vec<(String, String)> =
                     topo.exchanges.iter().filter(|(_, e)| !e.durable && !cluster).map(|(k, _)| k.clone()).collect();
@@ -379,12 +409,18 @@ impl MetaState {
             }
             Command::MoveQueue { vhost, queue, from, to, to_epoch } => super::data::move_queue(self, vhost, queue, *from, *to, *to_epoch),
             Command::LeaveReplicaSet { vhost, queue, node } => super::data::leave_replica_set(self, vhost, queue, *node),
+            Command::Reserve { vhost, queue, node, until } => super::data::reserve(self, vhost, queue, *node, *until),
         }
     }
 
     /// The stored cursor of queue `queue` in `vhost` (a queue offset), if the queue exists.
     pub fn cursor(&self, vhost: &str, queue: &str) -> Option<u64> {
         self.cursors.get(&(vhost.to_owned(), queue.to_owned())).copied()
+    }
+
+    /// The delivery reservation of queue `queue` in `vhost` (a queue offset; 0 when none).
+    pub fn reservation(&self, vhost: &str, queue: &str) -> u64 {
+        self.reservations.get(&(vhost.to_owned(), queue.to_owned())).copied().unwrap_or(0)
     }
 
     /// Checks the invariants of the module doc; returns the first one broken. Used by tests and
@@ -400,6 +436,9 @@ impl MetaState {
             if !topo.queues.contains_key(key) {
                 return Err(format!("cursor {key:?} has no queue"));
             }
+        }
+        if let Some(key) = self.reservations.keys().find(|k| !topo.queues.contains_key(*k)) {
+            return Err(format!("reservation {key:?} has no queue"));
         }
         for ((vhost, name), def) in &topo.exchanges {
             if *vhost != def.vhost || *name != def.name {

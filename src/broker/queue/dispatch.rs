@@ -131,6 +131,11 @@ pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringm
 /// basic.get: claims the next ready message for `holder`.
 pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     let mut q = cell.borrow_mut();
+    if q.ready.peek_next().is_some_and(|head| !q.reserved_for(head)) {
+        // A replicated queue's message past its delivery reservation (`replica.rs`, step 5).
+        q.park_get((no_ack, holder, reply));
+        return;
+    }
     let Some(offset) = q.take_next() else {
         let _ = reply.send(Ok(None));
         return;
@@ -197,6 +202,11 @@ impl Queue {
         let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else {
             return if self.consumers.any_backlogged() { Step::Backlogged } else { Step::Idle };
         };
+        if self.ready.peek_next().is_some_and(|head| !self.reserved_for(head)) {
+            // Past a replicated queue's delivery reservation (`replica.rs`, step 5): woken
+            // when the next one is committed.
+            return Step::Idle;
+        }
         let offset = self.take_next().expect("message_count > 0");
         match self.paged.remove(&offset).or_else(|| self.shard.read_cached(offset)) {
             Some(rec) => {

@@ -84,7 +84,8 @@ pub trait QueueEnv: Mesh {
 }
 
 /// A durable queue's shared cursor: every offset below `committed` has been delivered at
-/// least once, and the Raft metadata says so (committed by compare-and-set).
+/// least once (or, after a replicated queue moved, may have been: `replica.rs`, step 5), and
+/// the Raft metadata says so (committed by compare-and-set).
 #[derive(Debug, Default)]
 pub struct Cursor {
     /// Value stored in the metadata.
@@ -102,6 +103,8 @@ pub struct Recovered {
     pub cursor: u64,
     /// Unacked-index records left by earlier runs: (index offset, record).
     pub held: Vec<(u64, IndexRecord)>,
+    /// A replicated queue's delivery reservation from the metadata (`replica.rs`, step 5).
+    pub reserved: u64,
 }
 
 /// A queue's state. See the module doc.
@@ -207,7 +210,8 @@ impl Queue {
             int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
-        let repl = replica::is_replicated(&def, env.meta().is_cluster()).then(|| Replication::new(def.owner_node == env.meta().node_id()));
+        let repl = replica::is_replicated(&def, env.meta().is_cluster())
+            .then(|| Replication::new(def.owner_node == env.meta().node_id(), recovered.reserved.max(recovered.cursor)));
         let q = Rc::new_cyclic(|me| {
             RefCell::new(Queue {
                 qref,

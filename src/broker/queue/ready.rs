@@ -56,6 +56,11 @@ impl ReadySet {
         }
     }
 
+    /// The offset [`ReadySet::take_next`] would claim, left in place.
+    pub fn peek_next(&self) -> Option<u64> {
+        self.requeued.first().or(self.ready.front()).copied()
+    }
+
     /// Claims the lowest ready offset; with it, when it was sampled and is delivered for
     /// the first time, the instant it was stored.
     pub fn take_next(&mut self) -> Option<(u64, Option<Instant>)> {

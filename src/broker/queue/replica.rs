@@ -22,14 +22,20 @@
 //!    duplicate, never a loss.
 //! 4. A member that knows no metadata leader (a minority side, an election) delivers
 //!    nothing: the majority may move the queue meanwhile.
-//! 5. Deliveries are as for any durable queue: the unacked-index record is synced before a
-//!    delivery leaves, the cursor is committed after, at most every 20 ms. A member that takes
-//!    the queue over flags what lies below the committed cursor; what the dead member handed
-//!    out in its last ≤ 20 ms comes again unflagged. (Committing the cursor before each
-//!    delivery batch closes that window; measured A/B on the 3-node bench it made the
-//!    consumer fall behind the publisher — 17.9-19.8k vs 22.1k msgs/s consumed, e2e p50
-//!    2.4-4.1 s vs 5 ms — with one raft round per batch in series: it waits for a
-//!    pipelined form.)
+//! 5. Deliveries are as for any durable queue (the unacked-index record is synced before a
+//!    delivery leaves, the cursor is committed after, at most every 20 ms), and one more
+//!    rule: the serving member hands out a message only below its *reservation*, an offset
+//!    the log stored for it ([`Command::Reserve`], `meta::data` invariant 5). The
+//!    reservation runs [`Replication::ahead`] offsets past the deliveries and is renewed
+//!    when half of that is used, one proposal in flight, so deliveries wait for it only
+//!    when the renewal is slower than the consumers (then the next reaches twice as far).
+//!    When the queue moves, the cursor rises to the old server's reservation, capped at
+//!    the queue's tail, and the new server flags what lies below it: every message a dead
+//!    server handed out comes again redelivered=true, with at most `ahead` flags too many.
+//!    (Committing the cursor before each delivery batch, in series, was measured to make
+//!    the 3-node bench's consumer fall behind its publisher: 17.9-19.8k vs 22.1k msgs/s.)
+//!    A `Moved` op (the log's move, in log order) stops the old server's deliveries before
+//!    it applies anything enqueued after the move.
 //! 6. Shards are synced lazily (the 1 s tick, and before the log is compacted): the Raft
 //!    log is what a confirm rests on.
 
@@ -38,13 +44,14 @@ use std::time::Instant;
 
 use super::{once_a_second, Queue, QueueCell, REFUSAL_LOGGED};
 use crate::broker::message::Message;
-use crate::broker::ConfirmTo;
+use crate::broker::{ConfirmTo, GetReply, Holder, QueueError, Reply};
 use crate::meta::data::DataOp;
 use crate::meta::state::{Command, Outcome};
 
 thread_local! {
     static SETTLE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
     static APPLY_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    static RESERVE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
 /// True when `def` is replicated in a cluster: durable and not exclusive (an exclusive
@@ -55,6 +62,17 @@ pub fn is_replicated(def: &crate::meta::state::QueueDef, cluster: bool) -> bool 
 
 /// Most messages proposed in one batch.
 const MAX_BATCH: usize = 4096;
+
+/// Shortest reach of a delivery reservation past the deliveries (offsets; step 5): at most
+/// this many undelivered messages come flagged redelivered=true after a failover at low rates.
+pub const MIN_RESERVE_AHEAD: u64 = 256;
+/// Longest reach of a delivery reservation (offsets).
+pub const MAX_RESERVE_AHEAD: u64 = 1 << 16;
+/// A renewal this long after the previous one halves the reach (down to the minimum).
+const RESERVE_DECAY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A basic.get waiting for a reservation: (no_ack, holder, reply).
+type ParkedGet = (bool, Holder, Reply<Result<Option<GetReply>, QueueError>>);
 
 /// A replicated queue's replication state (`None` on [`Queue::repl`] otherwise).
 #[derive(Default)]
@@ -67,21 +85,46 @@ pub struct Replication {
     /// Offsets settled here, waiting to be proposed.
     settles: Vec<u64>,
     settling: bool,
+    /// Step 5: messages below this offset may be handed out (this node's reservation, as
+    /// the log applied it here).
+    reserved: u64,
+    /// How far a new reservation reaches past the deliveries (offsets, between
+    /// [`MIN_RESERVE_AHEAD`] and [`MAX_RESERVE_AHEAD`]).
+    pub ahead: u64,
+    /// A `Reserve` proposal is in flight.
+    reserving: bool,
+    /// Deliveries waited for the reservation in flight (its reach doubled once).
+    stalled: bool,
+    /// When the last renewal was proposed.
+    last_reserve: Option<Instant>,
+    /// basic.get requests waiting for a reservation.
+    gets: Vec<ParkedGet>,
+    /// The log moved the queue to another node: nothing more is handed out here.
+    moved_away: bool,
 }
 
 impl Replication {
-    /// The state of a replicated queue this member serves (`serving`) or only stores.
-    pub fn new(serving: bool) -> Replication {
-        Replication { serving, ..Default::default() }
+    /// The state of a replicated queue this member serves (`serving`) or only stores;
+    /// `reserved`: its reservation in the metadata (a queue offset).
+    pub fn new(serving: bool, reserved: u64) -> Replication {
+        Replication { serving, reserved, ahead: MIN_RESERVE_AHEAD, ..Default::default() }
     }
 
     /// Publishes accepted but not yet proposed: answered "not stored" when the queue goes
-    /// out of service here (the publisher sends them again).
+    /// out of service here (the publisher sends them again); waiting basic.gets are
+    /// answered empty.
     pub(super) fn refuse_waiting(&mut self) {
         for (_, c, _) in self.enqueues.drain(..) {
             if let Some(c) = c {
                 c.answer(false);
             }
+        }
+        self.answer_gets_empty();
+    }
+
+    fn answer_gets_empty(&mut self) {
+        for (_, _, reply) in self.gets.drain(..) {
+            let _ = reply.send(Ok(None));
         }
     }
 }
@@ -169,8 +212,54 @@ impl Queue {
                 q.delete_local(&live);
                 q.wake();
             }
+            DataOp::Moved { to, .. } => {
+                let me = q.env.meta().node_id();
+                if let Some(repl) = q.repl.as_mut().filter(|r| r.serving) {
+                    // In log order: nothing applied after the move is handed out here.
+                    repl.moved_away = to != me;
+                    if repl.moved_away {
+                        repl.answer_gets_empty();
+                    }
+                }
+            }
             // Carried out by the core (it owns the registry).
             DataOp::Dropped { .. } => {}
+        }
+    }
+
+    /// Step 5: true when `offset` may be handed out now — always for a queue that is not
+    /// replicated; for a replicated one only on its server, below its reservation. Renews
+    /// the reservation when half of its reach is used or `offset` is past it.
+    pub(super) fn reserved_for(&mut self, offset: u64) -> bool {
+        let me = self.me.clone();
+        let Some(repl) = &mut self.repl else { return true };
+        if !repl.serving || repl.moved_away {
+            return false;
+        }
+        if offset < repl.reserved {
+            if !repl.reserving && offset + repl.ahead / 2 >= repl.reserved {
+                repl.reserving = true;
+                glommio::spawn_local(reserver(me)).detach();
+            }
+            return true;
+        }
+        if !repl.reserving {
+            repl.reserving = true;
+            glommio::spawn_local(reserver(me)).detach();
+        } else if !repl.stalled {
+            // The renewal was slower than the consumers: reach further next time.
+            repl.stalled = true;
+            repl.ahead = (repl.ahead * 2).min(MAX_RESERVE_AHEAD);
+        }
+        false
+    }
+
+    /// A basic.get whose message lies past the reservation waits for the next one (or is
+    /// answered empty at once where this node cannot hand anything out).
+    pub(super) fn park_get(&mut self, get: ParkedGet) {
+        match &mut self.repl {
+            Some(repl) if repl.serving && !repl.moved_away => repl.gets.push(get),
+            _ => drop(get.2.send(Ok(None))),
         }
     }
 
@@ -238,6 +327,80 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
                 }
             }
         }
+    }
+}
+
+/// Proposes the serving member's next reservation (step 5): `ahead` offsets past the last
+/// delivery or the next ready offset, whichever is higher. Retried while the group cannot
+/// commit it and consumers wait; then wakes the dispatcher and runs the waiting basic.gets.
+async fn reserver(weak: Weak<std::cell::RefCell<Queue>>) {
+    futures_lite::future::yield_now().await;
+    loop {
+        let Some(cell) = weak.upgrade() else { return };
+        let (cmd, meta) = {
+            let mut q = cell.borrow_mut();
+            let from = q.cursor.target.max(q.ready.peek_next().unwrap_or(0));
+            let (vhost, queue) = (q.qref.key.vhost.to_string(), q.qref.key.name.to_string());
+            let meta = q.env.meta().clone();
+            let deleted = q.deleted;
+            let Some(repl) = &mut q.repl else { return };
+            if deleted || !repl.serving || repl.moved_away {
+                repl.reserving = false;
+                repl.answer_gets_empty();
+                return;
+            }
+            let now = Instant::now();
+            if repl.last_reserve.is_some_and(|t| now.duration_since(t) >= RESERVE_DECAY) {
+                repl.ahead = (repl.ahead / 2).max(MIN_RESERVE_AHEAD);
+            }
+            repl.last_reserve = Some(now);
+            (Command::Reserve { vhost, queue, node: meta.node_id(), until: from + repl.ahead }, meta)
+        };
+        drop(cell);
+        let outcome = meta.propose(cmd).await;
+        let Some(cell) = weak.upgrade() else { return };
+        let gets = {
+            let mut q = cell.borrow_mut();
+            let idle = q.consumers.is_empty();
+            let name = q.qref.key.name.clone();
+            let Some(repl) = &mut q.repl else { return };
+            let retry = match outcome {
+                Ok(Outcome::Reserved { until }) => {
+                    repl.reserved = repl.reserved.max(until);
+                    false
+                }
+                // The log says another node serves the queue (or it is gone): hand out nothing.
+                Ok(_) => {
+                    repl.moved_away = true;
+                    false
+                }
+                Err(e) => {
+                    if once_a_second(&RESERVE_FAILURE_LOGGED) {
+                        tracing::warn!(queue = %name, error = %e, "delivery reservation not committed; deliveries wait");
+                    }
+                    repl.answer_gets_empty();
+                    !idle
+                }
+            };
+            if retry {
+                None
+            } else {
+                repl.reserving = false;
+                repl.stalled = false;
+                let gets = std::mem::take(&mut repl.gets);
+                q.wake();
+                Some(gets)
+            }
+        };
+        let Some(gets) = gets else {
+            drop(cell);
+            glommio::timer::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        };
+        for (no_ack, holder, reply) in gets {
+            super::dispatch::basic_get(&cell, no_ack, holder, reply);
+        }
+        return;
     }
 }
 
