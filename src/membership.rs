@@ -9,6 +9,8 @@
 //!   joiner starts from) once node `id` is a voter; at once when it is one already.
 //! - `forget <id>` → `ok` once node `id` is no voter; refused for the answering node itself
 //!   (ask another one).
+//! - `voters` → `ok <v1,v2,…>`: the group's voters, from a node that knows a leader (a node
+//!   waiting for a majority at start asks, so a forgotten one refuses at once).
 //! - Anything else, or a failure → `error <why>`.
 
 use std::net::SocketAddr;
@@ -55,6 +57,10 @@ fn answer(meta: &MetaHandle, from: NodeId, request: &str) -> String {
             }
             Err(_) => Err(format!("bad forget request {request:?}: expected 'forget <id>'")),
         },
+        ["voters"] => match meta.leader_id() {
+            Some(_) => Ok(format!("ok {}", voters().iter().map(u64::to_string).collect::<Vec<_>>().join(","))),
+            None => Err("no metadata leader known here".to_string()),
+        },
         _ => Err(format!("unknown admin request {request:?}")),
     };
     result.unwrap_or_else(|why| format!("error {why}"))
@@ -86,6 +92,16 @@ fn ask_peers(config: &Config, me: NodeId, skip: NodeId, request: &str, limit: Du
         std::thread::sleep(RETRY_PAUSE);
         errors.clear();
     }
+}
+
+/// The voters the first node of `peers` (but `me`) that knows a metadata leader names; one
+/// round, a few seconds per node at most. `None` when none answered.
+pub fn voters_named_by_peers(peers: &std::collections::BTreeMap<NodeId, SocketAddr>, me: NodeId) -> Option<Vec<NodeId>> {
+    peers.iter().filter(|(&id, _)| id != me).find_map(|(&id, &addr)| {
+        let reply = admin_request(addr, me, id, b"voters", Duration::from_secs(3)).ok()?;
+        let list = String::from_utf8_lossy(&reply).strip_prefix("ok")?.trim().to_string();
+        Some(list.split(',').filter_map(|v| v.trim().parse().ok()).collect())
+    })
 }
 
 /// `--join`: asks the other nodes of `--peers` to add this node, until one has (bounded by

@@ -436,6 +436,16 @@ fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
         assert!(out.status.success(), "--forget-node 3 failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
         assert!(stdout.contains("node 3 is no longer a member"), "{stdout}");
         wait_members(&c, &[0, 1, four], 3.0).await;
+        // Started again on its old data dir, node 3 learns from the others that it is no
+        // member and refuses at once (not after the 5-minute start timeout).
+        c.spawn(2);
+        let deadline = Instant::now() + Duration::from_secs(45);
+        while c.is_running(2) {
+            assert!(Instant::now() < deadline, "the forgotten node 3 still runs 45 s after its start");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(c.log(2).contains("node 3 is not a member of the cluster"), "node 3's log does not say why it stopped");
+        eprintln!("the forgotten node refused {} ms after its start", (Instant::now() + Duration::from_secs(45) - deadline).as_millis());
 
         // Three voters now: with node 2 gone as well, nodes 1 and 4 are a majority and confirm.
         c.kill9(1);

@@ -99,6 +99,7 @@ impl MetaHandle {
         }
         let counters = Arc::new(Counters::default());
         let shared = Arc::new(Shared::new(node, cluster.is_some(), counters.clone()));
+        let net = cluster.as_ref().map(|c| c.net.clone());
         let NetInboxRx { tx, rx, reports } = inbox;
         let (init_tx, init_rx) = flume::bounded::<Result<(), MetaError>>(1);
         let dir = dir.to_owned();
@@ -139,7 +140,7 @@ impl MetaHandle {
                 return Err(MetaError::Failed("metadata thread exited during start".into()));
             }
         }
-        match handle.boot(wait) {
+        match handle.boot(wait, net.as_deref()) {
             Ok(epoch) => {
                 handle.shared.boot_epoch.store(epoch, Ordering::Release);
                 tracing::info!(node, epoch, "metadata group started");
@@ -157,8 +158,9 @@ impl MetaHandle {
     /// attempt, so however many copies are applied (a timed-out attempt applied late, a copy
     /// re-sent after a leader change) the boot counts once. (Only this node proposes its own
     /// boot, and it applied its last one before serving, so its own log, applied here first,
-    /// has the latest epoch.)
-    fn boot(&self, wait: Duration) -> Result<u64, MetaError> {
+    /// has the latest epoch.) While no quorum answers, a cluster node asks the others whom
+    /// the group counts (`net`): [`MetaError::NotAMember`] when that leaves it out.
+    fn boot(&self, wait: Duration, net: Option<&dyn super::RaftNet>) -> Result<u64, MetaError> {
         let node = self.shared.node;
         // The epoch this node booted from is in its own log: read it once the log is applied
         // (the driver opened with the snapshot's state only).
@@ -181,6 +183,11 @@ impl MetaHandle {
                     };
                 }
                 Err(MetaError::NoQuorum { .. }) if Instant::now() < deadline => {
+                    if let Some(voters) = net.and_then(|n| n.voters_elsewhere()) {
+                        if !voters.is_empty() && !voters.contains(&node) {
+                            return Err(MetaError::NotAMember { node, voters });
+                        }
+                    }
                     if last_log.elapsed() >= Duration::from_secs(5) {
                         let f = self.cluster_figures();
                         tracing::warn!(node, voters = ?f.voters, leader = f.leader, "waiting for a majority of the metadata group to answer");

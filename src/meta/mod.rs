@@ -167,8 +167,9 @@ pub enum MetaError {
         given: Vec<NodeId>,
     },
     /// This node's data directory belongs to a cluster whose voters no longer include it
-    /// (it was forgotten): it must not vote or serve with that state.
-    #[error("node {node} is not a member of the cluster in this data directory (voters {voters:?}): it was removed; start it from an empty data directory with --join to add it again")]
+    /// (it was forgotten: its own log says so, or a running node did at start): it must not
+    /// vote or serve with that state.
+    #[error("node {node} is not a member of the cluster (voters {voters:?}): it was removed (--forget-node); start it from an empty data directory with --join, under a new --node-id, to add it again")]
     NotAMember {
         /// This node.
         node: NodeId,

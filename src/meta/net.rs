@@ -29,6 +29,14 @@ pub trait RaftNet: Send + Sync {
     fn add_peer(&self, id: NodeId, addr: &str) {
         let _ = (id, addr);
     }
+
+    /// The voters a running node that knows a leader names, asked over the network (blocks
+    /// for a few seconds at most); `None` when none answered. Asked while this node waits
+    /// for a majority at start: a node the group removed (`--forget-node`) learns so at once
+    /// instead of waiting out the start timeout. The default knows nothing.
+    fn voters_elsewhere(&self) -> Option<Vec<NodeId>> {
+        None
+    }
 }
 
 /// A cluster's shape as the metadata group sees it.

@@ -288,7 +288,8 @@ impl Cluster {
         format!("{note}{}", lines[skip..].join("\n"))
     }
 
-    fn spawn(&mut self, i: usize) {
+    /// Starts node `i`'s process on its data dir and ports, without waiting for it.
+    pub fn spawn(&mut self, i: usize) {
         let (peers, own_args) = match &self.nodes[i].own {
             Some((peers, args)) => (peers.clone(), args.clone()),
             None => (self.peers.clone(), Vec::new()),
