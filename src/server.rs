@@ -80,6 +80,14 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
             self.0.send_all(msgs);
         }
 
+        fn retain_peers(&self, voters: &[u64]) {
+            for p in self.0.peers() {
+                if !voters.contains(&p.id) {
+                    self.0.remove_peer(p.id);
+                }
+            }
+        }
+
         fn voters_elsewhere(&self) -> Option<Vec<u64>> {
             crate::membership::voters_named_by_peers(&self.1, self.0.me())
         }

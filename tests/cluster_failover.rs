@@ -436,6 +436,10 @@ fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
         assert!(out.status.success(), "--forget-node 3 failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
         assert!(stdout.contains("node 3 is no longer a member"), "{stdout}");
         wait_members(&c, &[0, 1, four], 3.0).await;
+        // The others stop dialing it: it leaves their peer list.
+        for i in [0, 1, four] {
+            assert_eq!(c.metric(i, "ringmq_cluster_peer_up", Some(("peer", "3"))), None, "node {} still lists the forgotten node 3", i + 1);
+        }
         // Started again on its old data dir, node 3 learns from the others that it is no
         // member and refuses at once (not after the 5-minute start timeout).
         c.spawn(2);

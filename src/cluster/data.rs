@@ -197,7 +197,7 @@ impl DataLink {
 /// The data-lane writer of peer `id`: keeps one connection up and writes what `rx` holds,
 /// as the raft-lane writer does.
 pub(super) fn run_data_writer(shared: Arc<Shared>, id: NodeId, rx: flume::Receiver<Queued>) {
-    let peer = shared.peer(id);
+    let Some(peer) = shared.find_peer(id) else { return };
     let link = &peer.data;
     let mut down_logged = false;
     let mut batch = Vec::with_capacity(BATCH_CAPACITY);

@@ -100,7 +100,10 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
             replace_raft_lane(shared, from, &registered);
             None
         }
-        Lane::Data => Some(shared.peer(from).data.accepted(shared, from, registered.id)),
+        Lane::Data => match shared.find_peer(from) {
+            Some(peer) => Some(peer.data.accepted(shared, from, registered.id)),
+            None => return, // removed since its offer was read
+        },
         Lane::Snapshot | Lane::Admin => None,
     };
     // `live` is set for a data lane only.
@@ -124,7 +127,7 @@ fn serve(shared: &Shared, stream: TcpStream, addr: SocketAddr) {
     };
     let current = match hello.lane {
         Lane::Raft => release_raft_lane(shared, from, registered.id),
-        Lane::Data => shared.peer(from).data.released(shared, from, registered.id),
+        Lane::Data => shared.find_peer(from).is_none_or(|peer| peer.data.released(shared, from, registered.id)),
         Lane::Snapshot | Lane::Admin => true,
     };
     if !current {
@@ -265,6 +268,9 @@ fn check_addressed(shared: &Shared, msg: &Message, from: NodeId) -> Result<(), L
             "{:?} from {} to {} on the lane from node {from} to node {}",
             msg.msg_type, msg.from, msg.to, shared.me
         )));
+    }
+    if shared.find_peer(from).is_none() {
+        return Err(LinkError::Protocol(format!("raft message from node {from}, which is no peer (removed)")));
     }
     Ok(())
 }

@@ -104,7 +104,8 @@ pub(super) fn dial_until_up<'a>(
         Lane::Admin => "admin",
     };
     let mut backoff = MIN_BACKOFF;
-    while !shared.stop.is_set() {
+    // A peer removed at run time (`Transport::remove_peer`) is not dialed again.
+    while !shared.stop.is_set() && shared.find_peer(to).is_some() {
         before_each();
         match dial(shared, to, addr, lane) {
             Ok(conn) => return Some(conn),

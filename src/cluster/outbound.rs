@@ -48,7 +48,8 @@ pub(super) fn next<T>(shared: &Shared, rx: &flume::Receiver<T>, timeout: Duratio
 /// The raft-lane writer of peer `id`: keeps one connection up (reconnecting with backoff on
 /// its own thread, so `send` never waits on a connect) and writes what `rx` holds.
 pub(super) fn run_raft_writer(shared: std::sync::Arc<Shared>, id: NodeId, rx: flume::Receiver<Message>) {
-    let peer = &*shared.peer(id);
+    let Some(peer) = shared.find_peer(id) else { return };
+    let peer = &*peer;
     // Whether "down" was logged since the last "up" (one info line per transition).
     let mut down_logged = false;
     let mut batch = Vec::with_capacity(BATCH_CAPACITY);
@@ -90,6 +91,8 @@ fn pump(shared: &Shared, peer: &Peer, rx: &flume::Receiver<Message>, stream: &Tc
     loop {
         let first = match next(shared, rx, IDLE_CHECK) {
             Wake::Stop => return Ok(()),
+            // A peer removed at run time: the lane ends (its writer with it).
+            Wake::Idle if shared.find_peer(peer.id).is_none() => return Ok(()),
             Wake::Idle => {
                 link::check_open(stream)?;
                 continue;
@@ -135,11 +138,14 @@ fn encode(shared: &Shared, peer: &Peer, msg: &Message, batch: &mut Vec<u8>) -> u
 /// The snapshot sender of peer `id`: sends each queued `MsgSnapshot` on a connection of its
 /// own and reports it exactly once (invariant 2). Shutdown fails whatever is left queued.
 pub(super) fn run_snapshot_sender(shared: std::sync::Arc<Shared>, id: NodeId, rx: flume::Receiver<Message>) {
-    let peer = &*shared.peer(id);
+    let Some(peer) = shared.find_peer(id) else { return };
+    let peer = &*peer;
     let mut seq = 0u64;
     loop {
-        let msg = match next(&shared, &rx, Duration::from_secs(3600)) {
+        let msg = match next(&shared, &rx, Duration::from_secs(60)) {
             Wake::Msg(msg) => msg,
+            // A peer removed at run time: this thread ends.
+            Wake::Idle if shared.find_peer(id).is_none() => break,
             Wake::Idle => continue,
             Wake::Stop => break,
         };

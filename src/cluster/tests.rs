@@ -474,5 +474,14 @@ fn a_peer_added_at_run_time_links_up_and_a_stranger_may_only_ask_on_the_admin_la
     n1.t.send(heartbeat(1, 3, 2));
     assert_eq!(n3.inbox.recv_timeout(WAIT).expect("node 1's heartbeat to node 3").from, 1);
     assert!(n1.t.peers().iter().any(|p| p.id == 3 && p.addr == addrs[2]));
+    // Removed again (the group forgot it): no longer listed, sent to, or let in.
+    assert!(n1.t.remove_peer(3));
+    assert!(!n1.t.remove_peer(3), "a second remove is no change");
+    assert!(n1.t.peers().iter().all(|p| p.id != 3), "a removed peer is still listed");
+    n1.t.send(heartbeat(1, 3, 3));
+    assert!(n3.inbox.recv_timeout(Duration::from_millis(300)).is_err(), "a message reached a removed peer");
+    n3.t.send(heartbeat(3, 1, 4));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(n1.inbox.try_iter().all(|m| m.from != 3), "a removed peer's raft message was taken");
     drop(n2);
 }

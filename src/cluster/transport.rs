@@ -105,12 +105,7 @@ impl Shared {
         (self.on_report)(report);
     }
 
-    /// Peer `id`, which must be one (peers are only ever added).
-    pub(super) fn peer(&self, id: NodeId) -> Arc<Peer> {
-        self.peers.read()[&id].clone()
-    }
-
-    /// Peer `id`, if it is one.
+    /// Peer `id`, if it is one (a peer removed at run time is none).
     pub(super) fn find_peer(&self, id: NodeId) -> Option<Arc<Peer>> {
         self.peers.read().get(&id).cloned()
     }
@@ -339,6 +334,18 @@ impl Transport {
         self.start_peer(id, addr)?;
         info!(peer = id, %addr, "cluster: peer added");
         Ok(true)
+    }
+
+    /// Stops talking to peer `id` (a node the group removed): it leaves [`Transport::peers`]
+    /// at once, nothing more is sent to it or dialed, its raft messages are refused (the lane
+    /// closes), and connections it opens are refused (but on the admin lane). Returns false
+    /// when it was no peer.
+    pub fn remove_peer(&self, id: NodeId) -> bool {
+        let removed = self.shared.peers.write().remove(&id).is_some();
+        if removed {
+            info!(peer = id, "cluster: peer removed");
+        }
+        removed
     }
 
     /// Sets what answers admin requests (`Lane::Admin`, [`super::OnAdmin`]); until then they

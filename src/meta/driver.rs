@@ -304,9 +304,16 @@ impl Driver {
         let voters = wanted;
         let applied = store.snapshot_index();
         shared.replay_to.store(store.hard_state().commit, Ordering::Release);
-        if let Some(state) = rec.state {
-            super::members::add_joined_peers(cluster.as_ref().map(|c| &c.net), &state);
-            *shared.state.lock() = state;
+        // The transport talks to the group's voters and the nodes that joined; a node that
+        // joins is no voter yet and learns the removals from the log.
+        let net = cluster.as_ref().map(|c| &c.net);
+        let keep = (!joining).then_some(voters.as_slice());
+        match rec.state {
+            Some(state) => {
+                super::members::sync_peers(net, &state, keep);
+                *shared.state.lock() = state;
+            }
+            None => super::members::sync_peers(net, &super::state::MetaState::default(), keep),
         }
         tracing::debug!(node, snapshot_index = applied, log_entries = rec.entries, torn_bytes = rec.torn_bytes, "metadata log replayed");
         let config = Config {

@@ -86,13 +86,17 @@ fn decode_context(ctx: &[u8]) -> (u64, u64, String) {
     (word(&ctx[..8]), word(&ctx[8..16]), String::from_utf8_lossy(&ctx[16..]).into_owned())
 }
 
-/// Hands `net` the address of every node that joined, as recorded in `state`: for a state
-/// loaded from a snapshot, at start or from the leader (the nodes that join later come with
-/// their `AddNode` entries, step 2).
-pub(super) fn add_joined_peers(net: Option<&Arc<dyn RaftNet>>, state: &MetaState) {
+/// Hands `net` the address of every node that joined, as recorded in `state`, and drops the
+/// peers that are no `voters` (removed): for a state loaded from a snapshot, at start or from
+/// the leader (the changes after it come with their entries, step 2). `voters` is `None` for
+/// a node that joins and is no voter yet (it learns the removals from the log).
+pub(super) fn sync_peers(net: Option<&Arc<dyn RaftNet>>, state: &MetaState, voters: Option<&[NodeId]>) {
     if let Some(net) = net {
         for (id, addr) in &state.members {
             net.add_peer(*id, addr);
+        }
+        if let Some(voters) = voters {
+            net.retain_peers(voters);
         }
     }
 }
@@ -175,10 +179,13 @@ impl Driver {
             MemberChange::Add { .. } => tracing::info!(node = id, %addr, "a node joined the cluster"),
             MemberChange::Remove { .. } => tracing::info!(node = id, "a node left the cluster (forgotten)"),
         }
-        if let (MemberChange::Add { .. }, Some(net)) = (&change, &self.net) {
-            if !addr.is_empty() {
-                net.add_peer(id, &addr);
+        match (&change, &self.net) {
+            (MemberChange::Add { .. }, Some(net)) if !addr.is_empty() => net.add_peer(id, &addr),
+            (MemberChange::Remove { .. }, Some(net)) => {
+                let voters: Vec<NodeId> = voters_before.iter().copied().filter(|v| *v != id).collect();
+                net.retain_peers(&voters);
             }
+            _ => {}
         }
         // The joiner learns the group from the log when it starts at index 1; past a
         // compaction it is sent the snapshot, which must be taken after this entry (raft-rs

@@ -30,6 +30,13 @@ pub trait RaftNet: Send + Sync {
         let _ = (id, addr);
     }
 
+    /// The group's voters are `voters`: stop talking to the peers that are none (nodes the
+    /// group removed; `members.rs`). Called on the driver thread at start, on a snapshot from
+    /// the leader and after a removal applies; must not block. The default does nothing.
+    fn retain_peers(&self, voters: &[NodeId]) {
+        let _ = voters;
+    }
+
     /// The voters a running node that knows a leader names, asked over the network (blocks
     /// for a few seconds at most); `None` when none answered. Asked while this node waits
     /// for a majority at start: a node the group removed (`--forget-node`) learns so at once

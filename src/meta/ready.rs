@@ -48,7 +48,7 @@ impl Driver {
                 tracing::info!(index = state.applied_index, "metadata snapshot installed from the leader");
                 self.shared.data.skipped_to(state.applied_index);
                 self.voters = rd.snapshot().get_metadata().get_conf_state().voters.clone();
-                super::members::add_joined_peers(self.net.as_ref(), &state);
+                super::members::sync_peers(self.net.as_ref(), &state, Some(&self.voters));
                 let old = std::mem::replace(&mut *self.shared.state.lock(), state);
                 self.shared.version.fetch_add(1, Ordering::AcqRel);
                 // This node's copies of the queues enqueued to meanwhile lack those messages:
