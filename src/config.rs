@@ -27,9 +27,10 @@ use serde::Deserialize;
 #[derive(Parser, Debug, Default)]
 #[command(name = "ringmq", version, about = "ringmq: an AMQP 0-9-1 broker (io_uring, thread-per-core)")]
 pub struct Cli {
-    /// AMQP listen address [default: 127.0.0.1:5672]
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub listen: Option<SocketAddr>,
+    /// AMQP listen address; give it more than once to listen on several (e.g. `0.0.0.0:5672`
+    /// and `[::]:5672`) [default: 127.0.0.1:5672 and [::1]:5672, loopback in both families]
+    #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
+    pub listen: Vec<SocketAddr>,
     /// Data directory (metadata and queue segments) [default: ./data]
     #[arg(long, value_name = "PATH")]
     pub data_dir: Option<PathBuf>,
@@ -125,11 +126,24 @@ pub struct User {
 /// 140k to 84k msgs/s. Turn it on where the broker has its cores to itself.
 pub const DEFAULT_SPIN_BEFORE_PARK_US: u64 = 0;
 
+/// `listen` in the TOML file: one address, or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(SocketAddr),
+    Many(Vec<SocketAddr>),
+}
+
+/// The default AMQP listen addresses: loopback in both families, as RabbitMQ's default
+/// listener (`localhost` resolves to ::1 first for Node and some other clients). The IPv6 one
+/// is skipped, with a warning, where the host has no ::1.
+pub const DEFAULT_LISTEN: [&str; 2] = ["127.0.0.1:5672", "[::1]:5672"];
+
 /// The TOML file's shape: every field optional.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileConfig {
-    listen: Option<SocketAddr>,
+    listen: Option<OneOrMany>,
     data_dir: Option<PathBuf>,
     cores: Option<u32>,
     metrics_listen: Option<SocketAddr>,
@@ -154,8 +168,10 @@ struct FileConfig {
 /// Effective configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// AMQP listen address.
-    pub listen: SocketAddr,
+    /// AMQP listen addresses (at least one; [`DEFAULT_LISTEN`] unless given).
+    pub listen: Vec<SocketAddr>,
+    /// `listen` is [`DEFAULT_LISTEN`]: an address the host lacks (no ::1) is skipped.
+    pub listen_is_default: bool,
     /// Data directory.
     pub data_dir: PathBuf,
     /// Executors.
@@ -250,8 +266,17 @@ impl Config {
             (None, Some(table)) => collect_peers(table.iter().map(|(id, addr)| peer_entry(id, addr)))?,
             (None, None) => BTreeMap::new(),
         };
+        let listen = match (cli.listen, file.listen) {
+            (given, _) if !given.is_empty() => given,
+            (_, Some(OneOrMany::One(a))) => vec![a],
+            (_, Some(OneOrMany::Many(list))) if !list.is_empty() => list,
+            (_, Some(OneOrMany::Many(_))) => return Err(ConfigError::Invalid("listen is an empty list: give at least one address".into())),
+            (_, None) => Vec::new(),
+        };
+        let listen_is_default = listen.is_empty();
         let mut c = Config {
-            listen: cli.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:5672".parse().expect("literal")),
+            listen: if listen_is_default { DEFAULT_LISTEN.iter().map(|a| a.parse().expect("literal")).collect() } else { listen },
+            listen_is_default,
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
@@ -325,8 +350,8 @@ impl Config {
             Some(addr) => addr,
             None => own,
         };
-        if same_socket(cluster, self.listen) {
-            return invalid(format!("the cluster address {cluster} is also the AMQP listen address {}", self.listen));
+        if let Some(amqp) = self.listen.iter().find(|a| same_socket(cluster, **a)) {
+            return invalid(format!("the cluster address {cluster} is also the AMQP listen address {amqp}"));
         }
         if same_socket(cluster, self.metrics_listen) {
             return invalid(format!("the cluster address {cluster} is also the metrics listen address {}", self.metrics_listen));
@@ -462,6 +487,22 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn amqp_listens_on_loopback_in_both_families_unless_told_otherwise() {
+        let c = load(&[], "").unwrap();
+        assert_eq!((c.listen.clone(), c.listen_is_default), (vec![addr("127.0.0.1:5672"), addr("[::1]:5672")], true));
+        // The flag, once or more, replaces the defaults (and the file).
+        let c = load(&["--listen", "0.0.0.0:5680"], "listen = \"127.0.0.1:1\"").unwrap();
+        assert_eq!((c.listen.clone(), c.listen_is_default), (vec![addr("0.0.0.0:5680")], false));
+        let c = load(&["--listen", "0.0.0.0:5680", "--listen", "[::]:5680"], "").unwrap();
+        assert_eq!(c.listen, vec![addr("0.0.0.0:5680"), addr("[::]:5680")]);
+        // The file: one address, or a list.
+        assert_eq!(load(&[], "listen = \"10.0.0.1:5672\"").unwrap().listen, vec![addr("10.0.0.1:5672")]);
+        let c = load(&[], "listen = [\"10.0.0.1:5672\", \"[fd00::1]:5672\"]").unwrap();
+        assert_eq!(c.listen, vec![addr("10.0.0.1:5672"), addr("[fd00::1]:5672")]);
+        assert!(refused(&[], "listen = []").contains("at least one address"));
     }
 
     #[test]

@@ -116,6 +116,25 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
     Ok((meta, Some(ClusterParts { transport, slot })))
 }
 
+/// The AMQP addresses to bind, once each is free: `config.listen`, but for a default address
+/// the host does not have (IPv6 disabled: no ::1), skipped with a warning.
+///
+/// # Errors
+/// An address still taken after 10 s, or one that cannot be bound (given explicitly).
+fn listen_addrs(config: &Config) -> std::io::Result<Vec<std::net::SocketAddr>> {
+    let mut out = Vec::new();
+    for &addr in &config.listen {
+        match accept::wait_port_free(addr) {
+            Ok(()) => out.push(addr),
+            Err(e) if config.listen_is_default && addr.is_ipv6() && e.kind() != std::io::ErrorKind::AddrInUse => {
+                tracing::warn!(%addr, error = %e, "not listening on the IPv6 loopback (this host has none); IPv4 only");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 /// Runs the broker: starts `config.cores` executors and blocks until they stop.
 ///
 /// `shutdown` fires when the process should stop (SIGINT/SIGTERM): every core then closes
@@ -130,7 +149,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
 /// monitor cannot start.
 pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts>, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
     let cores = config.cores.max(1);
-    accept::wait_port_free(config.listen)?;
+    let listen = listen_addrs(&config)?;
     let (inboxes, receivers) = mesh::Inboxes::<NodeMsg>::new(cores);
     let alarms = Arc::new(Alarms::new(config.disk_free_limit));
     let (soft_before, soft, hard) = alarms::raise_fd_limit();
@@ -171,7 +190,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             let alarms = shared.alarms.clone();
             Arc::new(move |peer| alarms.admit(peer))
         };
-        per_core.push(Some((rx, accept::listen(i as u32, config.listen, admit)?)));
+        per_core.push(Some((rx, accept::listen(i as u32, &listen, admit)?)));
     }
     let per_core = Mutex::new(per_core);
     let rt = Runtime { cores, spin_before_park_us: config.spin_before_park_us };
@@ -188,7 +207,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     };
     tracing::info!(
         "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, metrics on http://{}/metrics",
-        config.listen,
+        listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "),
         cores,
         if cores == 1 { "" } else { "s" },
         config.data_dir.display(),

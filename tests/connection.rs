@@ -25,6 +25,33 @@ async fn plain_login_and_channel_roundtrip() {
     t("close", c.close(200, "bye".into())).await.unwrap();
 }
 
+/// Listening in both families (`--listen` twice, as the default does on loopback): a client
+/// that resolves `localhost` to ::1 (Node's amqplib does) reaches the same broker as one on
+/// 127.0.0.1, and guest counts as a loopback user there too.
+#[tokio::test]
+async fn one_broker_answers_on_ipv4_and_ipv6_loopback() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("skipped: this host has no IPv6 loopback");
+        return;
+    }
+    let b = Broker::start_with_args(&["--listen", "[::1]:{port}"]);
+    if b.is_external() {
+        return;
+    }
+    let v4 = connect_uri(&b.uri()).await;
+    let v6 = connect_uri(&format!("amqp://guest:guest@[::1]:{}/%2f", b.port())).await;
+    let q = uniq("both-families");
+    let ch6 = t("channel.open", v6.create_channel()).await.unwrap();
+    t("declare", ch6.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())).await.unwrap();
+    t("publish", ch6.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"over ::1", BasicProperties::default()))
+        .await
+        .unwrap();
+    let ch4 = t("channel.open", v4.create_channel()).await.unwrap();
+    let got = t("basic.get", ch4.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })).await.unwrap();
+    assert_eq!(got.map(|m| m.delivery.data), Some(b"over ::1".to_vec()), "the message published over ::1, got over 127.0.0.1");
+    assert!(b.log().contains(&format!("[::1]:{}", b.port())), "the ready line names the IPv6 address");
+}
+
 #[tokio::test]
 async fn amqplain_login() {
     let b = Broker::start();

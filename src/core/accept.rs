@@ -50,41 +50,49 @@ pub fn wait_port_free(addr: SocketAddr) -> std::io::Result<()> {
     }
 }
 
-/// Binds core `core`'s listening socket on `addr` (SO_REUSEADDR, SO_REUSEPORT, backlog
-/// 1,024) and starts its accept thread `ringmq-accept-{core}`, which hands each accepted,
-/// non-blocking connection that `admit` keeps to the returned channel.
+/// Binds core `core`'s listening sockets, one per address of `addrs` (SO_REUSEADDR,
+/// SO_REUSEPORT, backlog 1,024; an IPv6 socket is IPv6-only when `addrs` also has an IPv4
+/// address on its port, so `0.0.0.0:5672` and `[::]:5672` go together), and starts an accept
+/// thread `ringmq-accept-{core}` per socket, which hands each accepted, non-blocking
+/// connection that `admit` keeps to the returned channel.
 ///
 /// # Errors
-/// When the socket cannot be bound or the thread cannot start.
-pub fn listen(core: u32, addr: SocketAddr, admit: Admit) -> std::io::Result<flume::Receiver<TcpStream>> {
+/// When a socket cannot be bound (the error names the address) or a thread cannot start.
+pub fn listen(core: u32, addrs: &[SocketAddr], admit: Admit) -> std::io::Result<flume::Receiver<TcpStream>> {
     use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(1024)?;
-    let listener: TcpListener = socket.into();
     let (tx, rx) = flume::unbounded();
-    std::thread::Builder::new().name(format!("ringmq-accept-{core}")).spawn(move || loop {
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                if !admit(peer) {
-                    drop(stream);
-                    continue;
-                }
-                if stream.set_nonblocking(true).is_err() {
-                    continue;
-                }
-                if tx.send(stream).is_err() {
-                    return;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+    for &addr in addrs {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        socket.set_reuse_address(true)?;
+        socket.set_reuse_port(true)?;
+        if addr.is_ipv6() && addrs.iter().any(|a| a.is_ipv4() && a.port() == addr.port()) {
+            socket.set_only_v6(true)?;
         }
-    })?;
+        socket.bind(&addr.into()).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+        socket.listen(1024)?;
+        let listener: TcpListener = socket.into();
+        let (tx, admit) = (tx.clone(), admit.clone());
+        std::thread::Builder::new().name(format!("ringmq-accept-{core}")).spawn(move || loop {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    if !admit(peer) {
+                        drop(stream);
+                        continue;
+                    }
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if tx.send(stream).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        })?;
+    }
     Ok(rx)
 }
 

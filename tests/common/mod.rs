@@ -124,7 +124,8 @@ impl Broker {
         Self::start_with_args(&[])
     }
 
-    /// Like [`Broker::start`] with extra flags for ringmq (ignored for an external broker).
+    /// Like [`Broker::start`] with extra flags for ringmq (ignored for an external broker);
+    /// `{port}` in a flag becomes the broker's AMQP port.
     pub fn start_with_args(extra: &[&str]) -> Broker {
         if let Ok(ext) = std::env::var("RINGMQ_TEST_BROKER") {
             let addr = ext
@@ -200,7 +201,7 @@ impl Broker {
             .arg(format!("127.0.0.1:{}", self.metrics_port))
             .arg("--cores")
             .arg("2")
-            .args(&self.extra_args)
+            .args(self.extra_args.iter().map(|a| a.replace("{port}", &self.addr.port().to_string())))
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr);
