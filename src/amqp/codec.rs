@@ -107,7 +107,7 @@ fn method_tables(m: &AMQPClass) -> Option<&FieldTable> {
 /// 540 NOT_IMPLEMENTED, per spec 1.2 "not-implemented".
 fn is_known_method(class_id: u16, method_id: u16) -> bool {
     match class_id {
-        10 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 41 | 50 | 51 | 60 | 61),
+        10 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 41 | 50 | 51 | 60 | 61 | 70 | 71),
         20 => matches!(method_id, 10 | 11 | 20 | 21 | 40 | 41),
         30 => matches!(method_id, 10 | 11),
         40 => matches!(method_id, 10 | 11 | 20 | 21 | 30 | 31 | 40 | 51),

@@ -86,6 +86,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
         st: RefCell::new(ConnState {
             vhost: Rc::from(tuned.vhost.as_str()),
             user: tuned.user,
+            loopback: tuned.loopback,
             frame_max: tuned.frame_max,
             channel_max: tuned.channel_max,
             heartbeat: hb,

@@ -40,6 +40,8 @@ pub(super) struct Tuned {
     pub(super) heartbeat: u16,
     pub(super) cancel_notify: bool,
     pub(super) blocked_notify: bool,
+    /// The client connected from a loopback address (for users allowed only there).
+    pub(super) loopback: bool,
     pub(super) leftover: BytesMut,
 }
 
@@ -249,7 +251,7 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
     out.clear();
     encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
     stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, leftover: buf })
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, leftover: buf })
 }
 
 #[cfg(test)]

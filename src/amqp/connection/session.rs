@@ -39,6 +39,8 @@ pub struct ConnState {
     pub vhost: Rc<str>,
     /// Logged-in user.
     pub user: String,
+    /// The client connected from a loopback address.
+    pub loopback: bool,
     /// Negotiated frame_max, bytes.
     pub frame_max: u32,
     /// Negotiated channel_max.
