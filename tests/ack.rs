@@ -576,6 +576,37 @@ async fn consumer_timeout_closes_channel_406_and_requeues() {
     t("close", c.close(200, "".into())).await.unwrap();
 }
 
+/// Issue 12 item 13, the quorum-queue way (RabbitMQ 4.3): past x-consumer-timeout, a
+/// consumer whose client announced consumer_cancel_notify (lapin does) gets basic.cancel, its
+/// unacked messages are requeued, and its channel stays open.
+#[tokio::test]
+async fn consumer_timeout_on_a_quorum_queue_cancels_the_consumer_and_keeps_the_channel() {
+    let b = Broker::start();
+    require_own_broker!(b, "x-consumer-timeout is ringmq-only (RabbitMQ 3.10 lacks the queue argument)");
+    let c = connect(&b).await;
+    let admin = chan(&c).await;
+    let mut args = FieldTable::default();
+    args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(1000));
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let q = declare_queue(&admin, &uniq("qq-timeout"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await;
+    fill(&admin, &q, &["slow1", "slow2"]).await;
+    let ch = chan(&c).await;
+    let mut cons = consume(&ch, &q, false).await;
+    let d = take(&mut cons, 2).await;
+    t("ack first", ch.basic_ack(d[0].delivery_tag, Default::default())).await.unwrap();
+    // Held past the timeout: the consumer is cancelled (its stream ends)...
+    use futures_lite::StreamExt;
+    let end = tokio::time::timeout(Duration::from_secs(15), cons.next()).await.expect("consumer not cancelled within 15 s");
+    assert!(end.is_none(), "expected basic.cancel to end the consumer, got {end:?}");
+    // ...the held message is ready again, flagged, and the channel still works.
+    assert_eq!(wait_ready(&admin, &q, 1, WAIT).await, 1, "the held message is requeued");
+    let m = t("get on the same channel", ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })).await.unwrap().unwrap();
+    assert_eq!(m.delivery.data, b"slow2");
+    assert!(m.delivery.redelivered);
+    assert!(ch.status().connected(), "the channel was closed");
+    t("close", c.close(200, "".into())).await.unwrap();
+}
+
 #[tokio::test]
 async fn consumer_cancel_notify_on_queue_delete() {
     let b = Broker::start();

@@ -509,10 +509,12 @@ impl Node {
                     continue;
                 }
                 Queue::sync_if_dirty(&c);
-                let q = c.borrow();
+                let mut q = c.borrow_mut();
                 let ms = q.consumer_timeout_ms;
                 for h in q.timed_out_holders(now) {
-                    let _ = h.tx.send(ClientEvent::AckTimeout { channel: h.channel, chan_uid: h.chan_uid, timeout_ms: ms });
+                    if !q.cancel_timed_out(h.chan_uid) {
+                        let _ = h.tx.send(ClientEvent::AckTimeout { channel: h.channel, chan_uid: h.chan_uid, timeout_ms: ms });
+                    }
                 }
             }
         }

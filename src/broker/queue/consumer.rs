@@ -88,6 +88,10 @@ impl Consumers {
         }
         out
     }
+    /// The consumers of a channel incarnation.
+    pub fn of_channel(&self, chan_uid: u64) -> impl Iterator<Item = &Consumer> + '_ {
+        self.list.iter().filter(move |c| c.spec.chan_uid == chan_uid)
+    }
     /// Detaches every consumer.
     pub fn drain(&mut self) -> Vec<Consumer> {
         self.next = 0;

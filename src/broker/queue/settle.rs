@@ -308,9 +308,37 @@ impl Queue {
 
     /// Rule 7, live half: holders whose oldest delivery exceeds the acknowledgement timeout
     /// at `now`, each channel incarnation once. The core tells each one's connection, which
-    /// closes the channel with 406 (and so requeues through [`Queue::channel_closed`]).
+    /// closes the channel with 406 (and so requeues through [`Queue::channel_closed`]),
+    /// unless [`Queue::cancel_timed_out`] handled it.
     pub fn timed_out_holders(&self, now: Instant) -> Vec<Holder> {
         self.held.timed_out(now, std::time::Duration::from_millis(self.consumer_timeout_ms))
+    }
+
+    /// Entry point, rule 7 on a quorum queue (`x-queue-type=quorum`, RabbitMQ 4.3's
+    /// reading): a channel past the acknowledgement timeout whose consumers of this queue all
+    /// announced `consumer_cancel_notify` loses them (basic.cancel) and its deliveries of this
+    /// queue are requeued (rule 5); the channel stays open. Returns false, doing nothing, for
+    /// any other queue, or when the channel has a consumer without that capability or holds
+    /// a basic.get delivery here: its channel is closed with 406 instead.
+    pub fn cancel_timed_out(&mut self, chan_uid: u64) -> bool {
+        if crate::broker::router::string_arg(&self.def.arguments, "x-queue-type") != Some("quorum") {
+            return false;
+        }
+        let (mine, notified) = self.consumers.of_channel(chan_uid).fold((0, 0), |(n, k), c| (n + 1, k + usize::from(c.spec.cancel_notify)));
+        if mine == 0 || notified < mine {
+            return false;
+        }
+        if self.held.map.values().any(|o| o.holder.chan_uid == chan_uid && o.consumer.is_none()) {
+            return false;
+        }
+        for c in self.consumers.remove_channel(chan_uid) {
+            tracing::info!(queue = %self.qref.key.name, consumer_tag = %c.spec.tag, timeout_ms = self.consumer_timeout_ms, "delivery acknowledgement timed out: consumer cancelled, its messages requeued");
+            let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
+        }
+        let actions = self.held.close_channel(chan_uid);
+        self.requeue(actions.requeue);
+        self.maybe_auto_delete();
+        true
     }
 }
 
