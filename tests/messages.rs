@@ -267,6 +267,45 @@ async fn consumer_tags_and_exclusive_consumers() {
     t("close", c.close(200, "".into())).await.unwrap();
 }
 
+/// `x-single-active-consumer=true` (issue 12 item 8): one consumer receives everything; when
+/// its channel closes its unacked messages are requeued and the next consumer, in attach
+/// order, takes over (RabbitMQ's single active consumer). A non-boolean value is 406.
+#[tokio::test]
+async fn a_single_active_consumer_gets_everything_and_the_next_takes_over() {
+    let b = Broker::start();
+    let c = connect(&b).await;
+    let pch = t("channel", c.create_channel()).await.unwrap();
+    confirm_mode(&pch).await;
+    let mut args = FieldTable::default();
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let q = declare_queue(&pch, &uniq("sac"), QueueDeclareOptions::default(), args).await;
+    let (ch1, ch2) = (t("channel", c.create_channel()).await.unwrap(), t("channel", c.create_channel()).await.unwrap());
+    let manual = BasicConsumeOptions::default();
+    let mut c1 = t("consume", ch1.basic_consume(q.as_str().into(), "first".into(), manual, FieldTable::default())).await.unwrap();
+    let mut c2 = t("consume", ch2.basic_consume(q.as_str().into(), "second".into(), manual, FieldTable::default())).await.unwrap();
+    for i in 0..6 {
+        publish_confirmed(&pch, "", &q, format!("m{i}").as_bytes(), BasicProperties::default()).await;
+    }
+    for i in 0..6 {
+        let d = next_delivery(&mut c1, Duration::from_secs(5)).await;
+        assert_eq!(d.data, format!("m{i}").as_bytes(), "the active consumer gets every message, in order");
+    }
+    assert_no_delivery(&mut c2, Duration::from_millis(300), "the second consumer while the first is active").await;
+    // The active consumer's channel closes unacked: the next takes over, with them first.
+    t("close first", ch1.close(200, "".into())).await.unwrap();
+    publish_confirmed(&pch, "", &q, b"m6", BasicProperties::default()).await;
+    for i in 0..7 {
+        let d = next_delivery(&mut c2, Duration::from_secs(5)).await;
+        assert_eq!(d.data, format!("m{i}").as_bytes());
+        assert_eq!(d.redelivered, i < 6, "m{i}: requeued from the first consumer or new");
+        t("ack", d.ack(BasicAckOptions::default())).await.unwrap();
+    }
+    let mut bad = FieldTable::default();
+    bad.insert("x-single-active-consumer".into(), AMQPValue::LongString("yes".into()));
+    let r = pch.queue_declare(uniq("sac-bad").as_str().into(), QueueDeclareOptions::default(), bad).await;
+    assert_code(r, 406, "a non-boolean x-single-active-consumer");
+}
+
 #[tokio::test]
 async fn round_robin_between_consumers() {
     let b = Broker::start();

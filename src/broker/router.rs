@@ -137,6 +137,14 @@ pub fn string_arg<'t>(args: &'t FieldTable, key: &str) -> Option<&'t str> {
     std::str::from_utf8(str_value(args.inner().get(key)?)?).ok()
 }
 
+/// A boolean argument (`Some(b)` only for an AMQP boolean).
+pub fn bool_arg(args: &FieldTable, key: &str) -> Option<bool> {
+    match args.inner().get(key)? {
+        AMQPValue::Boolean(b) => Some(*b),
+        _ => None,
+    }
+}
+
 /// An integer-valued argument of any integer type, as i64.
 pub fn int_arg(args: &FieldTable, key: &str) -> Option<i64> {
     match args.inner().get(key)? {

@@ -218,7 +218,7 @@ fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consume
 /// Rejects queue arguments of the wrong type (406, as RabbitMQ does for the x- arguments
 /// it knows).
 fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
-    use crate::broker::router::{int_arg, string_arg};
+    use crate::broker::router::{bool_arg, int_arg, string_arg};
     let args = &def.arguments;
     for key in ["x-dead-letter-exchange", "x-dead-letter-routing-key"] {
         if args.inner().contains_key(key) && string_arg(args, key).is_none() {
@@ -242,6 +242,12 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
                 def.name, def.vhost
             )));
         }
+    }
+    if args.inner().contains_key("x-single-active-consumer") && bool_arg(args, "x-single-active-consumer").is_none() {
+        return Err(AmqpError::precondition_failed(format!(
+            "invalid arg 'x-single-active-consumer' for queue '{}' in vhost '{}': expected a boolean",
+            def.name, def.vhost
+        )));
     }
     for key in ["x-overflow", "x-queue-mode", "x-queue-type", "x-queue-master-locator"] {
         if args.inner().contains_key(key) && string_arg(args, key).is_none() {

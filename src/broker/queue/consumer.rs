@@ -1,5 +1,7 @@
 //! A queue's consumers: round-robin selection bounded by prefetch credit
-//! (basic.qos prefetch_count, AMQP 0-9-1 spec 1.8.3.1; RabbitMQ's per-consumer reading).
+//! (basic.qos prefetch_count, AMQP 0-9-1 spec 1.8.3.1; RabbitMQ's per-consumer reading), or,
+//! for a queue declared with `x-single-active-consumer=true`, only the consumer attached
+//! first (the next one takes over when it goes: RabbitMQ's single active consumer).
 
 use crate::broker::{ConsumerId, ConsumerSpec};
 
@@ -49,9 +51,15 @@ impl Consumer {
 pub struct Consumers {
     list: Vec<Consumer>,
     next: usize,
+    /// Only the first consumer in attach order receives (`x-single-active-consumer`).
+    pub single_active: bool,
 }
 
 impl Consumers {
+    /// No consumers yet; `single_active` for a queue declared `x-single-active-consumer=true`.
+    pub fn new(single_active: bool) -> Consumers {
+        Consumers { single_active, ..Default::default() }
+    }
     /// Number of consumers.
     pub fn len(&self) -> usize {
         self.list.len()
@@ -108,6 +116,9 @@ impl Consumers {
 
     /// The next consumer in round-robin order with prefetch credit, advancing the cursor.
     pub fn next_with_credit(&mut self) -> Option<&mut Consumer> {
+        if self.single_active {
+            return self.list.first_mut().filter(|c| c.has_credit());
+        }
         let n = self.list.len();
         for k in 0..n {
             let i = (self.next + k) % n;
@@ -157,5 +168,21 @@ mod tests {
         assert_eq!(cs.next_with_credit().unwrap().spec.id, 2);
         cs.remove(2);
         assert!(cs.next_with_credit().is_none());
+    }
+
+    #[test]
+    fn a_single_active_consumer_gets_everything_until_it_goes() {
+        let mut cs = Consumers::new(true);
+        cs.add(spec(1, 2));
+        cs.add(spec(2, 0));
+        for _ in 0..2 {
+            let a = cs.next_with_credit().unwrap();
+            assert_eq!(a.spec.id, 1);
+            a.in_flight += 1;
+        }
+        // Out of credit: it waits, and the second consumer still gets nothing.
+        assert!(cs.next_with_credit().is_none());
+        cs.remove(1);
+        assert_eq!(cs.next_with_credit().unwrap().spec.id, 2, "the next consumer takes over");
     }
 }

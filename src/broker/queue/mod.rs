@@ -209,6 +209,7 @@ impl Queue {
         let consumer_timeout_ms =
             int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
+        let single_active = super::router::bool_arg(&def.arguments, "x-single-active-consumer").unwrap_or(false);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
         let repl = replica::is_replicated(&def, env.meta().is_cluster())
             .then(|| Replication::new(def.owner_node == env.meta().node_id(), recovered.reserved.max(recovered.cursor)));
@@ -223,7 +224,7 @@ impl Queue {
                 ready,
                 held: Held::default(),
                 paging: 0,
-                consumers: Consumers::default(),
+                consumers: Consumers::new(single_active),
                 had_consumer: false,
                 pending_confirms: Vec::new(),
                 syncing: false,
