@@ -547,6 +547,19 @@ async fn dead_letter_chain_and_cycle_count() {
     t("close", c.close(200, "".into())).await.unwrap();
 }
 
+/// A queue with x-consumer-timeout 1 s (classic, or a durable quorum queue) holding "slow1"
+/// and "slow2".
+async fn slow_queue(admin: &Channel, quorum: bool) -> String {
+    let mut args = FieldTable::default();
+    args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(1000));
+    if quorum {
+        args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    }
+    let q = declare_queue(admin, &uniq("ctimeout"), QueueDeclareOptions { durable: quorum, ..Default::default() }, args).await;
+    fill(admin, &q, &["slow1", "slow2"]).await;
+    q
+}
+
 /// ringmq-only: RabbitMQ 3.10 has no per-queue x-consumer-timeout argument, and checks its
 /// global consumer_timeout only about once a minute.
 #[tokio::test]
@@ -555,10 +568,7 @@ async fn consumer_timeout_closes_channel_406_and_requeues() {
     require_own_broker!(b, "x-consumer-timeout is ringmq-only (RabbitMQ 3.10 lacks the queue argument)");
     let c = connect(&b).await;
     let admin = chan(&c).await;
-    let mut args = FieldTable::default();
-    args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(1000));
-    let q = declare_queue(&admin, &uniq("ctimeout"), Default::default(), args).await;
-    fill(&admin, &q, &["slow1", "slow2"]).await;
+    let q = slow_queue(&admin, false).await;
     let ch = chan(&c).await;
     let w = close_watch(&ch).await;
     let mut cons = consume(&ch, &q, false).await;
@@ -585,11 +595,7 @@ async fn consumer_timeout_on_a_quorum_queue_cancels_the_consumer_and_keeps_the_c
     require_own_broker!(b, "x-consumer-timeout is ringmq-only (RabbitMQ 3.10 lacks the queue argument)");
     let c = connect(&b).await;
     let admin = chan(&c).await;
-    let mut args = FieldTable::default();
-    args.insert("x-consumer-timeout".into(), AMQPValue::LongLongInt(1000));
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-    let q = declare_queue(&admin, &uniq("qq-timeout"), QueueDeclareOptions { durable: true, ..Default::default() }, args).await;
-    fill(&admin, &q, &["slow1", "slow2"]).await;
+    let q = slow_queue(&admin, true).await;
     let ch = chan(&c).await;
     let mut cons = consume(&ch, &q, false).await;
     let d = take(&mut cons, 2).await;
