@@ -44,10 +44,7 @@ fn answer(meta: &MetaHandle, from: NodeId, request: &str) -> String {
             }
             _ => Err(format!("bad join request {request:?}: expected 'join <id> <ip:port>'")),
         }
-        .map(|()| {
-            let first: Vec<String> = meta.initial_voters().iter().map(u64::to_string).collect();
-            format!("ok {}", first.join(","))
-        }),
+        .map(|()| format!("ok {}", voter_list(&meta.initial_voters()))),
         ["forget", id] => match id.parse::<NodeId>() {
             Ok(id) if id == meta.node_id() => Err(format!("node {id} cannot forget itself: ask another node")),
             Ok(id) if !voters().contains(&id) => Ok("ok".to_string()),
@@ -58,7 +55,7 @@ fn answer(meta: &MetaHandle, from: NodeId, request: &str) -> String {
             Err(_) => Err(format!("bad forget request {request:?}: expected 'forget <id>'")),
         },
         ["voters"] => match meta.leader_id() {
-            Some(_) => Ok(format!("ok {}", voters().iter().map(u64::to_string).collect::<Vec<_>>().join(","))),
+            Some(_) => Ok(format!("ok {}", voter_list(&voters()))),
             None => Err("no metadata leader known here".to_string()),
         },
         _ => Err(format!("unknown admin request {request:?}")),
@@ -94,13 +91,22 @@ fn ask_peers(config: &Config, me: NodeId, skip: NodeId, request: &str, limit: Du
     }
 }
 
-/// The voters the first node of `peers` (but `me`) that knows a metadata leader names; one
-/// round, a few seconds per node at most. `None` when none answered.
-pub fn voters_named_by_peers(peers: &std::collections::BTreeMap<NodeId, SocketAddr>, me: NodeId) -> Option<Vec<NodeId>> {
-    peers.iter().filter(|(&id, _)| id != me).find_map(|(&id, &addr)| {
+/// A list of voters as the answers carry it: `1,2,3`.
+fn voter_list(voters: &[NodeId]) -> String {
+    voters.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// The node ids of a [`voter_list`] (what does not parse is left out).
+fn parse_voter_list(list: &str) -> Vec<NodeId> {
+    list.split(',').filter_map(|v| v.trim().parse().ok()).collect()
+}
+
+/// The voters the first of `peers` (id, cluster address) that knows a metadata leader names,
+/// asked as node `me`; one round, a few seconds per node at most. `None` when none answered.
+pub fn voters_named_by_peers(peers: impl IntoIterator<Item = (NodeId, SocketAddr)>, me: NodeId) -> Option<Vec<NodeId>> {
+    peers.into_iter().filter(|(id, _)| *id != me).find_map(|(id, addr)| {
         let reply = admin_request(addr, me, id, b"voters", Duration::from_secs(3)).ok()?;
-        let list = String::from_utf8_lossy(&reply).strip_prefix("ok")?.trim().to_string();
-        Some(list.split(',').filter_map(|v| v.trim().parse().ok()).collect())
+        Some(parse_voter_list(String::from_utf8_lossy(&reply).strip_prefix("ok")?))
     })
 }
 
@@ -114,7 +120,7 @@ pub fn join(config: &Config, limit: Duration) -> Result<Vec<NodeId>, String> {
     let addr = config.peers[&me];
     tracing::info!(node = me, %addr, "asking the cluster to add this node (--join)");
     let first = ask_peers(config, me, me, &format!("join {me} {addr}"), limit)?;
-    let voters: Vec<NodeId> = first.split(',').filter_map(|v| v.trim().parse().ok()).collect();
+    let voters = parse_voter_list(&first);
     if voters.is_empty() {
         return Err(format!("a node answered the join without the group's voters: {first:?}"));
     }

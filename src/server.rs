@@ -73,8 +73,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
     };
     let tcfg = TransportConfig::new(me, listen, config.peers.clone());
     let transport = Arc::new(Transport::start_with_data(tcfg, on_message, on_report, on_data, on_link)?);
-    // The transport, and `--peers` (whom to ask who votes while waiting for a majority).
-    struct Net(Arc<Transport>, std::collections::BTreeMap<u64, std::net::SocketAddr>);
+    struct Net(Arc<Transport>);
     impl RaftNet for Net {
         fn send(&self, msgs: Vec<raft::eraftpb::Message>) {
             self.0.send_all(msgs);
@@ -89,7 +88,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
         }
 
         fn voters_elsewhere(&self) -> Option<Vec<u64>> {
-            crate::membership::voters_named_by_peers(&self.1, self.0.me())
+            crate::membership::voters_named_by_peers(self.0.peers().into_iter().map(|p| (p.id, p.addr)), self.0.me())
         }
 
         fn add_peer(&self, id: u64, addr: &str) {
@@ -110,7 +109,7 @@ pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>),
         (config.peers.keys().copied().collect::<Vec<u64>>(), false)
     };
     tracing::info!(node = me, cluster_listen = %listen, ?voters, joining, "joining the cluster's metadata group");
-    let spec = ClusterSpec { voters, joining, net: Arc::new(Net(transport.clone(), config.peers.clone())) };
+    let spec = ClusterSpec { voters, joining, net: Arc::new(Net(transport.clone())) };
     let meta = MetaHandle::start_cluster(&config.meta_dir(), me, MetaConfig::default(), spec, inbox_rx, CLUSTER_START_WAIT)?;
     transport.on_admin(crate::membership::admin_handler(meta.clone()));
     Ok((meta, Some(ClusterParts { transport, slot })))

@@ -131,7 +131,7 @@ pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringm
 /// basic.get: claims the next ready message for `holder`.
 pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     let mut q = cell.borrow_mut();
-    if q.ready.peek_next().is_some_and(|head| !q.reserved_for(head)) {
+    if q.held_back() {
         // A replicated queue's message past its delivery reservation (`replica.rs`, step 5).
         q.park_get((no_ack, holder, reply));
         return;
@@ -202,7 +202,7 @@ impl Queue {
         let Some(consumer) = self.consumers.next_with_credit().map(|c| c.spec.id) else {
             return if self.consumers.any_backlogged() { Step::Backlogged } else { Step::Idle };
         };
-        if self.ready.peek_next().is_some_and(|head| !self.reserved_for(head)) {
+        if self.held_back() {
             // Past a replicated queue's delivery reservation (`replica.rs`, step 5): woken
             // when the next one is committed.
             return Step::Idle;

@@ -227,31 +227,28 @@ impl Queue {
         }
     }
 
-    /// Step 5: true when `offset` may be handed out now — always for a queue that is not
-    /// replicated; for a replicated one only on its server, below its reservation. Renews
-    /// the reservation when half of its reach is used or `offset` is past it.
-    pub(super) fn reserved_for(&mut self, offset: u64) -> bool {
+    /// Step 5: true when the next ready message may not be handed out now: a replicated
+    /// queue's, on a node that does not serve it or past its reservation. Renews the
+    /// reservation when half of its reach is used or the message is past it. Always false
+    /// for a queue that is not replicated.
+    pub(super) fn held_back(&mut self) -> bool {
+        let Some(offset) = self.ready.peek_next() else { return false };
         let me = self.me.clone();
-        let Some(repl) = &mut self.repl else { return true };
+        let Some(repl) = &mut self.repl else { return false };
         if !repl.serving || repl.moved_away {
-            return false;
-        }
-        if offset < repl.reserved {
-            if !repl.reserving && offset + repl.ahead / 2 >= repl.reserved {
-                repl.reserving = true;
-                glommio::spawn_local(reserver(me)).detach();
-            }
             return true;
         }
-        if !repl.reserving {
-            repl.reserving = true;
-            glommio::spawn_local(reserver(me)).detach();
-        } else if !repl.stalled {
+        let past = offset >= repl.reserved;
+        if past && repl.reserving && !repl.stalled {
             // The renewal was slower than the consumers: reach further next time.
             repl.stalled = true;
             repl.ahead = (repl.ahead * 2).min(MAX_RESERVE_AHEAD);
         }
-        false
+        if !repl.reserving && (past || offset + repl.ahead / 2 >= repl.reserved) {
+            repl.reserving = true;
+            glommio::spawn_local(reserver(me)).detach();
+        }
+        past
     }
 
     /// A basic.get whose message lies past the reservation waits for the next one (or is

@@ -331,13 +331,12 @@ impl Queue {
         if self.held.map.values().any(|o| o.holder.chan_uid == chan_uid && o.consumer.is_none()) {
             return false;
         }
-        for c in self.consumers.remove_channel(chan_uid) {
+        for c in self.consumers.of_channel(chan_uid) {
             tracing::info!(queue = %self.qref.key.name, consumer_tag = %c.spec.tag, timeout_ms = self.consumer_timeout_ms, "delivery acknowledgement timed out: consumer cancelled, its messages requeued");
             let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
         }
-        let actions = self.held.close_channel(chan_uid);
-        self.requeue(actions.requeue);
-        self.maybe_auto_delete();
+        // What a channel close does to this queue, the channel itself staying open.
+        self.channel_closed(chan_uid);
         true
     }
 }
