@@ -89,12 +89,17 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, Box<dyn std::er
 
 /// Removes shard directories of durable queues the metadata no longer has (a delete that
 /// crashed between the metadata commit and the file removal), or whose replica set no longer
-/// names this node (a queue of the name declared again while this node was down).
+/// names this node (a queue of the name declared again while this node was down) and that
+/// are not being copied to it (`meta::grow`).
 fn remove_orphan_shards(config: &Config, meta: &MetaHandle) -> std::io::Result<()> {
     let topo = meta.topology();
     let me = meta.node_id();
-    let known: std::collections::HashSet<String> =
-        topo.queues.values().filter(|q| q.stored_on(me)).map(|q| ringmq::config::queue_dir_name(&q.vhost, &q.name)).collect();
+    let known: std::collections::HashSet<String> = topo
+        .queues
+        .values()
+        .filter(|q| q.stored_on(me) || meta.with_state(|s| ringmq::broker::grow::growing_to(s, &q.vhost, &q.name, me)))
+        .map(|q| ringmq::config::queue_dir_name(&q.vhost, &q.name))
+        .collect();
     for entry in std::fs::read_dir(config.durable_dir())? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();

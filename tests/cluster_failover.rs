@@ -461,3 +461,131 @@ fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
         assert_eq!(got.len(), 11, "the four-replica queue lost messages: {got:?}");
     });
 }
+
+/// The body of message `i` of the grow test: its number, then padding to about 4 KiB, so the
+/// copy takes several batches (1 MiB each).
+fn grow_body(i: usize) -> String {
+    format!("grow-{i}|{}", "x".repeat(4000))
+}
+
+/// The number in a body made by [`grow_body`].
+fn grow_number(body: &str) -> usize {
+    body.trim_start_matches("grow-").split('|').next().and_then(|n| n.parse().ok()).expect("a grow test body")
+}
+
+/// Publishes the bodies of `range` ([`grow_body`]) to `queue`, `window` at a time in flight,
+/// asserting each is confirmed.
+async fn publish_grow_bodies(ch: &Channel, queue: &str, range: std::ops::Range<usize>, window: usize) {
+    for chunk in range.collect::<Vec<_>>().chunks(window) {
+        let mut pending = Vec::new();
+        for &i in chunk {
+            let body = grow_body(i);
+            let sent = ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body.as_bytes(), persistent());
+            pending.push(t("basic.publish", sent).await.expect("publish"));
+        }
+        for pc in pending {
+            assert!(t("confirm", pc).await.expect("confirm").is_ack(), "a publish was not confirmed");
+        }
+    }
+}
+
+/// The node a queue's server copied it to, from its log line (1-based id), once it appears
+/// (bounded by 30 s).
+async fn copy_target(c: &Cluster, server: usize, queue: &str) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = c.log(server);
+        let line = log.lines().find(|l| l.contains("copying the queue to a node joining its replica set") && l.contains(queue));
+        if let Some(node) =
+            line.and_then(|l| l.split("node=").nth(1)).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok())
+        {
+            return node;
+        }
+        assert!(Instant::now() < deadline, "node {} never started copying {queue}", server + 1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_replica_set_grows_back_after_a_node_is_forgotten_and_the_copy_survives_kill_9() {
+    run(async {
+        // Four nodes, two replicas per queue: the queue lives on node 1 (its server) and one other.
+        let mut c = Cluster::start_with_args(4, &["--replicas", "2"]);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("grow");
+        durable_queue(&n1, &q).await;
+
+        // A backlog of 10,000 messages of 4 KiB, confirmed.
+        const N: usize = 10_000;
+        const MORE: usize = 2_000;
+        let pub1 = confirming(&n1).await;
+        publish_grow_bodies(&pub1, &q, 0..N, 500).await;
+        let first = settled_stores(&c, &q, 2).await;
+        let other = *first.iter().find(|&&i| i != 0).expect("a second replica");
+        // Gaps in the offsets: of the first 600, the even ones are acked, the odd ones go back.
+        let getter = channel(&n1).await;
+        let mut taken = Vec::new();
+        for _ in 0..600 {
+            let m = t("basic.get", getter.basic_get(q.as_str().into(), BasicGetOptions::default()))
+                .await
+                .expect("basic.get")
+                .expect("a message");
+            taken.push((grow_number(&String::from_utf8_lossy(&m.delivery.data)), m.delivery.delivery_tag));
+        }
+        for &(n, tag) in &taken {
+            let done = if n % 2 == 0 {
+                getter.basic_ack(tag, BasicAckOptions::default()).await
+            } else {
+                getter.basic_nack(tag, BasicNackOptions { requeue: true, ..Default::default() }).await
+            };
+            done.expect("settle");
+        }
+        t("channel.close", getter.close(200, "done".into())).await.expect("close");
+
+        // The second replica dies for good and is forgotten: the set is node 1 alone, below
+        // its size, and the leader grows it to one of the two other nodes.
+        c.kill9(other);
+        let gone = c.node_id(other).to_string();
+        let out = std::process::Command::new(broker_binary())
+            .args(["--forget-node", &gone, "--peers", &c.all_peers()])
+            .output()
+            .expect("run ringmq --forget-node");
+        assert!(out.status.success(), "--forget-node failed: {}", String::from_utf8_lossy(&out.stderr));
+        // Publishing goes on while the queue is copied: the copy chases the tail.
+        let publisher = {
+            let (pub1, q) = (pub1.clone(), q.clone());
+            tokio::spawn(async move { publish_grow_bodies(&pub1, &q, N..N + MORE, 20).await })
+        };
+        let target = copy_target(&c, 0, &q).await;
+        let ti = (target - 1) as usize;
+        // kill -9 the receiving node as the copy runs, and start it again.
+        c.kill9(ti);
+        let mid_copy = !c.log(ti).contains("joined the queue's replica set with a complete copy");
+        eprintln!("node {target} killed {} the copy", if mid_copy { "during" } else { "after" });
+        c.start_node(ti);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !c.log(0).contains("queue replica set grown") || !c.log(ti).contains("joined the queue's replica set") {
+            assert!(Instant::now() < deadline, "node {target} never joined the replica set of {q}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+
+        t("the publisher during the copy", publisher).await.expect("publisher task");
+        eprintln!("{}", c.log(0).lines().find(|l| l.contains("queue replica set grown")).unwrap_or_default());
+        // The server dies: the queue's only other replica is the grown one, which serves it
+        // with every message that was confirmed and not acked, and none that was acked.
+        c.kill9(0);
+        let survivor = (0..4).find(|&i| i != 0 && i != other && i != ti).expect("a third live node");
+        let conn = connect_uri(&c.amqp_uri(survivor)).await;
+        let (got, _) = drain_distinct(&conn, &q, N + MORE - 300, Duration::from_secs(90)).await;
+        let numbers: BTreeSet<usize> = got.iter().map(|b| grow_number(b)).collect();
+        let want: BTreeSet<usize> = (0..N + MORE).filter(|&i| i >= 600 || i % 2 == 1).collect();
+        let missing: Vec<usize> = want.difference(&numbers).copied().take(10).collect();
+        let acked: Vec<usize> = numbers.difference(&want).copied().take(10).collect();
+        assert!(
+            missing.is_empty() && acked.is_empty(),
+            "grown copy: {} messages, missing {missing:?}…, acked ones back {acked:?}…",
+            numbers.len()
+        );
+        assert!(c.log(ti).contains("queue leader moved here"), "node {target} did not take the queue over");
+    });
+}

@@ -141,6 +141,39 @@ impl Shard {
         Ok(offset)
     }
 
+    /// Moves the next offset to `offset`, leaving the offsets in between without records:
+    /// a new segment starts at `offset` (its files are created here, as a roll makes them),
+    /// so the next [`Shard::append`] returns `offset`. Offsets skipped are not live, not
+    /// readable and not counted. A no-op when `offset <= next_offset()`.
+    ///
+    /// For a store that receives a copy of another store's live records (a replica catching
+    /// up): a long run of deleted records costs one segment instead of a record each. After a
+    /// crash before the new segment's header is synced, the shard reopens at the old next
+    /// offset (the caller repeats the skip).
+    ///
+    /// Errors: as [`Shard::append`] creating a segment (nothing changed then).
+    pub fn skip_to(&self, offset: Offset) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let mut st = inner.st.borrow_mut();
+        st.check_writable(&inner.dir)?;
+        let before = st.next_offset;
+        if offset <= before {
+            return Ok(());
+        }
+        st.next_offset = offset;
+        if let Err(e) = inner.roll(&mut st, 0) {
+            st.next_offset = before;
+            return Err(e);
+        }
+        st.cache.skip_to(offset);
+        let queued = !st.jobs.is_empty();
+        drop(st);
+        if queued {
+            inner.work.notify();
+        }
+        Ok(())
+    }
+
     /// Waits while more than [`MAX_PENDING_CHUNKS`] MiB of appended data are not yet
     /// written, then yields once if writes are queued so the writer can submit
     /// them. Call it between batches of appends that are not followed by a sync.

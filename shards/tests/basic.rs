@@ -321,3 +321,45 @@ fn sync_per_record_across_buffer_sizes_and_prepare() {
         s.close().await.unwrap();
     });
 }
+
+/// `skip_to` leaves offsets without records (a replica's copy of a store whose records were
+/// deleted): the gap is not live, not readable, survives a reopen, and appends go on past it.
+#[test]
+fn skip_to_leaves_a_gap_that_survives_reopen() {
+    let dir = tmpdir();
+    let path = dir.path().to_path_buf();
+    run(move || async move {
+        let (s, _) = Shard::open(&path, small_cfg()).await.unwrap();
+        s.prepare().await.unwrap();
+        s.skip_to(1000).unwrap();
+        assert_eq!((s.next_offset(), s.len(), s.start_offset()), (1000, 0, 1000));
+        for want in 1000..1005 {
+            assert_eq!(put(&s, 300), want);
+        }
+        s.skip_to(3).unwrap();
+        assert_eq!(s.next_offset(), 1005, "a skip backwards changes nothing");
+        s.skip_to(5000).unwrap();
+        for want in 5000..5003 {
+            assert_eq!(put(&s, 300), want);
+        }
+        s.delete_by_offsets(&[1001]).unwrap();
+        assert!(!s.is_live(500) && !s.is_live(3000) && s.is_live(1000) && s.is_live(5002));
+        assert_eq!(s.read(3000).await.unwrap(), None);
+        let mut r = s.reader(0);
+        let mut seen = Vec::new();
+        while let Some(rec) = r.next().await.unwrap() {
+            check(&rec, rec.offset, 300);
+            seen.push(rec.offset);
+        }
+        assert_eq!(seen, vec![1000, 1002, 1003, 1004, 5000, 5001, 5002]);
+        s.sync().await.unwrap();
+        s.skip_to(9000).unwrap();
+        s.close().await.unwrap();
+        let (s, rep) = Shard::open(&path, small_cfg()).await.unwrap();
+        assert!(rep.dropped.is_empty(), "{rep:?}");
+        assert_eq!(s.live_offsets(), vec![1000, 1002, 1003, 1004, 5000, 5001, 5002]);
+        assert_eq!((s.start_offset(), s.next_offset()), (1000, 9000));
+        check(&s.read(5001).await.unwrap().unwrap(), 5001, 300);
+        assert_eq!(put(&s, 300), 9000);
+    });
+}

@@ -23,6 +23,7 @@
 pub mod alarms;
 pub mod error;
 pub mod exchange;
+pub mod grow;
 pub mod ids;
 pub mod message;
 pub mod node;

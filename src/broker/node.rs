@@ -440,6 +440,12 @@ impl Node {
         self.queues.borrow().values().filter_map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None }).collect()
     }
 
+    /// The queue `key` of this core: `Some(Some(cell))` when open, `Some(None)` while it opens
+    /// or is deleted, `None` when nothing opened it.
+    pub(super) fn queue_slot(&self, key: &QueueKey) -> Option<Option<QueueCell>> {
+        self.queues.borrow().get(key).map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
+    }
+
     /// True while a queue of this core is being opened.
     pub(super) fn any_opening(&self) -> bool {
         self.queues.borrow().values().any(|s| matches!(s, Slot::Opening(_)))

@@ -62,8 +62,17 @@ impl DataSink for ReplicaSink {
         for op in ops {
             let (vhost, name) = op.queue();
             let qref = match topo.queue(vhost, name) {
-                // Another replica set's queue: its messages are not stored here.
-                Some(def) if !def.stored_on(me) => continue,
+                // The entry decided what this node stores as it applied (`meta::grow::stored_by`);
+                // ops held since (a replay at start) are dropped for a queue whose set left this
+                // node since, unless it is being copied here again (not its enqueues: those lie
+                // below the copy's tail).
+                Some(def)
+                    if !def.stored_on(me)
+                        && (matches!(op, DataOp::Enqueue { .. })
+                            || !self.meta.with_state(|s| super::grow::growing_to(s, vhost, name, me))) =>
+                {
+                    continue
+                }
                 Some(def) => QueueRef::of(def, cores),
                 // Deleted (by this entry or a later one): its core still gets the drop.
                 None => match &op {
@@ -115,24 +124,35 @@ pub fn replica_set_for(shared: &Shared, def: &crate::meta::QueueDef) -> Vec<Node
     if !is_replicated(def, shared.meta.is_cluster()) {
         return Vec::new();
     }
-    let size = super::router::int_arg(&def.arguments, "x-quorum-initial-group-size")
-        .and_then(|n| usize::try_from(n).ok())
-        .unwrap_or(shared.config.replicas as usize);
+    let size = replica_set_size(shared, def);
     let mut members = shared.meta.cluster_figures().voters;
     if members.is_empty() {
         members = shared.config.peers.keys().copied().collect();
     }
-    // One pass over the queues: how many replica sets name each member.
+    let load = replica_load(&shared.meta.topology(), &members);
+    let stored = |node: NodeId| load.get(&node).copied().unwrap_or(0);
+    crate::core::placement::replica_set(&def.vhost, &def.name, def.owner_node, &members, size, stored)
+}
+
+/// How many nodes a replicated queue's set holds when it can (before the cap at the voters):
+/// its `x-quorum-initial-group-size`, else `--replicas`.
+pub fn replica_set_size(shared: &Shared, def: &crate::meta::QueueDef) -> usize {
+    super::router::int_arg(&def.arguments, "x-quorum-initial-group-size")
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(shared.config.replicas as usize)
+}
+
+/// How many replica sets name each of `members` (one pass over the queues).
+pub fn replica_load(topo: &crate::meta::Topology, members: &[NodeId]) -> HashMap<NodeId, usize> {
     let mut load: HashMap<NodeId, usize> = HashMap::new();
-    for q in shared.meta.topology().queues.values().filter(|q| is_replicated(q, true)) {
-        for &m in &members {
+    for q in topo.queues.values().filter(|q| is_replicated(q, true)) {
+        for &m in members {
             if q.stored_on(m) {
                 *load.entry(m).or_default() += 1;
             }
         }
     }
-    let stored = |node: NodeId| load.get(&node).copied().unwrap_or(0);
-    crate::core::placement::replica_set(&def.vhost, &def.name, def.owner_node, &members, size, stored)
+    load
 }
 
 impl super::node::Node {
@@ -177,17 +197,20 @@ impl super::node::Node {
     /// anyway, for a copy opened meanwhile).
     pub async fn watch_replicas(self: Rc<Self>) {
         let mut watch = GoneWatch::default();
+        let mut grows = super::grow::GrowWatch::default();
         let (mut seen, mut last_full) = (u64::MAX, Instant::now());
         loop {
             glommio::timer::sleep(WATCH_PERIOD).await;
             if self.id == 0 {
                 self.move_queues_of_gone_peers(&mut watch).await;
+                self.grow_replica_sets(&mut grows).await;
             }
             let version = self.shared.meta.topology_version();
             if version != seen || last_full.elapsed() >= Duration::from_secs(1) {
                 seen = version;
                 last_full = Instant::now();
                 self.reconcile_replicas().await;
+                self.run_copiers();
             }
         }
     }
@@ -197,13 +220,14 @@ impl super::node::Node {
     pub(super) async fn reconcile_replicas(self: &Rc<Self>) {
         let me = self.shared.meta.node_id();
         let topo = self.router();
+        let copying_here = self.grows_here();
         for cell in self.open_queues() {
             let (key, serving, replicated) = {
                 let q = cell.borrow();
                 (q.qref.key.clone(), q.serving(), q.replicated())
             };
             let Some(def) = topo.topology.queue(&key.vhost, &key.name) else { continue };
-            if replicated && !serving && !def.stored_on(me) {
+            if replicated && !serving && !def.stored_on(me) && !copying_here.contains(&key) {
                 // Out of the queue's replica set (its copy here missed messages, or the node
                 // was forgotten): the copy goes; the queue lives on in its set.
                 tracing::info!(queue = %key.name, vhost = %key.vhost, "this node left the queue's replica set: dropping its copy");
@@ -222,14 +246,8 @@ impl super::node::Node {
     /// for [`DOWN_AFTER`], each to a live node of its replica set.
     pub(super) async fn move_queues_of_gone_peers(self: &Rc<Self>, watch: &mut GoneWatch) {
         let GoneWatch { down_since, unplaced } = watch;
-        let Some(links) = &self.shared.peer_links else { return };
+        let Some((links, figures)) = self.peer_liveness() else { return };
         let now = Instant::now();
-        // Down: its link is down, or (on the leader) raft-rs has heard nothing from it for an
-        // election timeout — a node frozen (SIGSTOP, a hung disk) whose kernel still answers
-        // TCP keeps its link up but stops answering heartbeats.
-        let figures = self.shared.meta.cluster_figures();
-        let silent = |peer: NodeId| figures.peers.iter().any(|p| p.id == peer && !p.recent_active);
-        let links: Vec<(NodeId, bool)> = links().into_iter().map(|(peer, up)| (peer, up && !silent(peer))).collect();
         for &(peer, up) in &links {
             if up {
                 down_since.remove(&peer);
@@ -281,6 +299,20 @@ impl super::node::Node {
         if let Err(e) = self.shared.meta.propose_batch(moves).await {
             tracing::warn!(error = %e, "moving queues off a node that is gone failed; retried at the next check");
         }
+    }
+}
+
+impl super::node::Node {
+    /// Each peer and whether it is up: its link is up and (on the leader) raft-rs heard from
+    /// it within an election timeout — a node frozen (SIGSTOP, a hung disk) whose kernel
+    /// still answers TCP keeps its link up but stops answering heartbeats. With the cluster
+    /// figures it was read from; `None` on a node without peers.
+    pub(super) fn peer_liveness(&self) -> Option<(Vec<(NodeId, bool)>, crate::meta::ClusterFigures)> {
+        let links = self.shared.peer_links.as_ref()?;
+        let figures = self.shared.meta.cluster_figures();
+        let silent = |peer: NodeId| figures.peers.iter().any(|p| p.id == peer && !p.recent_active);
+        let links = links().into_iter().map(|(peer, up)| (peer, up && !silent(peer))).collect();
+        Some((links, figures))
     }
 }
 

@@ -34,6 +34,13 @@ pub fn replica_set(vhost: &str, name: &str, owner: u64, members: &[u64], size: u
     set
 }
 
+/// The node a replica set grows to (`meta::grow`): of `candidates` (live voters outside the
+/// set), the one storing the fewest queues, ties broken by the same hash as
+/// [`replica_set`]; `None` when there is none.
+pub fn grow_target(vhost: &str, name: &str, candidates: &[u64], stored: impl Fn(u64) -> usize) -> Option<u64> {
+    candidates.iter().copied().min_by_key(|&m| (stored(m), fnv(vhost, name, Some(m))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,6 +66,16 @@ mod tests {
             prop_assert!(set.windows(2).all(|w| w[0] < w[1]));
             prop_assert!(set.iter().all(|m| members.contains(m)));
         }
+    }
+
+    #[test]
+    fn a_set_grows_to_the_least_loaded_candidate() {
+        assert_eq!(grow_target("/", "q", &[], |_| 0), None);
+        assert_eq!(grow_target("/", "q", &[4, 5, 6], |n| if n == 5 { 0 } else { 3 }), Some(5));
+        // Equal load: the choice follows the queue name, and every candidate gets some.
+        let picks: std::collections::BTreeSet<u64> =
+            (0..200).filter_map(|i| grow_target("/", &format!("q{i}"), &[4, 5, 6], |_| 0)).collect();
+        assert_eq!(picks.into_iter().collect::<Vec<_>>(), vec![4, 5, 6]);
     }
 
     #[test]

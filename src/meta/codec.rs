@@ -9,6 +9,7 @@
 //! form is used by serde, so a table holding a NaN double or a byte array survives a snapshot
 //! exactly.
 
+use super::grow::CopiedMessage;
 use super::state::Command;
 use super::topology::{Binding, DestKind, ExchangeDef, ExchangeKind, QueueDef};
 use super::wire::{put_blob, put_str, put_table, put_varint, DecodeError, Reader};
@@ -66,6 +67,9 @@ const TAG_SETTLE: u8 = 12;
 const TAG_MOVE_QUEUE: u8 = 13;
 const TAG_LEAVE_REPLICA_SET: u8 = 14;
 const TAG_RESERVE: u8 = 15;
+const TAG_GROW_REPLICA_SET: u8 = 16;
+const TAG_COPY_MESSAGES: u8 = 17;
+const TAG_JOIN_REPLICA_SET: u8 = 18;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -193,6 +197,35 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, *node);
             put_varint(out, *until);
         }
+        Command::GrowReplicaSet { vhost, queue, node, id } => {
+            out.push(TAG_GROW_REPLICA_SET);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *node);
+            put_varint(out, *id);
+        }
+        Command::CopyMessages { vhost, queue, id, from, to, messages } => {
+            out.push(TAG_COPY_MESSAGES);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *id);
+            put_varint(out, *from);
+            put_varint(out, *to);
+            put_varint(out, messages.len() as u64);
+            for m in messages {
+                put_varint(out, m.offset);
+                out.push(m.flags);
+                put_blob(out, &m.header);
+                put_blob(out, &m.body);
+            }
+        }
+        Command::JoinReplicaSet { vhost, queue, id, tail } => {
+            out.push(TAG_JOIN_REPLICA_SET);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, *id);
+            put_varint(out, *tail);
+        }
     }
 }
 
@@ -290,6 +323,20 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
         }
         TAG_LEAVE_REPLICA_SET => Command::LeaveReplicaSet { vhost: r.string()?, queue: r.string()?, node: r.varint()? },
         TAG_RESERVE => Command::Reserve { vhost: r.string()?, queue: r.string()?, node: r.varint()?, until: r.varint()? },
+        TAG_GROW_REPLICA_SET => Command::GrowReplicaSet { vhost: r.string()?, queue: r.string()?, node: r.varint()?, id: r.varint()? },
+        TAG_COPY_MESSAGES => {
+            let (vhost, queue, id, from, to) = (r.string()?, r.string()?, r.varint()?, r.varint()?, r.varint()?);
+            let n = r.varint()?;
+            if n > r.buf.len() as u64 {
+                return Err(r.err("message count larger than the entry"));
+            }
+            let mut messages = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                messages.push(CopiedMessage { offset: r.varint()?, flags: r.u8()?, header: r.blob()?, body: r.blob()? });
+            }
+            Command::CopyMessages { vhost, queue, id, from, to, messages }
+        }
+        TAG_JOIN_REPLICA_SET => Command::JoinReplicaSet { vhost: r.string()?, queue: r.string()?, id: r.varint()?, tail: r.varint()? },
         _ => return Err(r.err("unknown command tag")),
     })
 }

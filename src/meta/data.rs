@@ -84,6 +84,35 @@ pub enum DataOp {
         /// The node that serves it now.
         to: NodeId,
     },
+    /// Messages copied to this node, which is growing into the queue's replica set
+    /// (`grow.rs`, step 2): the store takes those of `[from, to)` it lacks; an offset of the
+    /// range that is not among them has no message (it was settled).
+    Copy {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The grow's id.
+        id: u64,
+        /// First queue offset the batch covers.
+        from: u64,
+        /// Queue offset after the last one it covers.
+        to: u64,
+        /// The live messages of `[from, to)`, ascending offsets.
+        messages: Vec<super::grow::CopiedMessage>,
+    },
+    /// This node joined the queue's replica set (`grow.rs`, step 3): its store holds every
+    /// live message below `tail`, and the queue's next `Enqueue` gets offset `tail`.
+    Joined {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// The grow's id.
+        id: u64,
+        /// The queue's next offset when it joined.
+        tail: u64,
+    },
     /// The queue was deleted: its store goes, before any op of a queue declared again
     /// under the name.
     Dropped {
@@ -103,6 +132,8 @@ impl DataOp {
             DataOp::Enqueue { vhost, queue, .. }
             | DataOp::Settle { vhost, queue, .. }
             | DataOp::Moved { vhost, queue, .. }
+            | DataOp::Copy { vhost, queue, .. }
+            | DataOp::Joined { vhost, queue, .. }
             | DataOp::Dropped { vhost, queue, .. } => (vhost, queue),
         }
     }
@@ -209,9 +240,14 @@ pub(super) fn enqueue(st: &mut MetaState, vhost: &str, queue: &str) -> Outcome {
 
 /// Applies `LeaveReplicaSet` (invariant 4).
 pub(super) fn leave_replica_set(st: &mut MetaState, vhost: &str, queue: &str, node: NodeId) -> Outcome {
-    let Some(def) = st.topology.queues.get_mut(&(vhost.to_owned(), queue.to_owned())) else {
+    let key = (vhost.to_owned(), queue.to_owned());
+    let Some(def) = st.topology.queues.get_mut(&key) else {
         return Outcome::NotFound;
     };
+    // A copy under way to the node is as incomplete (`grow.rs`, invariant 3).
+    if super::grow::drop_grow_to(&mut st.growing, &key, node) {
+        return Outcome::Moved;
+    }
     if def.replicas.len() < 2 || !def.replicas.contains(&node) || def.owner_node == node {
         return Outcome::Existed;
     }
@@ -221,15 +257,24 @@ pub(super) fn leave_replica_set(st: &mut MetaState, vhost: &str, queue: &str, no
 
 /// The replicated queues whose messages `node` missed when a snapshot replaced its state
 /// `old` with `new` (invariant 4): those stored on `node` (by an explicit set) whose offset
-/// counter moved in between.
+/// counter moved in between, or that it joined in between (it missed their copy, `grow.rs`),
+/// and those being copied to it whose copy moved on in between.
 pub(super) fn missed_queues(old: &MetaState, new: &MetaState, node: NodeId) -> Vec<(String, String)> {
-    new.topology
+    let counter = |st: &MetaState, key: &(String, String)| st.next_offsets.get(key).copied().unwrap_or(0);
+    let was_member = |key: &(String, String)| old.topology.queues.get(key).is_some_and(|q| q.replicas.contains(&node));
+    let stored = new
+        .topology
         .queues
         .iter()
         .filter(|(_, q)| q.survives_restart() && q.replicas.len() > 1 && q.replicas.contains(&node) && q.owner_node != node)
-        .filter(|(key, _)| new.next_offsets.get(*key).copied().unwrap_or(0) > old.next_offsets.get(*key).copied().unwrap_or(0))
-        .map(|(key, _)| key.clone())
-        .collect()
+        .filter(|(key, _)| counter(new, key) > counter(old, key) || (!was_member(key) && counter(new, key) > 0))
+        .map(|(key, _)| key.clone());
+    let copying = new
+        .growing
+        .iter()
+        .filter(|(key, g)| g.node == node && g.copied > 0 && old.growing.get(*key) != Some(*g))
+        .map(|(key, _)| key.clone());
+    stored.chain(copying).collect()
 }
 
 /// Applies `MoveQueue` (invariants 3 and 5).
@@ -244,6 +289,8 @@ pub(super) fn move_queue(st: &mut MetaState, vhost: &str, queue: &str, from: Nod
     }
     def.owner_node = to;
     def.owner_epoch = to_epoch;
+    // The grow's copier was the old server (`grow.rs`, invariant 3).
+    st.growing.remove(&key);
     // What `from` may have handed out: below its reservation, and only what it had applied.
     let reserved = st.reservations.remove(&key).unwrap_or(0);
     let tail = st.next_offsets.get(&key).copied().unwrap_or(0);

@@ -751,8 +751,13 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::NodeBoot { .. } => 12,
         Command::Enqueue { vhost, queue, header, body, .. } => 16 + vhost.len() + queue.len() + header.len() + body.len(),
         Command::Settle { vhost, queue, offsets } => 8 + vhost.len() + queue.len() + 5 * offsets.len(),
-        Command::MoveQueue { vhost, queue, .. } | Command::LeaveReplicaSet { vhost, queue, .. } | Command::Reserve { vhost, queue, .. } => {
-            24 + vhost.len() + queue.len()
+        Command::MoveQueue { vhost, queue, .. }
+        | Command::LeaveReplicaSet { vhost, queue, .. }
+        | Command::Reserve { vhost, queue, .. }
+        | Command::GrowReplicaSet { vhost, queue, .. }
+        | Command::JoinReplicaSet { vhost, queue, .. } => 24 + vhost.len() + queue.len(),
+        Command::CopyMessages { vhost, queue, messages, .. } => {
+            32 + vhost.len() + queue.len() + messages.iter().map(|m| 16 + m.header.len() + m.body.len()).sum::<usize>()
         }
         // Definitions carry field tables; a generous flat guess keeps this cheap.
         Command::DeclareExchange(d) => 64 + d.vhost.len() + d.name.len() + 32 * d.arguments.inner().len(),

@@ -123,6 +123,9 @@ impl MetaState {
             }
             MemberChange::Remove { id } => {
                 self.members.remove(id);
+                let before = self.growing.len();
+                self.growing.retain(|_, g| g.node != *id);
+                changed |= self.growing.len() != before;
                 for q in self.topology.queues.values_mut() {
                     if q.replicas.len() > 1 && q.replicas.contains(id) {
                         q.replicas.retain(|n| n != id);

@@ -47,6 +47,7 @@ mod cluster_tests;
 pub mod codec;
 pub mod data;
 pub mod driver;
+pub mod grow;
 pub mod handle;
 mod members;
 pub mod net;

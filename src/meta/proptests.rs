@@ -79,8 +79,19 @@ fn command() -> impl Strategy<Value = Command> {
         6 => (vhost.clone(), name(), 0u64..4, 0u64..4)
             .prop_map(|(vhost, queue, expected, new)| Command::CursorCas { vhost, queue, expected, new }),
         1 => (1u64..3, proptest::option::of(0u64..3)).prop_map(|(node, cluster)| Command::NodeBoot { node, cluster }),
-        1 => (vhost, name(), 1u64..3, 0u64..8)
+        1 => (vhost.clone(), name(), 1u64..3, 0u64..8)
             .prop_map(|(vhost, queue, node, until)| Command::Reserve { vhost, queue, node, until }),
+        1 => (vhost.clone(), name(), 1u64..6, 0u64..3)
+            .prop_map(|(vhost, queue, node, id)| Command::GrowReplicaSet { vhost, queue, node, id }),
+        1 => (vhost.clone(), name(), 0u64..3, 0u64..3, 0u64..4).prop_map(|(vhost, queue, id, from, to)| Command::CopyMessages {
+            vhost,
+            queue,
+            id,
+            from,
+            to,
+            messages: Vec::new()
+        }),
+        1 => (vhost, name(), 0u64..3, 0u64..3).prop_map(|(vhost, queue, id, tail)| Command::JoinReplicaSet { vhost, queue, id, tail }),
     ]
 }
 

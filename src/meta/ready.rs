@@ -261,6 +261,8 @@ impl Driver {
         let cmds = decode_batch(&e.data).map_err(|source| MetaError::CorruptEntry { index: e.index, source })?;
         let mut outcomes = Vec::with_capacity(cmds.len());
         let mut dropped_cores = Vec::new();
+        // Per command: this node stores the data it carries (`grow::stored_by`).
+        let mut stored = Vec::with_capacity(cmds.len());
         {
             let mut st = self.shared.state.lock();
             let mut changed = false;
@@ -269,6 +271,7 @@ impl Driver {
                     // The core of a deleted queue's store, for its `DataOp::Dropped`.
                     dropped_cores.push(st.topology.queue(vhost, name).map(|d| d.owner_core).unwrap_or(0));
                 }
+                stored.push(super::grow::stored_by(&st, cmd, self.shared.node));
                 let o = st.apply(cmd);
                 changed |= cmd.changed_topology(&o);
                 outcomes.push(o);
@@ -279,7 +282,7 @@ impl Driver {
             }
         }
         self.counters.commands_applied.add(cmds.len() as u64);
-        self.shared.data.push(e.index, data_ops(&cmds, &outcomes, &dropped_cores));
+        self.shared.data.push(e.index, data_ops(&cmds, &outcomes, &stored, &dropped_cores));
         #[cfg(test)]
         if let Some(log) = &mut self.applied_log {
             log.push((e.index, e.term, cmds.clone(), outcomes.clone()));
@@ -300,13 +303,15 @@ impl Driver {
 }
 
 /// The replicated-queue data of an applied entry (`data.rs`), in order.
+/// `stored`: per command, whether this node stores the data it carries, as decided when it
+/// applied (`grow::stored_by`): a replay at start hands the stores exactly what it did live.
 /// `dropped_cores`: the owner core of each `DeleteQueue` of the entry, in order.
-fn data_ops(cmds: &[Command], outcomes: &[Outcome], dropped_cores: &[u32]) -> Vec<DataOp> {
+fn data_ops(cmds: &[Command], outcomes: &[Outcome], stored: &[bool], dropped_cores: &[u32]) -> Vec<DataOp> {
     let mut ops = Vec::new();
     let mut cores = dropped_cores.iter();
-    for (cmd, o) in cmds.iter().zip(outcomes) {
+    for ((cmd, o), here) in cmds.iter().zip(outcomes).zip(stored) {
         match (cmd, o) {
-            (Command::Enqueue { vhost, queue, flags, header, body }, Outcome::Enqueued { offset }) => ops.push(DataOp::Enqueue {
+            (Command::Enqueue { vhost, queue, flags, header, body }, Outcome::Enqueued { offset }) if *here => ops.push(DataOp::Enqueue {
                 vhost: vhost.clone(),
                 queue: queue.clone(),
                 offset: *offset,
@@ -314,11 +319,22 @@ fn data_ops(cmds: &[Command], outcomes: &[Outcome], dropped_cores: &[u32]) -> Ve
                 header: header.clone(),
                 body: body.clone(),
             }),
-            (Command::Settle { vhost, queue, offsets }, Outcome::Settled) => {
+            (Command::Settle { vhost, queue, offsets }, Outcome::Settled) if *here => {
                 ops.push(DataOp::Settle { vhost: vhost.clone(), queue: queue.clone(), offsets: offsets.clone() })
             }
             (Command::MoveQueue { vhost, queue, to, .. }, Outcome::Moved) => {
                 ops.push(DataOp::Moved { vhost: vhost.clone(), queue: queue.clone(), to: *to })
+            }
+            (Command::CopyMessages { vhost, queue, id, from, to, messages }, Outcome::Copied { .. }) if *here => ops.push(DataOp::Copy {
+                vhost: vhost.clone(),
+                queue: queue.clone(),
+                id: *id,
+                from: *from,
+                to: *to,
+                messages: messages.clone(),
+            }),
+            (Command::JoinReplicaSet { vhost, queue, id, tail }, Outcome::Moved) if *here => {
+                ops.push(DataOp::Joined { vhost: vhost.clone(), queue: queue.clone(), id: *id, tail: *tail })
             }
             (Command::DeleteQueue { vhost, name }, o) => {
                 let owner_core = cores.next().copied().unwrap_or(0);

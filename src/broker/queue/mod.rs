@@ -12,7 +12,8 @@
 //! - [`dispatch`]: the dispatcher task, deliveries and basic.get;
 //! - [`settle`]: the ack path — DESIGN.md's rules 1–10, and one function per entry point;
 //! - [`durability`]: everything that waits for an fdatasync, with the proofs that order it;
-//! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit.
+//! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
+//! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
 //!
 //! # Invariants
 //! - An offset is in exactly one of: the ready set, the outstanding set, `paging`
@@ -23,6 +24,7 @@
 //! Single-threaded per core: no `RefCell` borrow of a queue is held across an `.await`.
 
 pub mod consumer;
+pub mod copy;
 pub mod dispatch;
 pub mod durability;
 pub mod index;
@@ -247,6 +249,11 @@ impl Queue {
         let weak = Rc::downgrade(&q);
         glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
         q
+    }
+
+    /// A replicated queue's replication state (`None` for a queue of one node).
+    pub(super) fn repl_mut(&mut self) -> Option<&mut Replication> {
+        self.repl.as_mut()
     }
 
     /// Messages ready for delivery.

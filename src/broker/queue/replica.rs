@@ -50,7 +50,6 @@ use crate::meta::state::{Command, Outcome};
 
 thread_local! {
     static SETTLE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
-    static APPLY_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
     static RESERVE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
@@ -100,7 +99,11 @@ pub struct Replication {
     /// basic.get requests waiting for a reservation.
     gets: Vec<ParkedGet>,
     /// The log moved the queue to another node: nothing more is handed out here.
-    moved_away: bool,
+    pub(super) moved_away: bool,
+    /// A copier holds the enqueuer (`copy.rs`, server step 2): publishes wait.
+    holding: bool,
+    /// Growing the replica set (`copy.rs`): the copier here, or the receiving end's state.
+    pub(super) grow: super::copy::GrowState,
 }
 
 impl Replication {
@@ -122,6 +125,17 @@ impl Replication {
         self.answer_gets_empty();
     }
 
+    /// Holds (or lets go) the enqueuer: while held, publishes wait and no new `Enqueue`
+    /// batch is proposed (`copy.rs`, server step 2).
+    pub(super) fn hold_enqueues(&mut self, hold: bool) {
+        self.holding = hold;
+    }
+
+    /// True while an `Enqueue` batch of this queue is being proposed.
+    pub(super) fn enqueue_in_flight(&self) -> bool {
+        self.enqueuing
+    }
+
     fn answer_gets_empty(&mut self) {
         for (_, _, reply) in self.gets.drain(..) {
             let _ = reply.send(Ok(None));
@@ -141,7 +155,7 @@ impl Queue {
             body: message.body,
         };
         repl.enqueues.push((cmd, confirm, published));
-        if !repl.enqueuing {
+        if !repl.enqueuing && !repl.holding {
             repl.enqueuing = true;
             glommio::spawn_local(enqueuer(Rc::downgrade(cell))).detach();
         }
@@ -171,9 +185,7 @@ impl Queue {
                     return;
                 }
                 if offset > next {
-                    if once_a_second(&APPLY_FAILURE_LOGGED) {
-                        tracing::error!(queue = %q.qref.key.name, offset, next, "replica lacks earlier messages of its queue; message not stored here");
-                    }
+                    q.leave_replica_set(&format!("it lacks messages {next}..{offset} of the queue"));
                     return;
                 }
                 match q.shard.append_shared(flags, &header, &body) {
@@ -195,13 +207,12 @@ impl Queue {
                         if e.is_disk_full() {
                             q.env.disk_full();
                         }
-                        if once_a_second(&APPLY_FAILURE_LOGGED) {
-                            tracing::error!(queue = %q.qref.key.name, error = %e, "replicated message not stored on this member");
-                        }
+                        q.leave_replica_set(&format!("the store could not take message {offset}: {e}"));
                     }
                 }
             }
             DataOp::Settle { offsets, .. } => {
+                q.tombstone_unreached(&offsets);
                 let live: Vec<u64> = offsets.into_iter().filter(|o| q.shard.is_live(*o)).collect();
                 // Held here (a delivery of this member) or not, the log says it is settled.
                 for off in &live {
@@ -222,6 +233,8 @@ impl Queue {
                     }
                 }
             }
+            DataOp::Copy { from, to, messages, .. } => q.apply_copy(from, to, messages),
+            DataOp::Joined { tail, .. } => q.apply_joined(tail),
             // Carried out by the core (it owns the registry).
             DataOp::Dropped { .. } => {}
         }
@@ -278,6 +291,17 @@ impl Queue {
     }
 }
 
+/// Lets the enqueuer go after a copier held it, and proposes what waited meanwhile.
+pub(super) fn resume_enqueues(cell: &QueueCell) {
+    let mut q = cell.borrow_mut();
+    let Some(repl) = &mut q.repl else { return };
+    repl.holding = false;
+    if !repl.enqueuing && !repl.enqueues.is_empty() {
+        repl.enqueuing = true;
+        glommio::spawn_local(enqueuer(Rc::downgrade(cell))).detach();
+    }
+}
+
 /// Proposes the queue's waiting publishes, one batch at a time, and answers their confirms
 /// with the outcome (step 1). A queue deleted meanwhile confirms (RabbitMQ's reading).
 async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
@@ -288,7 +312,7 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
             let mut q = cell.borrow_mut();
             let env = q.env.clone();
             let Some(repl) = &mut q.repl else { return };
-            if repl.enqueues.is_empty() {
+            if repl.enqueues.is_empty() || repl.holding {
                 repl.enqueuing = false;
                 return;
             }
