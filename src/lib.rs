@@ -14,13 +14,15 @@
 //!   class). Never touches a file; maps [`broker::QueueError`] to reply codes.
 //! - [`broker`]: the domain (each core's queue registry and tick, exchanges, routing,
 //!   queues, consumers, the ack path, dead-lettering, alarms, `broker::remote`: serving
-//!   other nodes' queues and ours to them, and `broker::replicas` with `queue/replica.rs`:
-//!   replicated durable queues and failover in a cluster). Never touches a socket and names
+//!   other nodes' queues and ours to them, `broker::replicas` with `queue/replica.rs`:
+//!   replicated durable queues and failover in a cluster, and `broker::grow` with
+//!   `queue/copy.rs`: growing replica sets back). Never touches a socket and names
 //!   nothing of `amqp`.
 //! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
 //!   placement, fatal errors). Names no protocol and no queue.
 //! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs, and in a cluster the
-//!   messages and settlements of replicated queues, `meta/data.rs`).
+//!   messages and settlements of replicated queues, `meta/data.rs`, and the copies that
+//!   grow their replica sets, `meta/grow.rs`).
 //! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the
 //!   crate): raft-rs messages, snapshots, and the data lane of `broker::remote`.
 //! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.

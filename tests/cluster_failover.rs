@@ -570,6 +570,11 @@ fn a_replica_set_grows_back_after_a_node_is_forgotten_and_the_copy_survives_kill
         }
 
         t("the publisher during the copy", publisher).await.expect("publisher task");
+        for (name, want) in
+            [("ringmq_cluster_replica_grows", 0.0), ("ringmq_cluster_queues_below_replicas", 0.0), ("ringmq_cluster_members", 3.0)]
+        {
+            assert_eq!(c.metric(0, name, None), Some(want), "{name} on node 1 after the grow");
+        }
         eprintln!("{}", c.log(0).lines().find(|l| l.contains("queue replica set grown")).unwrap_or_default());
         // The server dies: the queue's only other replica is the grown one, which serves it
         // with every message that was confirmed and not acked, and none that was acked.

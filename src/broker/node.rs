@@ -85,6 +85,21 @@ impl Shared {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Replicated queues whose replica set is smaller than their size (capped at `voters`):
+    /// those `broker/grow.rs` grows back.
+    fn queues_below_replicas(&self, voters: &[crate::meta::NodeId]) -> u64 {
+        if voters.len() < 2 {
+            return 0;
+        }
+        let topo = self.meta.topology();
+        let short = |q: &&QueueDef| {
+            super::queue::replica::is_replicated(q, true)
+                && !q.replicas.is_empty()
+                && q.replicas.len() < super::replicas::replica_set_size(self, q).min(voters.len())
+        };
+        topo.queues.values().filter(short).count() as u64
+    }
+
     /// The Prometheus text of every core's counters, the alarms and the metadata group
     /// (`observe::render` does the formatting).
     pub fn metrics_text(&self) -> String {
@@ -119,6 +134,8 @@ impl Shared {
             leader_changes: f.leader_changes,
             peers,
             members: f.voters.len() as u64,
+            replica_grows: self.meta.with_state(|s| s.growing.len() as u64),
+            queues_below_replicas: self.queues_below_replicas(&f.voters),
         };
         crate::observe::render(&self.stats, &gauges, &raft)
     }

@@ -144,6 +144,10 @@ pub struct RaftFigures {
     pub peers: Vec<PeerFigures>,
     /// Voters of the group, this node included.
     pub members: u64,
+    /// Replica sets being grown: queues being copied to a node (`meta::grow`).
+    pub replica_grows: u64,
+    /// Replicated queues whose replica set is smaller than their size.
+    pub queues_below_replicas: u64,
 }
 
 /// One other member of the cluster at scrape time.
@@ -267,6 +271,12 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
         ("ringmq_raft_commit_index", "Highest metadata log index known committed.", g(raft.commit_index)),
         ("ringmq_raft_applied_index", "Highest metadata log index applied here.", g(raft.applied_index)),
         ("ringmq_cluster_members", "Voters of the metadata group, this node included.", g(raft.members)),
+        ("ringmq_cluster_replica_grows", "Queues being copied to a node joining their replica set.", g(raft.replica_grows)),
+        (
+            "ringmq_cluster_queues_below_replicas",
+            "Replicated queues whose replica set is smaller than their size (they grow back onto live nodes).",
+            g(raft.queues_below_replicas),
+        ),
     ];
     let labeled = vec![
         (
