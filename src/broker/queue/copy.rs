@@ -188,9 +188,15 @@ impl Queue {
         r.grow.leaving = true;
         tracing::warn!(queue = %queue, vhost = %vhost, reason = why, "this node's copy of the queue is incomplete: it leaves the queue's replica set");
         let node = meta.node_id();
+        let weak = self.me.clone();
         glommio::spawn_local(async move {
             if let Err(e) = meta.propose(Command::LeaveReplicaSet { vhost, queue, node }).await {
-                tracing::warn!(error = %e, "leaving a replica set failed; retried when the copy is checked again");
+                tracing::warn!(error = %e, "leaving a replica set failed; retried at the copy's next failure");
+                if let Some(cell) = weak.upgrade() {
+                    if let Some(r) = cell.borrow_mut().repl_mut() {
+                        r.grow.leaving = false;
+                    }
+                }
             }
         })
         .detach();
