@@ -6,6 +6,9 @@
 //! 1. From where the copy got (`Grow::copied`, read from the metadata each round), read up
 //!    to [`COPY_BATCH_MESSAGES`] live records or [`COPY_BATCH_BYTES`] bytes below the store's
 //!    next offset and propose them as one `CopyMessages`; one batch in flight at a time.
+//!    While a batch is read and committed, the settles of offsets from its start on wait
+//!    (`replica::hold_settles`), so a message the batch names is settled after it in the log:
+//!    the receiving node then applies the copy before the settle, live and in a replay.
 //! 2. Once a batch reaches the store's next offset: hold the enqueuer (publishes wait, none
 //!    in flight), wait until the store holds every message the log enqueued, copy the rest
 //!    and propose it with `JoinReplicaSet` in one entry, then release the enqueuer. A join
@@ -21,7 +24,10 @@
 //!    made to match: a live record the batch does not name is deleted (it was settled, or
 //!    a gap's placeholder whose delete a crash lost).
 //! 2. A settle of an offset the store has not reached is kept as a tombstone: the message
-//!    is not stored when its copy arrives (the settle raced the copy).
+//!    is not stored when its copy arrives. (Server step 1 orders settles after the batches
+//!    that name them; a batch proposed again after a leader change can still come later.
+//!    Tombstones live in memory: after a crash, such a message comes back as a duplicate
+//!    delivery, flagged, never as a loss.)
 //! 3. A batch starting past the store's next offset means one was lost (a store being
 //!    dropped as it arrived): the copy cannot be complete, and the node takes itself out
 //!    (`LeaveReplicaSet`, which drops the grow; the leader starts another later). The same
@@ -66,49 +72,106 @@ pub struct GrowState {
     pub copier: Option<u64>,
     /// Receiving end: offsets settled before the copy reached them (step 2).
     tombstones: std::collections::BTreeSet<u64>,
+    /// Server: settles of offsets from here on wait for the copy batch in flight (step 1).
+    pub(super) settles_held_from: Option<u64>,
+    /// Server: the settles that wait.
+    pub(super) held_settles: Vec<u64>,
     /// This copy proposed to leave the replica set already (step 3).
     leaving: bool,
 }
 
+/// What the receiving end needs of a store: the queue's shard ([`Queue`] through
+/// [`QueueStore`]), or a model in the tests.
+pub(super) trait CopyStore {
+    /// The offset the next append gets.
+    fn next_offset(&self) -> u64;
+    /// True if `offset` holds a message not deleted.
+    fn is_live(&self, offset: u64) -> bool;
+    /// Appends `m` at the next offset (which the caller made `m.offset`).
+    fn append(&mut self, m: &CopiedMessage) -> Result<(), ringmq_shards::StoreError>;
+    /// Moves the next offset to `upto` with no message in between.
+    fn fill_gap(&mut self, upto: u64) -> Result<(), ringmq_shards::StoreError>;
+    /// Deletes these live offsets.
+    fn delete(&mut self, offsets: &[u64]);
+}
+
+/// Receiving step 1: stores the copied messages of `[from, to)` (ascending offsets) in
+/// `store`, skipping those `tombstones` names (step 2). Errors: why the copy cannot be
+/// complete (step 3: a batch was lost, or the store failed).
+pub(super) fn store_copy(
+    store: &mut impl CopyStore,
+    tombstones: &mut std::collections::BTreeSet<u64>,
+    from: u64,
+    to: u64,
+    messages: &[CopiedMessage],
+) -> Result<(), String> {
+    let next = store.next_offset();
+    if from > next {
+        return Err(format!("copy batch from offset {from} after a lost one (the store reached {next})"));
+    }
+    let below = to.min(next);
+    if from < below {
+        let named: FxHashSet<u64> = messages.iter().map(|m| m.offset).filter(|o| *o < below).collect();
+        let stray: Vec<u64> = (from..below).filter(|o| !named.contains(o) && store.is_live(*o)).collect();
+        store.delete(&stray);
+    }
+    for m in messages.iter().filter(|m| m.offset >= next) {
+        if tombstones.remove(&m.offset) {
+            continue;
+        }
+        store.fill_gap(m.offset).and_then(|_| store.append(m)).map_err(|e| format!("the store could not take a copied message: {e}"))?;
+    }
+    store.fill_gap(to).map_err(|e| format!("the store could not skip to offset {to}: {e}"))?;
+    let next = store.next_offset();
+    tombstones.retain(|o| *o >= next);
+    Ok(())
+}
+
+/// Receiving step 2: of the offsets a settle deletes, keeps those `store` has not reached.
+pub(super) fn note_settled(store: &impl CopyStore, tombstones: &mut std::collections::BTreeSet<u64>, offsets: &[u64]) {
+    let next = store.next_offset();
+    tombstones.extend(offsets.iter().copied().filter(|o| *o >= next));
+}
+
+/// A queue's shard as a [`CopyStore`]: appends also enter the ready set.
+struct QueueStore<'a>(&'a mut Queue);
+
+impl CopyStore for QueueStore<'_> {
+    fn next_offset(&self) -> u64 {
+        self.0.shard.next_offset()
+    }
+    fn is_live(&self, offset: u64) -> bool {
+        self.0.shard.is_live(offset)
+    }
+    fn append(&mut self, m: &CopiedMessage) -> Result<(), ringmq_shards::StoreError> {
+        let at = self.0.shard.append_shared(m.flags, &m.header, &m.body).inspect_err(|e| {
+            if e.is_disk_full() {
+                self.0.env.disk_full();
+            }
+        })?;
+        self.0.ready.push(at, None);
+        self.0.dirty = true;
+        Ok(())
+    }
+    fn fill_gap(&mut self, upto: u64) -> Result<(), ringmq_shards::StoreError> {
+        self.0.fill_gap(upto)
+    }
+    fn delete(&mut self, offsets: &[u64]) {
+        self.0.delete_local(offsets);
+    }
+}
+
 impl Queue {
-    /// Receiving step 1: stores the copied messages of `[from, to)`.
+    /// Receiving step 1 ([`store_copy`]) on this queue's store; leaves the replica set when
+    /// the copy cannot be complete.
     pub(super) fn apply_copy(&mut self, from: u64, to: u64, messages: Vec<CopiedMessage>) {
-        let next = self.shard.next_offset();
-        if from > next {
-            self.leave_replica_set(&format!("copy batch from offset {from} after a lost one (the store reached {next})"));
-            return;
-        }
-        let below = to.min(next);
-        if from < below && !self.shard.is_empty() {
-            let named: FxHashSet<u64> = messages.iter().map(|m| m.offset).filter(|o| *o < below).collect();
-            let stray: Vec<u64> = (from..below).filter(|o| !named.contains(o) && self.shard.is_live(*o)).collect();
-            self.delete_local(&stray);
-        }
-        for m in messages.into_iter().filter(|m| m.offset >= next) {
-            if self.take_tombstone(m.offset) {
-                continue;
-            }
-            let stored = self.fill_gap(m.offset).and_then(|_| self.shard.append_shared(m.flags, &m.header, &m.body));
-            match stored {
-                Ok(at) => {
-                    self.ready.push(at, None);
-                    self.dirty = true;
-                }
-                Err(e) => {
-                    if e.is_disk_full() {
-                        self.env.disk_full();
-                    }
-                    self.leave_replica_set(&format!("the store could not take a copied message: {e}"));
-                    return;
-                }
-            }
-        }
-        if let Err(e) = self.fill_gap(to) {
-            self.leave_replica_set(&format!("the store could not skip to offset {to}: {e}"));
-        }
-        let next = self.shard.next_offset();
+        let mut tombstones = self.repl_mut().map(|r| std::mem::take(&mut r.grow.tombstones)).unwrap_or_default();
+        let stored = store_copy(&mut QueueStore(self), &mut tombstones, from, to, &messages);
         if let Some(r) = self.repl_mut() {
-            r.grow.tombstones.retain(|o| *o >= next);
+            r.grow.tombstones = tombstones;
+        }
+        if let Err(why) = stored {
+            self.leave_replica_set(&why);
         }
     }
 
@@ -129,16 +192,13 @@ impl Queue {
         tracing::info!(queue = %self.qref.key.name, vhost = %self.qref.key.vhost, tail, "this node joined the queue's replica set with a complete copy");
     }
 
-    /// Receiving step 2: keeps the settled offsets the store has not reached as tombstones.
+    /// Receiving step 2 ([`note_settled`]) on this queue's store.
     pub(super) fn tombstone_unreached(&mut self, offsets: &[u64]) {
-        let next = self.shard.next_offset();
+        let Some(mut tombstones) = self.repl_mut().map(|r| std::mem::take(&mut r.grow.tombstones)) else { return };
+        note_settled(&QueueStore(self), &mut tombstones, offsets);
         if let Some(r) = self.repl_mut() {
-            r.grow.tombstones.extend(offsets.iter().copied().filter(|o| *o >= next));
+            r.grow.tombstones = tombstones;
         }
-    }
-
-    fn take_tombstone(&mut self, offset: u64) -> bool {
-        self.repl_mut().is_some_and(|r| r.grow.tombstones.remove(&offset))
     }
 
     /// Moves the store's next offset to `upto` without messages in between: placeholder
@@ -217,6 +277,7 @@ pub fn start_copy(cell: &QueueCell, id: u64, node: NodeId) {
         // A spawned task runs at once, up to its first wait: the caller's borrows end first.
         futures_lite::future::yield_now().await;
         copier(weak.clone(), id, node).await;
+        hold_settles(&weak, None);
         if let Some(cell) = weak.upgrade() {
             if let Some(r) = cell.borrow_mut().repl_mut().filter(|r| r.grow.copier == Some(id)) {
                 r.grow.copier = None;
@@ -274,9 +335,12 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
             tracing::info!(queue = %key.1, vhost = %key.0, node, messages = shard.len(), "copying the queue to a node joining its replica set");
         }
         rounds += 1;
+        // Settles of what this round may name wait until its batch is in the log.
+        hold_settles(&weak, Some(from));
         let batch = match read_batch(&shard, from, shard.next_offset(), false).await {
             Ok(b) => b,
             Err(e) => {
+                hold_settles(&weak, None);
                 tracing::warn!(queue = %key.1, error = %e, "reading the queue to copy it failed; retrying");
                 glommio::timer::sleep(Duration::from_secs(1)).await;
                 continue;
@@ -285,7 +349,9 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
         let copy =
             |b: Batch| Command::CopyMessages { vhost: key.0.clone(), queue: key.1.clone(), id, from, to: b.to, messages: b.messages };
         if !batch.complete {
-            match meta.propose(copy(batch)).await {
+            let outcome = meta.propose(copy(batch)).await;
+            hold_settles(&weak, None);
+            match outcome {
                 Ok(Outcome::Copied { .. } | Outcome::CasRejected { .. }) => continue,
                 Ok(_) => return,
                 Err(e) => {
@@ -298,6 +364,7 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
         // Step 2: the rest and the join, in one entry, with no enqueue in flight.
         let Some(tail) = hold_enqueuer(&weak, &meta, &key).await else {
             release_enqueuer(&weak);
+            hold_settles(&weak, None);
             glommio::timer::sleep(Duration::from_millis(100)).await;
             continue;
         };
@@ -310,6 +377,7 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
             Err(e) => Err(crate::meta::MetaError::Raft(format!("reading the queue to copy it: {e}"))),
         };
         release_enqueuer(&weak);
+        hold_settles(&weak, None);
         match outcome.as_deref() {
             Ok([Outcome::Copied { .. }, Outcome::Moved]) => {
                 let ms = started.elapsed().as_millis() as u64;
@@ -354,8 +422,235 @@ async fn hold_enqueuer(weak: &Weak<RefCell<Queue>>, meta: &crate::meta::MetaHand
     }
 }
 
+fn hold_settles(weak: &Weak<RefCell<Queue>>, from: Option<u64>) {
+    if let Some(cell) = weak.upgrade() {
+        super::replica::hold_settles(&cell, from);
+    }
+}
+
 fn release_enqueuer(weak: &Weak<RefCell<Queue>>) {
     if let Some(cell) = weak.upgrade() {
         super::replica::resume_enqueues(&cell);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The receiving end against a model: a server's history of settles racing its copy
+    //! batches, enqueues before and after the join, then a crash of the receiving store and a
+    //! replay of the log; the receiving store must end with exactly the server's messages.
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    /// A store in memory: every record ever appended (placeholders: an empty body), the live
+    /// ones, and the next offset.
+    #[derive(Clone, Default)]
+    struct Model {
+        next: u64,
+        records: BTreeMap<u64, bytes::Bytes>,
+        live: BTreeSet<u64>,
+    }
+
+    impl CopyStore for Model {
+        fn next_offset(&self) -> u64 {
+            self.next
+        }
+        fn is_live(&self, offset: u64) -> bool {
+            self.live.contains(&offset)
+        }
+        fn append(&mut self, m: &CopiedMessage) -> Result<(), ringmq_shards::StoreError> {
+            assert_eq!(m.offset, self.next, "appended out of order");
+            self.records.insert(m.offset, m.body.clone());
+            self.live.insert(m.offset);
+            self.next += 1;
+            Ok(())
+        }
+        fn fill_gap(&mut self, upto: u64) -> Result<(), ringmq_shards::StoreError> {
+            // Short runs are placeholder records (they can come back after a crash), long
+            // ones a skip (nothing there).
+            while self.next < upto {
+                if upto - self.next <= 8 {
+                    self.records.insert(self.next, bytes::Bytes::new());
+                }
+                self.next += 1;
+            }
+            Ok(())
+        }
+        fn delete(&mut self, offsets: &[u64]) {
+            for o in offsets {
+                self.live.remove(o);
+            }
+        }
+    }
+
+    /// What the log hands the receiving node, in log order.
+    #[derive(Clone, Debug)]
+    enum Op {
+        Settle(Vec<u64>),
+        Copy { from: u64, to: u64, messages: Vec<CopiedMessage> },
+        Joined(u64),
+        Enqueue(CopiedMessage),
+    }
+
+    fn message(offset: u64) -> CopiedMessage {
+        CopiedMessage { offset, flags: 1, header: bytes::Bytes::new(), body: bytes::Bytes::from(format!("m{offset}")) }
+    }
+
+    /// A server's history from `seed`: a backlog with settled holes, settles racing the copy
+    /// batches (a batch is read, then messages it read are settled: their settles wait for
+    /// the batch, server step 1), enqueues during the copy, the join, then more enqueues and
+    /// settles. Returns the log and the server's final messages.
+    fn history(seed: u64, backlog: u64, batch: usize) -> (Vec<Op>, BTreeSet<u64>) {
+        let mut rng = seed | 1;
+        let mut roll = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n.max(1)
+        };
+        let mut live: BTreeSet<u64> = (0..backlog).filter(|_| roll(4) != 0).collect();
+        let mut tail = backlog;
+        let mut log = Vec::new();
+        let mut copied = 0;
+        let settle_some = |live: &mut BTreeSet<u64>, roll: &mut dyn FnMut(u64) -> u64| {
+            let mut done = Vec::new();
+            for _ in 0..roll(4) {
+                let Some(&o) = live.iter().nth(roll(live.len() as u64) as usize) else { break };
+                live.remove(&o);
+                done.push(o);
+            }
+            done
+        };
+        loop {
+            // Read a batch; settles come in meanwhile: those below it go at once, the others
+            // after it.
+            let read: Vec<u64> = live.range(copied..tail).copied().take(batch).collect();
+            let complete = read.len() < batch;
+            let to = if complete { tail } else { read.last().map_or(tail, |o| o + 1) };
+            let (held, now): (Vec<u64>, Vec<u64>) = settle_some(&mut live, &mut roll).into_iter().partition(|o| *o >= copied);
+            if !now.is_empty() {
+                log.push(Op::Settle(now));
+            }
+            if complete {
+                // The final round: the enqueuer is held; the rest and the join in one entry.
+                let rest: Vec<u64> =
+                    live.range(copied..tail).copied().chain(held.iter().copied()).collect::<BTreeSet<u64>>().into_iter().collect();
+                log.push(Op::Copy { from: copied, to: tail, messages: rest.into_iter().map(message).collect() });
+                log.push(Op::Joined(tail));
+                if !held.is_empty() {
+                    log.push(Op::Settle(held));
+                }
+                break;
+            }
+            log.push(Op::Copy { from: copied, to, messages: read.into_iter().map(message).collect() });
+            if !held.is_empty() {
+                log.push(Op::Settle(held));
+            }
+            copied = to;
+            for _ in 0..roll(3) {
+                live.insert(tail);
+                tail += 1;
+            }
+        }
+        for _ in 0..roll(20) {
+            live.insert(tail);
+            log.push(Op::Enqueue(message(tail)));
+            tail += 1;
+            let done = settle_some(&mut live, &mut roll);
+            if !done.is_empty() {
+                log.push(Op::Settle(done));
+            }
+        }
+        (log, live)
+    }
+
+    /// Applies `ops` to the receiving store as `replica.rs` does.
+    fn apply(store: &mut Model, tombstones: &mut BTreeSet<u64>, ops: &[Op]) -> Result<(), String> {
+        for op in ops {
+            match op {
+                Op::Settle(offsets) => {
+                    note_settled(store, tombstones, offsets);
+                    store.delete(offsets);
+                }
+                Op::Copy { from, to, messages } => store_copy(store, tombstones, *from, *to, messages)?,
+                Op::Joined(tail) => {
+                    store.fill_gap(*tail).map_err(|e| e.to_string())?;
+                    tombstones.clear();
+                }
+                Op::Enqueue(m) if m.offset < store.next => {}
+                Op::Enqueue(m) if m.offset == store.next => store.append(m).map_err(|e| e.to_string())?,
+                Op::Enqueue(m) => return Err(format!("enqueue {} past the store's next offset {}", m.offset, store.next)),
+            }
+        }
+        Ok(())
+    }
+
+    fn check(store: &Model, want: &BTreeSet<u64>) -> Result<(), TestCaseError> {
+        prop_assert_eq!(&store.live, want);
+        for o in want {
+            prop_assert_eq!(store.records.get(o), Some(&message(*o).body));
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// Live, and after a crash at any point with a replay from any earlier sync point,
+        /// the receiving store holds exactly the server's messages: none settled, no
+        /// placeholder, every confirmed one.
+        #[test]
+        fn the_receiving_store_ends_with_the_servers_messages(
+            seed in any::<u64>(),
+            backlog in 0u64..200,
+            batch in 1usize..40,
+            cut in any::<proptest::sample::Index>(),
+            since in any::<proptest::sample::Index>(),
+            lost in any::<u64>(),
+        ) {
+            let (log, want) = history(seed, backlog, batch);
+            let mut live = Model::default();
+            let mut tombstones = BTreeSet::new();
+            prop_assert_eq!(apply(&mut live, &mut tombstones, &log), Ok(()));
+            check(&live, &want)?;
+
+            // A crash: the store as it was synced after op `k`, plus a prefix of what later ops
+            // appended (deletes after the sync lost, some placeholders' among them), then the log
+            // replayed from a compaction point `c <= k` (a compaction follows a sync).
+            let k = cut.index(log.len() + 1);
+            let c = since.index(k + 1);
+            let (mut synced, mut t) = (Model::default(), BTreeSet::new());
+            apply(&mut synced, &mut t, &log[..k]).unwrap();
+            let mut after = synced.clone();
+            apply(&mut after, &mut t, &log[k..]).unwrap();
+            let mut crashed = synced.clone();
+            crashed.next = synced.next + lost.rotate_left(17) % (after.next - synced.next + 1);
+            for (o, body) in after.records.range(synced.next..crashed.next) {
+                crashed.records.insert(*o, body.clone());
+                if (lost >> (o % 64)) & 1 == 1 || after.live.contains(o) {
+                    crashed.live.insert(*o);
+                }
+            }
+            let mut tombstones = BTreeSet::new();
+            prop_assert_eq!(apply(&mut crashed, &mut tombstones, &log[c..]), Ok(()));
+            check(&crashed, &want)?;
+        }
+    }
+
+    #[test]
+    fn a_lost_batch_is_noticed_and_a_settle_before_its_copy_wins() {
+        let mut store = Model::default();
+        let mut tombstones = BTreeSet::new();
+        // Offset 3 is settled before the batch that read it arrives.
+        note_settled(&store, &mut tombstones, &[3]);
+        let batch: Vec<CopiedMessage> = [1, 3, 4].into_iter().map(message).collect();
+        assert_eq!(store_copy(&mut store, &mut tombstones, 0, 6, &batch), Ok(()));
+        assert_eq!(store.live, BTreeSet::from([1, 4]));
+        assert_eq!(store.next, 6);
+        assert!(tombstones.is_empty());
+        // A batch from 10 when the store reached 6: one was lost.
+        assert!(store_copy(&mut store, &mut tombstones, 10, 12, &[message(10)]).is_err());
     }
 }

@@ -168,8 +168,17 @@ impl Queue {
         if !repl.serving || offsets.is_empty() {
             return;
         }
-        repl.settles.extend_from_slice(offsets);
-        if !repl.settling {
+        match repl.grow.settles_held_from {
+            // A copy batch that may name them is being read or committed (`copy.rs`, server
+            // step 1): their settle goes after it in the log.
+            Some(from) => {
+                let (later, now): (Vec<u64>, Vec<u64>) = offsets.iter().partition(|o| **o >= from);
+                repl.grow.held_settles.extend(later);
+                repl.settles.extend(now);
+            }
+            None => repl.settles.extend_from_slice(offsets),
+        }
+        if !repl.settling && !repl.settles.is_empty() {
             repl.settling = true;
             glommio::spawn_local(settler(me)).detach();
         }
@@ -288,6 +297,24 @@ impl Queue {
     /// True for a replicated queue.
     pub fn replicated(&self) -> bool {
         self.repl.is_some()
+    }
+}
+
+/// Holds (`Some(from)`: of offsets `from` and up) or lets go (`None`) the settles of the
+/// serving member, and proposes those that waited when let go (`copy.rs`, server step 1).
+pub(super) fn hold_settles(cell: &QueueCell, from: Option<u64>) {
+    let me = Rc::downgrade(cell);
+    let mut q = cell.borrow_mut();
+    let Some(repl) = &mut q.repl else { return };
+    repl.grow.settles_held_from = from;
+    if from.is_some() {
+        return;
+    }
+    let held = std::mem::take(&mut repl.grow.held_settles);
+    repl.settles.extend(held);
+    if !repl.settling && !repl.settles.is_empty() {
+        repl.settling = true;
+        glommio::spawn_local(settler(me)).detach();
     }
 }
 
