@@ -152,21 +152,6 @@ pub(super) fn drop_grow_to(growing: &mut BTreeMap<(String, String), Grow>, key: 
     false
 }
 
-/// serde helper: the tuple-keyed grow map becomes a list (JSON map keys must be strings).
-pub(super) mod keyed_grows {
-    use super::*;
-    use serde::{Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(m: &BTreeMap<(String, String), Grow>, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(m.iter().map(|((v, q), g)| (v, q, g)))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<(String, String), Grow>, D::Error> {
-        let list = Vec::<(String, String, Grow)>::deserialize(d)?;
-        Ok(list.into_iter().map(|(v, q, g)| ((v, q), g)).collect())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,7 +57,7 @@ pub struct MetaState {
     #[serde(with = "keyed_cursors", default)]
     pub reservations: BTreeMap<(String, String), u64>,
     /// Replica sets being grown, by `(vhost, queue)` (`grow.rs`).
-    #[serde(with = "super::grow::keyed_grows", default)]
+    #[serde(with = "keyed_cursors", default)]
     pub growing: BTreeMap<(String, String), super::grow::Grow>,
     /// Index of the last Raft entry applied to this state (set by the driver, not by `apply`).
     pub applied_index: u64,
@@ -540,18 +540,19 @@ impl MetaState {
     }
 }
 
-// serde helper: the tuple-keyed cursor map becomes a list (JSON map keys must be strings).
+// serde helper: a map keyed by (vhost, queue) becomes a list of (vhost, queue, value) (JSON
+// map keys must be strings).
 
 mod keyed_cursors {
     use super::*;
     use serde::{Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(m: &BTreeMap<(String, String), u64>, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer, V: Serialize>(m: &BTreeMap<(String, String), V>, s: S) -> Result<S::Ok, S::Error> {
         s.collect_seq(m.iter().map(|((v, q), c)| (v, q, c)))
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<(String, String), u64>, D::Error> {
-        let list = Vec::<(String, String, u64)>::deserialize(d)?;
+    pub fn deserialize<'de, D: Deserializer<'de>, V: Deserialize<'de>>(d: D) -> Result<BTreeMap<(String, String), V>, D::Error> {
+        let list = Vec::<(String, String, V)>::deserialize(d)?;
         Ok(list.into_iter().map(|(v, q, c)| ((v, q), c)).collect())
     }
 }
