@@ -546,7 +546,7 @@ impl Sim {
         }
         let s = &self.net.stats;
         eprintln!(
-            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts ({} writes lost), {} writes held, {} calm checks, {} CAS won, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
+            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts ({} writes lost), {} writes held, {} calm checks, {} CAS won, {} grows joined, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
             self.nodes.len(),
             self.seed,
             self.step,
@@ -558,6 +558,7 @@ impl Sim {
             self.stats.writes_held,
             self.stats.calm_checks,
             self.check.wins.len(),
+            self.work.joins,
             self.work.answered,
             self.work.failed,
             self.work.committed_but_failed,

@@ -1,6 +1,7 @@
 //! The simulation's clients: read-modify-write CAS loops on a few queues (reading the cursor
 //! behind a read barrier or straight from a node's state, retrying on a rejection), exchange
-//! declarations and bindings, each sent to a random node; plus the system proposals (the
+//! declarations and bindings, a replica-set cycle on one queue (enqueue, grow, copy, join,
+//! leave: `grow.rs`), each sent to a random node; plus the system proposals (the
 //! queues' setup, every node's `NodeBoot`, the liveness probes). Every reply is polled with
 //! `try_recv` and checked (invariants 4 and 6); a client gives up waiting after 3 s, but the
 //! reply is still polled and checked when it comes.
@@ -12,7 +13,7 @@ use super::{Ms, Sim};
 use crate::meta::driver::{Request, PROPOSE_TIMEOUT};
 use crate::meta::state::tests::{bind, exchange, queue};
 use crate::meta::state::{Command, Outcome};
-use crate::meta::topology::{DestKind, ExchangeKind};
+use crate::meta::topology::{DestKind, ExchangeKind, QueueDef};
 use crate::meta::MetaError;
 
 /// Clients, each with one operation at a time.
@@ -21,6 +22,9 @@ const CLIENTS: usize = 6;
 const QUEUES: [&str; 3] = ["q0", "q1", "q2"];
 /// Exchange names the clients declare and bind (`x0`..).
 const EXCHANGES: u64 = 12;
+/// The queue whose replica set the clients shrink and grow (`grow.rs`): declared with the set
+/// `[1]`, enqueued to, copied to a node outside the set, joined, left again.
+const GROWN: &str = "g0";
 /// A client stops waiting for a reply after this long (the reply is still checked).
 const PATIENCE_MS: Ms = 3_000;
 /// A live driver answers every proposal and read barrier at its first turn this long after
@@ -86,6 +90,8 @@ pub(super) struct Workload {
     pub(super) committed_but_failed: u64,
     /// Read barriers answered and checked.
     pub(super) reads: u64,
+    /// Grows of [`GROWN`] answered joined.
+    pub(super) joins: u64,
 }
 
 impl Workload {
@@ -268,6 +274,7 @@ impl Sim {
         if let Some(i) = self.up_node() {
             let mut cmds = vec![Command::DeclareVhost { name: "/".into() }];
             cmds.extend(QUEUES.iter().map(|q| Command::DeclareQueue(queue(q, true, None))));
+            cmds.push(Command::DeclareQueue(QueueDef { replicas: vec![1], ..queue(GROWN, true, None) }));
             self.work.setup = Some(self.propose(i, cmds));
         }
         Ok(())
@@ -305,6 +312,9 @@ impl Sim {
     /// The read-modify-write loop: a rejected CAS is retried from the current cursor.
     fn after_answer(&mut self, p: &Pending, outcomes: &[Outcome], attempt: u32) -> Wait {
         let t = self.t;
+        if let (Some(Command::JoinReplicaSet { .. }), Some(Outcome::Moved)) = (p.cmds.first(), outcomes.first()) {
+            self.work.joins += 1;
+        }
         if let (Some(Command::CursorCas { queue, .. }), Some(Outcome::CasRejected { current: Some(c) })) =
             (p.cmds.first(), outcomes.first())
         {
@@ -317,6 +327,38 @@ impl Sim {
             }
         }
         Wait::Idle(t + self.rng.range(0, 150))
+    }
+
+    /// The next step of the replica-set cycle of [`GROWN`], from node `i`'s state: enqueue,
+    /// start a grow to a node outside the set, copy the next range (stale, repeated or
+    /// out-of-order proposals are refused by the state machine), join at the tail, or leave
+    /// a full set again. `None` before the setup applied there.
+    fn grow_step(&mut self, i: usize) -> Option<Vec<Command>> {
+        let key = ("/".to_string(), GROWN.to_string());
+        let (set, grow, next) = self.nodes[i].driver.as_ref().and_then(|d| {
+            let st = d.shared.state.lock();
+            let def = st.topology.queues.get(&key)?;
+            Some((def.replicas.clone(), st.growing.get(&key).cloned(), st.next_offsets.get(&key).copied().unwrap_or(0)))
+        })?;
+        let ids: Vec<u64> = self.nodes.iter().map(|n| n.id).collect();
+        let (vhost, queue) = ("/".to_string(), GROWN.to_string());
+        let cmd = match grow {
+            _ if self.rng.chance(300) => {
+                Command::Enqueue { vhost, queue, flags: 1, header: bytes::Bytes::new(), body: bytes::Bytes::from_static(b"m") }
+            }
+            Some(g) if g.copied < next && !self.rng.chance(200) => {
+                let to = (g.copied + self.rng.range(1, 4)).min(next);
+                Command::CopyMessages { vhost, queue, id: g.id, from: g.copied, to, messages: Vec::new() }
+            }
+            Some(g) => Command::JoinReplicaSet { vhost, queue, id: g.id, tail: g.copied },
+            None if set.len() < ids.len() => {
+                let outside: Vec<u64> = ids.iter().copied().filter(|n| !set.contains(n)).collect();
+                let node = outside[self.rng.below(outside.len() as u64) as usize];
+                Command::GrowReplicaSet { vhost, queue, node, id: self.rng.range(1, 1 << 40) }
+            }
+            None => Command::LeaveReplicaSet { vhost, queue, node: set[self.rng.below(set.len() as u64) as usize] },
+        };
+        Some(vec![cmd])
     }
 
     fn start_op(&mut self) -> Wait {
@@ -338,6 +380,12 @@ impl Sim {
             let Some(c) = cursor else { return Wait::Idle(t + 200) };
             let new = c + self.rng.range(1, 1_000);
             return Wait::Propose(self.propose(i, vec![cas(q, c, new)]), 0);
+        }
+        if roll < 78 {
+            return match self.grow_step(i) {
+                Some(cmds) => Wait::Propose(self.propose(i, cmds), 0),
+                None => Wait::Idle(t + 100),
+            };
         }
         let x = format!("x{}", self.rng.below(EXCHANGES));
         let q = QUEUES[self.rng.below(QUEUES.len() as u64) as usize];
