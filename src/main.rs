@@ -97,7 +97,7 @@ fn remove_orphan_shards(config: &Config, meta: &MetaHandle) -> std::io::Result<(
     let known: std::collections::HashSet<String> = topo
         .queues
         .values()
-        .filter(|q| q.stored_on(me) || meta.with_state(|s| ringmq::broker::grow::growing_to(s, &q.vhost, &q.name, me)))
+        .filter(|q| q.stored_on(me) || meta.with_state(|s| s.growing_to(&q.vhost, &q.name, me)))
         .map(|q| ringmq::config::queue_dir_name(&q.vhost, &q.name))
         .collect();
     for entry in std::fs::read_dir(config.durable_dir())? {

@@ -19,7 +19,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use super::queue::replica::is_replicated;
 use super::{QueueKey, QueueOp, QueueRef};
 use crate::meta::state::Command;
 use crate::meta::NodeId;
@@ -37,11 +36,6 @@ pub struct GrowWatch {
     last_check: Option<Instant>,
     /// When each (queue, node) grow was last started here.
     started: HashMap<(String, String, NodeId), Instant>,
-}
-
-/// True when queue `vhost`/`name` is being copied to `node` (`meta::grow`).
-pub fn growing_to(st: &crate::meta::MetaState, vhost: &str, name: &str, node: NodeId) -> bool {
-    !st.growing.is_empty() && st.growing.get(&(vhost.to_owned(), name.to_owned())).is_some_and(|g| g.node == node)
 }
 
 impl super::node::Node {
@@ -104,11 +98,7 @@ impl super::node::Node {
                 break;
             }
             let key = (def.vhost.clone(), def.name.clone());
-            let size = super::replicas::replica_set_size(&self.shared, def).min(voters.len());
-            if !is_replicated(def, true) || def.replicas.is_empty() || def.replicas.len() >= size || busy.contains(&key) {
-                continue;
-            }
-            if !live.contains(&def.owner_node) {
+            if !super::replicas::below_size(&self.shared, def, voters.len()) || busy.contains(&key) || !live.contains(&def.owner_node) {
                 continue;
             }
             let candidates: Vec<NodeId> = live
@@ -120,8 +110,8 @@ impl super::node::Node {
             let Some(node) = crate::core::placement::grow_target(&def.vhost, &def.name, &candidates, stored) else { continue };
             *load.entry(node).or_default() += 1;
             watch.started.insert((def.vhost.clone(), def.name.clone(), node), now);
-            let id = grow_id(node, now);
-            tracing::info!(queue = %def.name, vhost = %def.vhost, node, replicas = ?def.replicas, size, "growing a queue's replica set: copying it to a node");
+            let id = super::ids::cluster_unique_id(me, self.shared.next_id());
+            tracing::info!(queue = %def.name, vhost = %def.vhost, node, replicas = ?def.replicas, "growing a queue's replica set: copying it to a node");
             grows.push(Command::GrowReplicaSet { vhost: def.vhost.clone(), queue: def.name.clone(), node, id });
         }
         if grows.is_empty() {
@@ -131,14 +121,4 @@ impl super::node::Node {
             tracing::warn!(error = %e, "growing replica sets failed; retried later");
         }
     }
-}
-
-/// A grow's id: a hash of the node, the time and a per-process random state (never 0).
-fn grow_id(node: NodeId, now: Instant) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(node);
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    h.write_u64(now.elapsed().as_nanos() as u64);
-    h.finish() | 1
 }

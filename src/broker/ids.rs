@@ -6,6 +6,19 @@
 use std::fmt;
 use std::sync::Arc;
 
+/// A fresh id no other node or run of the cluster hands out (a queue declaration's
+/// `QueueDef::incarnation`, a replica set grow's id): nonzero; a hash, under std's randomly
+/// keyed hasher, of this node's id, a per-node counter `n` and the time, so two ids in the
+/// cluster's life practically never match (2^-64 per pair).
+pub fn cluster_unique_id(node: u64, n: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(node);
+    h.write_u64(n);
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish() | 1
+}
+
 /// A message's position in its queue's shard (`ringmq-shards` record offset): 0, 1, 2, …
 /// in append order, never reused within the shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

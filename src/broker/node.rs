@@ -92,12 +92,7 @@ impl Shared {
             return 0;
         }
         let topo = self.meta.topology();
-        let short = |q: &&QueueDef| {
-            super::queue::replica::is_replicated(q, true)
-                && !q.replicas.is_empty()
-                && q.replicas.len() < super::replicas::replica_set_size(self, q).min(voters.len())
-        };
-        topo.queues.values().filter(short).count() as u64
+        topo.queues.values().filter(|q| super::replicas::below_size(self, q, voters.len())).count() as u64
     }
 
     /// The Prometheus text of every core's counters, the alarms and the metadata group

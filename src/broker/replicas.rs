@@ -68,8 +68,7 @@ impl DataSink for ReplicaSink {
                 // below the copy's tail).
                 Some(def)
                     if !def.stored_on(me)
-                        && (matches!(op, DataOp::Enqueue { .. })
-                            || !self.meta.with_state(|s| super::grow::growing_to(s, vhost, name, me))) =>
+                        && (matches!(op, DataOp::Enqueue { .. }) || !self.meta.with_state(|s| s.growing_to(vhost, name, me))) =>
                 {
                     continue
                 }
@@ -140,6 +139,12 @@ pub fn replica_set_size(shared: &Shared, def: &crate::meta::QueueDef) -> usize {
     super::router::int_arg(&def.arguments, "x-quorum-initial-group-size")
         .and_then(|n| usize::try_from(n).ok())
         .unwrap_or(shared.config.replicas as usize)
+}
+
+/// True when `def` is a replicated queue whose explicit set is smaller than its size capped
+/// at `voters` nodes: a set `grow.rs` grows back.
+pub fn below_size(shared: &Shared, def: &crate::meta::QueueDef, voters: usize) -> bool {
+    is_replicated(def, true) && !def.replicas.is_empty() && def.replicas.len() < replica_set_size(shared, def).min(voters)
 }
 
 /// How many replica sets name each of `members` (one pass over the queues).

@@ -133,13 +133,19 @@ pub(super) fn stored_by(st: &MetaState, cmd: &super::state::Command, node: NodeI
         | Command::JoinReplicaSet { vhost, queue, .. } => (vhost, queue),
         _ => return true,
     };
-    let key = (vhost.clone(), queue.clone());
-    let member = || st.topology.queues.get(&key).is_some_and(|q| q.stored_on(node));
-    let copying = || st.growing.get(&key).is_some_and(|g| g.node == node);
+    let member = || st.topology.queue(vhost, queue).is_some_and(|q| q.stored_on(node));
+    let copying = || st.growing_to(vhost, queue, node);
     match cmd {
         Command::Enqueue { .. } => member(),
         Command::Settle { .. } => member() || copying(),
         _ => copying(),
+    }
+}
+
+impl MetaState {
+    /// True when queue `vhost`/`name` is being copied to `node` (step 1).
+    pub fn growing_to(&self, vhost: &str, name: &str, node: NodeId) -> bool {
+        !self.growing.is_empty() && self.growing.get(&(vhost.to_owned(), name.to_owned())).is_some_and(|g| g.node == node)
     }
 }
 

@@ -96,7 +96,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 owner_core: placement::owner_core(&vhost, &name, s.core.shared.cores),
                 owner_epoch: meta.boot_epoch(),
                 replicas: Vec::new(),
-                incarnation: new_incarnation(meta.node_id(), s.core.shared.next_id()),
+                incarnation: crate::broker::ids::cluster_unique_id(meta.node_id(), s.core.shared.next_id()),
             };
             validate_arguments(&def)?;
             def.replicas = crate::broker::replicas::replica_set_for(&s.core.shared, &def);
@@ -194,18 +194,6 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }
-}
-
-/// A fresh declaration id (`QueueDef::incarnation`): nonzero; a hash, under std's randomly
-/// keyed hasher, of this node's id, a per-node counter and the time, so two declarations in
-/// the cluster's life practically never share one (2^-64 per pair).
-fn new_incarnation(node: u64, n: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(node);
-    h.write_u64(n);
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
-    h.finish() | 1
 }
 
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {
