@@ -208,6 +208,61 @@ fn what_a_killed_server_handed_out_last_comes_again_flagged() {
     });
 }
 
+/// A replicated queue keeps no unacked index (its delivery reservation stands in for it,
+/// `queue/replica.rs` step 5): when the whole cluster is killed with SIGKILL the moment a
+/// consumer got 150 messages, and started again, no node took the queue over, and its own
+/// server flags those 150 from its reservation (capped at the queue's tail: what is published
+/// after the restart is not flagged); every confirmed message is still there.
+#[test]
+fn a_whole_cluster_killed_mid_delivery_flags_what_its_server_handed_out() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("whole-kill");
+        durable_queue(&n1, &q).await;
+        let confirmed: BTreeSet<String> = publish_all(&confirming(&n1).await, &q, "m", 250).await.into_iter().collect();
+        // Declared through node 1: node 1 serves it.
+        let server = 0;
+        let conn = connect_uri(&c.amqp_uri(server)).await;
+        let ch = channel(&conn).await;
+        t("basic.qos", ch.basic_qos(150, BasicQosOptions::default())).await.unwrap();
+        let mut sub =
+            t("basic.consume", ch.basic_consume(q.as_str().into(), "burst".into(), BasicConsumeOptions::default(), FieldTable::default()))
+                .await
+                .unwrap();
+        let mut held = BTreeSet::new();
+        while held.len() < 150 {
+            let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
+            assert!(!d.redelivered, "first delivery flagged redelivered");
+            held.insert(String::from_utf8_lossy(&d.data).into_owned());
+        }
+        for i in 0..3 {
+            c.kill9(i);
+        }
+        drop((sub, ch, conn, n1));
+        c.start_all_again();
+        c.wait_one_leader(Duration::from_secs(30));
+        assert_eq!(serving_node(&c, &q, server), server, "the queue moved while every node was down");
+
+        let again = connect_uri(&c.amqp_uri(server)).await;
+        // Published after the restart: never handed out before, so never flagged.
+        let fresh = publish_all(&confirming(&again).await, &q, "n", 50).await;
+        let (got, redelivered) = drain_distinct(&again, &q, confirmed.len() + fresh.len(), Duration::from_secs(60)).await;
+        let flagged_fresh: Vec<&String> = fresh.iter().filter(|b| redelivered.contains(*b)).collect();
+        assert!(flagged_fresh.is_empty(), "published after the restart yet redelivered=true: {flagged_fresh:?}");
+        let lost: Vec<&String> = confirmed.difference(&got).take(10).collect();
+        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
+        let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
+        assert!(
+            unflagged.is_empty(),
+            "{} handed out before the kill but not redelivered=true after the restart, e.g. {:?}",
+            unflagged.len(),
+            &unflagged[..unflagged.len().min(5)]
+        );
+        eprintln!("flagged {} of 250 ({} handed out before the kill)", redelivered.len(), held.len());
+    });
+}
+
 #[test]
 fn a_node_cut_off_from_the_majority_confirms_and_delivers_nothing() {
     run(async {

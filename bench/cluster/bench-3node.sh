@@ -132,6 +132,7 @@ TICK="$(getconf CLK_TCK)"
 # State for cleanup.
 TMP=''            # temp dir of the current cluster
 RQ_PIDS=()        # ringmq node pids we started
+RQ_LEADER=''      # the metadata leader when the cluster was up
 RMQ_DIR=''        # rabbitmq-3node.sh state dir while a RabbitMQ cluster may be up
 BENCH_PID=''
 FAILED=0
@@ -252,6 +253,7 @@ start_ringmq() {
         [ $SECONDS -lt $deadline ] || die "ringmq: no agreed metadata leader within 120 s (leader ids: '$l1' '$l2' '$l3', $leaders leading)"
         sleep 0.5
     done
+    RQ_LEADER="$l1"
     say "ringmq: 3 nodes answer AMQP; metadata leader is node $l1"
 }
 
@@ -406,14 +408,22 @@ run_one() {
     wait "$BENCH_PID" || rc=$?
     BENCH_PID=''
     m1="$(machine_ticks)"
+    # ringmq: where the metadata group's leader was (it moves throughput: a queue served by
+    # another node forwards its proposals to it); "2->3" when it moved during the run.
+    local leader='' now=''
+    if [ "$system" = ringmq ]; then
+        leader="$RQ_LEADER"
+        now="$(metric "$(rq_metrics 1)" ringmq_raft_leader_id || true)"
+        [ -n "$now" ] && [ "$now" != "$leader" ] && leader="$leader->$now"
+    fi
     for i in 0 1 2; do after+=("$(cpu_ticks "${pids[$i]}")"); done
     local dead=''
     for i in 0 1 2; do alive "${pids[$i]}" || dead="$dead $((i + 1))"; done
 
     python3 - "$OUT/runs/$name.json" "$RESULTS" "$system" "$variant" "$round" "$rc" "$TICK" \
-        "${before[*]}" "${after[*]}" "$m0" "$m1" "$load" "$dead" "$CORES" <<'EOF' || FAILED=1
+        "${before[*]}" "${after[*]}" "$m0" "$m1" "$load" "$dead" "$CORES" "$leader" <<'EOF' || FAILED=1
 import json, sys
-(path, results, system, variant, rnd, rc, tick, before, after, m0, m1, load, dead, cores) = sys.argv[1:]
+(path, results, system, variant, rnd, rc, tick, before, after, m0, m1, load, dead, cores, leader) = sys.argv[1:]
 tick = int(tick)
 before = [int(x) for x in before.split()]
 after = [int(x) for x in after.split()]
@@ -424,7 +434,8 @@ try:
 except Exception as e:
     j = {"error": f"no JSON from ringmq-bench ({e})"}
 j.update(system=system, variant=variant, round=int(rnd), bench_exit=int(rc), loadavg_before=load,
-         ringmq_cores=int(cores) if system == "ringmq" else None)
+         ringmq_cores=int(cores) if system == "ringmq" else None,
+         metadata_leader=(leader or None) if system == "ringmq" else None)
 ok = "sent" in j and all(b >= 0 and a >= b for a, b in zip(after, before))
 if ok:
     node_s = [(a - b) / tick for a, b in zip(after, before)]

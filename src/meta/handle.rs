@@ -24,6 +24,24 @@ use super::{Counters, MetaConfig, MetaError, MetaStats};
 /// How long a single voter's start waits (it needs no peer; the bound only guards a bug).
 const START_WAIT: Duration = Duration::from_secs(30);
 
+/// Commands handed to the driver ([`MetaHandle::submit_batch`]) whose outcomes are not known
+/// yet.
+pub struct Proposal {
+    rx: flume::Receiver<Result<Vec<Outcome>, MetaError>>,
+    shared: Arc<Shared>,
+}
+
+impl Proposal {
+    /// Resolves after the commands' entry is fdatasync'ed, committed and applied here, with
+    /// their outcomes in order. Errors as [`MetaHandle::propose`].
+    pub async fn outcomes(self) -> Result<Vec<Outcome>, MetaError> {
+        match self.rx.recv_async().await {
+            Ok(r) => r,
+            Err(_) => Err(self.shared.stopped_error()),
+        }
+    }
+}
+
 /// Handle to the metadata group: cheap to clone, `Send + Sync`, usable from every executor.
 #[derive(Clone)]
 pub struct MetaHandle {
@@ -212,20 +230,28 @@ impl MetaHandle {
     /// Proposes several commands in one entry, applied in order with nothing in between; the
     /// outcomes come back in the same order. Errors as [`MetaHandle::propose`].
     pub async fn propose_batch(&self, cmds: Vec<Command>) -> Result<Vec<Outcome>, MetaError> {
+        self.submit_batch(cmds).await?.outcomes().await
+    }
+
+    /// Hands several commands to the driver as [`MetaHandle::propose_batch`] does, but resolves
+    /// as soon as they are queued for it: the returned [`Proposal`] resolves with the outcomes.
+    /// Batches submitted one after another by one task reach the log in that order (the
+    /// driver takes its queue in order and proposes to raft-rs in order), so a caller can keep
+    /// several batches in flight without reordering them. Errors: [`MetaError::Stopped`] /
+    /// [`MetaError::Failed`] when the driver is gone.
+    pub async fn submit_batch(&self, cmds: Vec<Command>) -> Result<Proposal, MetaError> {
+        let (reply, rx) = flume::bounded(1);
         if cmds.is_empty() {
-            return Ok(Vec::new());
+            let _ = reply.send(Ok(Vec::new()));
+            return Ok(Proposal { rx, shared: self.shared.clone() });
         }
         if self.shared.stopped.load(Ordering::Acquire) {
             return Err(self.shared.stopped_error());
         }
-        let (reply, rx) = flume::bounded(1);
         if self.tx.send_async(Request::Propose { cmds, reply }).await.is_err() {
             return Err(self.shared.stopped_error());
         }
-        match rx.recv_async().await {
-            Ok(r) => r,
-            Err(_) => Err(self.shared.stopped_error()),
-        }
+        Ok(Proposal { rx, shared: self.shared.clone() })
     }
 
     /// [`MetaHandle::propose_batch`] for plain threads: blocks the calling thread. Never call it

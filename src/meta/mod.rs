@@ -71,7 +71,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 // `meta::MetaHandle` is used outside src/meta (main.rs, core, broker::queue); `meta::MetaError`
 // is defined below, not re-exported. The other names below have no caller outside src/meta
 // today; they keep the `meta::` paths they had before the split (then via `state.rs`).
-pub use handle::MetaHandle;
+pub use handle::{MetaHandle, Proposal};
 pub use members::MemberChange;
 pub use net::{ClusterFigures, ClusterSpec, NetInbox, NetInboxRx, RaftNet, Role};
 pub use state::{Command, MetaState, Outcome};

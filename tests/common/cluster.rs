@@ -270,6 +270,19 @@ impl Cluster {
         }
     }
 
+    /// Starts every node again at once (after each was killed: alone, none would find the
+    /// majority it waits for at start) and waits until all are ready.
+    pub fn start_all_again(&mut self) {
+        let all: Vec<usize> = (0..self.len()).collect();
+        for &i in &all {
+            assert!(!self.is_running(i), "start_all_again: node {} is still running", i + 1);
+            self.spawn(i);
+        }
+        if let Err(e) = self.wait_ready(&all, Instant::now() + CLUSTER_START_TIMEOUT) {
+            panic!("the cluster did not start again: {e}");
+        }
+    }
+
     /// Node `i`'s captured stdout and stderr (every start appends).
     pub fn log(&self, i: usize) -> String {
         let mut s = String::new();

@@ -289,6 +289,12 @@ impl Queue {
         if flags & crate::broker::message::FLAG_PERSISTENT == 0 {
             return None;
         }
+        if self.replicated() {
+            // A replicated queue's deliveries lie below its reservation, committed in the
+            // Raft log before they leave (`replica.rs`, step 5): that is what flags them after
+            // a crash or a failover, so they wait for no index fdatasync.
+            return None;
+        }
         let meta = self.env.meta();
         let rec = IndexRecord {
             node: meta.node_id(),

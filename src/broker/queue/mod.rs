@@ -107,6 +107,12 @@ pub struct Recovered {
     pub held: Vec<(u64, IndexRecord)>,
     /// A replicated queue's delivery reservation from the metadata (`replica.rs`, step 5).
     pub reserved: u64,
+    /// A replicated queue's tail in the metadata (its next offset) when it opens. The
+    /// metadata a queue opens with holds every `Enqueue` of a message an earlier server
+    /// handed out (this node's own start applied its `NodeBoot`, after them in the log; a
+    /// takeover applied the `MoveQueue`, which ends the old server's deliveries), so nothing
+    /// at or past it was handed out before.
+    pub tail: u64,
 }
 
 /// A queue's state. See the module doc.
@@ -173,7 +179,8 @@ impl Queue {
     ///
     /// Ready messages are the shard's live records, in offset order. Recovery (DESIGN.md
     /// rule 7): a live message below the committed cursor, or named by an unacked-index
-    /// record of an earlier run, was delivered before and comes back redelivered=true. On
+    /// record of an earlier run (a replicated queue: below its delivery reservation, which
+    /// stands in for the index there), was delivered before and comes back redelivered=true. On
     /// the Raft leader, the scanner requeues those deliveries (their boot epoch is dead):
     /// the messages are ready again and keep their records until settled.
     pub fn start(
@@ -187,7 +194,11 @@ impl Queue {
     ) -> QueueCell {
         let (wake, wake_rx) = flume::bounded(1);
         let live = shard.live_offsets();
-        let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < recovered.cursor).collect();
+        let replicated = replica::is_replicated(&def, env.meta().is_cluster());
+        // A replicated queue keeps no unacked-index records: whatever a server of it may have
+        // handed out lies below its reservation (`replica.rs`, step 5).
+        let delivered_below = if replicated { recovered.cursor.max(recovered.reserved.min(recovered.tail)) } else { recovered.cursor };
+        let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < delivered_below).collect();
         let indexed = recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o));
         let ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
         // The scanner (rule 7): records of a dead boot epoch are requeued at once — their
@@ -213,8 +224,8 @@ impl Queue {
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let single_active = super::router::bool_arg(&def.arguments, "x-single-active-consumer").unwrap_or(false);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
-        let repl = replica::is_replicated(&def, env.meta().is_cluster())
-            .then(|| Replication::new(def.owner_node == env.meta().node_id(), recovered.reserved.max(recovered.cursor)));
+        let repl = replicated
+            .then(|| Replication::new(def.owner_node == env.meta().node_id(), recovered.reserved.max(recovered.cursor), delivered_below));
         let q = Rc::new_cyclic(|me| {
             RefCell::new(Queue {
                 qref,
