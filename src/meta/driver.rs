@@ -13,7 +13,11 @@
 //!    finds its waiters when it is applied. On a follower raft-rs forwards the proposal to the
 //!    leader (`MsgPropose`); the context travels in the entry, so the proposer's waiters resolve
 //!    when the proposer itself applies the entry (it reads its own writes). With no leader
-//!    known, proposals wait (up to `PROPOSE_TIMEOUT`) for one.
+//!    known, proposals wait (up to `PROPOSE_TIMEOUT`) for one. Entries in flight to a leader
+//!    that changed are proposed again first, in their order, then the waiting ones, then the
+//!    new ones: proposals from one thread reach the log in the order they were made, but for
+//!    one lost on the way with no leader change (a dropped message, a leader transfer): it
+//!    fails at the timeout while later ones may be applied.
 //! 4. Ready loop (`ready.rs`), raft-rs's asynchronous steps: send the leader's messages;
 //!    install a received snapshot; apply committed entries (raft-rs hands out only those
 //!    durable here); stage new entries and the HardState in memory and hand their one write
@@ -479,6 +483,9 @@ impl Driver {
             self.raw.tick();
             self.last_tick = now;
         }
+        // Entries proposed to a leader that is gone go again before the new ones: a queue
+        // keeps several `Enqueue` batches in flight and their offsets follow the publish order.
+        self.repropose();
         let retry = std::mem::take(&mut self.awaiting_leader);
         self.propose_entries(retry.into_iter().chain(batch).collect());
         self.on_ready()?;

@@ -236,8 +236,10 @@ impl MetaHandle {
     /// Hands several commands to the driver as [`MetaHandle::propose_batch`] does, but resolves
     /// as soon as they are queued for it: the returned [`Proposal`] resolves with the outcomes.
     /// Batches submitted one after another by one task reach the log in that order (the
-    /// driver takes its queue in order and proposes to raft-rs in order), so a caller can keep
-    /// several batches in flight without reordering them. Errors: [`MetaError::Stopped`] /
+    /// driver takes its queue in order, proposes to raft-rs in order, and proposes again in
+    /// order what a changed leader may have lost), so a caller can keep several batches in
+    /// flight without reordering them; one lost with no leader change fails at the timeout
+    /// while later ones may be applied. Errors: [`MetaError::Stopped`] /
     /// [`MetaError::Failed`] when the driver is gone.
     pub async fn submit_batch(&self, cmds: Vec<Command>) -> Result<Proposal, MetaError> {
         let (reply, rx) = flume::bounded(1);

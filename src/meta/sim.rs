@@ -94,6 +94,7 @@ use super::{Counters, MetaConfig};
 mod check;
 mod net;
 mod phase;
+mod publisher;
 mod workload;
 
 /// Simulated time, milliseconds since the start of the run.
@@ -546,7 +547,7 @@ impl Sim {
         }
         let s = &self.net.stats;
         eprintln!(
-            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts ({} writes lost), {} writes held, {} calm checks, {} CAS won, {} grows joined, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
+            "meta sim {} nodes seed {}: {} steps, {:.1} s, {} entries, {} terms, {} restarts ({} writes lost), {} writes held, {} calm checks, {} CAS won, {} grows joined, {} enqueued in order, {} answered ({} failed, {} of them committed), {} reads, net {} sent {} dropped {} dup {} snapshots, {} states compared ({} ahead), fingerprint {:016x}",
             self.nodes.len(),
             self.seed,
             self.step,
@@ -559,6 +560,7 @@ impl Sim {
             self.stats.calm_checks,
             self.check.wins.len(),
             self.work.joins,
+            self.work.publisher.enqueued,
             self.work.answered,
             self.work.failed,
             self.work.committed_but_failed,

@@ -92,6 +92,8 @@ pub(super) struct Workload {
     pub(super) reads: u64,
     /// Grows of [`GROWN`] answered joined.
     pub(super) joins: u64,
+    /// The pipelined publisher (`publisher.rs`).
+    pub(super) publisher: super::publisher::Publisher,
 }
 
 impl Workload {
@@ -106,7 +108,7 @@ fn cas(q: usize, expected: u64, new: u64) -> Command {
 
 impl Sim {
     /// Proposes `cmds` on node `i` (taken at its next turn).
-    fn propose(&mut self, i: usize, cmds: Vec<Command>) -> Pending {
+    pub(super) fn propose(&mut self, i: usize, cmds: Vec<Command>) -> Pending {
         let (reply, rx) = flume::unbounded();
         let node = &mut self.nodes[i];
         node.inbox.push(Request::Propose { cmds: cmds.clone(), reply });
@@ -127,7 +129,7 @@ impl Sim {
     }
 
     /// True while node `i` runs the driver `incarnation`.
-    fn same_driver(&self, i: usize, incarnation: u32) -> bool {
+    pub(super) fn same_driver(&self, i: usize, incarnation: u32) -> bool {
         self.nodes[i].incarnation == incarnation && self.nodes[i].driver.is_some()
     }
 
@@ -216,7 +218,7 @@ impl Sim {
     }
 
     /// A random node that is up.
-    fn up_node(&mut self) -> Option<usize> {
+    pub(super) fn up_node(&mut self) -> Option<usize> {
         let up: Vec<usize> = (0..self.nodes.len()).filter(|&i| self.nodes[i].driver.is_some()).collect();
         if up.is_empty() {
             return None;
@@ -243,6 +245,7 @@ impl Sim {
         }
         self.work.clients = clients;
         r?;
+        self.publisher_step()?;
         for mut r in std::mem::take(&mut self.work.other_reads) {
             if self.poll_read(&mut r)?.is_none() {
                 self.work.other_reads.push(r);
@@ -256,6 +259,11 @@ impl Sim {
             }
         }
         Ok(())
+    }
+
+    /// True once the clients' setup (vhost, queues) was answered.
+    pub(super) fn work_ready(&self) -> bool {
+        self.work.ready
     }
 
     /// Declares the vhost and the queues (retried until answered Ok).
@@ -275,6 +283,7 @@ impl Sim {
             let mut cmds = vec![Command::DeclareVhost { name: "/".into() }];
             cmds.extend(QUEUES.iter().map(|q| Command::DeclareQueue(queue(q, true, None))));
             cmds.push(Command::DeclareQueue(QueueDef { replicas: vec![1], ..queue(GROWN, true, None) }));
+            cmds.push(Command::DeclareQueue(queue(super::publisher::PUBLISHED, true, None)));
             self.work.setup = Some(self.propose(i, cmds));
         }
         Ok(())
