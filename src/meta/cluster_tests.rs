@@ -62,11 +62,21 @@ fn config() -> MetaConfig {
 
 /// Starts node `id` of {1, 2, 3} in `dir` on a thread (start blocks until a majority is up).
 fn spawn(net: &Arc<MemNet>, dir: &std::path::Path, id: NodeId) -> std::thread::JoinHandle<Result<MetaHandle, MetaError>> {
+    spawn_with(net, dir, id, config())
+}
+
+/// [`spawn`] with a configuration of its own.
+fn spawn_with(
+    net: &Arc<MemNet>,
+    dir: &std::path::Path,
+    id: NodeId,
+    cfg: MetaConfig,
+) -> std::thread::JoinHandle<Result<MetaHandle, MetaError>> {
     let (tx, rx) = inbox();
     net.inboxes.lock().insert(id, tx);
     let spec = ClusterSpec { voters: vec![1, 2, 3], joining: false, net: Arc::new(Port { net: net.clone() }) };
     let dir = dir.to_owned();
-    std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, config(), spec, rx, Duration::from_secs(20)))
+    std::thread::spawn(move || MetaHandle::start_cluster(&dir, id, cfg, spec, rx, Duration::from_secs(20)))
 }
 
 /// Three fresh data directories, for nodes 1, 2, 3.
@@ -100,6 +110,43 @@ fn declare_exchange(h: &MetaHandle, name: &str) -> Result<Outcome, MetaError> {
 fn agreed_leader(hs: &[&MetaHandle]) -> Option<NodeId> {
     let first = hs[0].leader_id()?;
     hs.iter().all(|h| h.leader_id() == Some(first)).then_some(first)
+}
+
+/// `balance.rs`: the leadership moves to the follower that proposes most, and every proposal
+/// made across the move is answered and applied once.
+#[test]
+fn the_leadership_moves_to_the_node_that_proposes_most() {
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let balance =
+        super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
+    let cfg = MetaConfig { leader_balance: Some(balance), ..config() };
+    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let first = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let busy = hs.iter().find(|h| h.node_id() != first).unwrap();
+
+    // One follower proposes, in batches of 20, until it leads (bounded: 15 s).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut n = 0;
+    while !busy.is_leader() {
+        assert!(Instant::now() < deadline, "node {} proposed {n} commands and never got the leadership", busy.node_id());
+        let cmds: Vec<Command> =
+            (0..20).map(|i| Command::DeclareExchange(exchange(&format!("b{}", n + i), ExchangeKind::Direct, true))).collect();
+        let out = block_on(busy.propose_batch(cmds)).expect("a proposal across the move failed");
+        assert!(out.iter().all(|o| *o == Outcome::Created), "a declaration applied twice or not at all: {out:?}");
+        n += 20;
+    }
+    wait_for("all nodes to agree", Duration::from_secs(5), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]) == Some(busy.node_id()));
+    // A few more after the move: still answered, from the new leader itself.
+    for i in 0..20 {
+        assert_eq!(declare_exchange(busy, &format!("after{i}")).unwrap(), Outcome::Created);
+    }
+    for h in &hs {
+        block_on(h.sync()).unwrap();
+        let count = h.with_state(|s| s.topology.exchanges.keys().filter(|(_, x)| x.starts_with('b') || x.starts_with("after")).count());
+        assert_eq!(count, n + 20, "node {}", h.node_id());
+    }
 }
 
 #[test]

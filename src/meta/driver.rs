@@ -248,6 +248,10 @@ pub(super) struct Driver {
     /// A node joined while the log was compacted already: compact once more, past its join,
     /// so that the snapshot it is sent names it (`members.rs`, step 3).
     pub(super) compact_for_join: bool,
+    /// When leadership moves to the node that proposes most (`balance.rs`); `None`: never.
+    pub(super) balance: Option<super::balance::LeaderBalance>,
+    /// This leader's proposal load over the current window (`balance.rs`).
+    pub(super) load: super::balance::Load,
     pub(super) shutdown_done: Vec<flume::Sender<()>>,
     pub(super) voters: Vec<NodeId>,
     /// Membership changes proposed here, not applied yet, by sequence (`members.rs`).
@@ -362,6 +366,8 @@ impl Driver {
             compact_after: None,
             compact_state: None,
             compact_for_join: false,
+            balance: meta_config.leader_balance,
+            load: super::balance::Load::new(now),
             shutdown_done: Vec::new(),
             voters,
             conf_waiters: HashMap::new(),
@@ -493,6 +499,7 @@ impl Driver {
         self.repropose();
         self.expire();
         self.expire_member_changes();
+        self.balance_leadership();
         self.publish_figures();
         if (self.raw.store().wants_compaction() || self.compact_for_join) && self.compact_after.is_none_or(|t| now >= t) {
             // The state to snapshot is taken when the log first wants compaction; a leader
@@ -602,6 +609,7 @@ impl Driver {
     fn step(&mut self, msg: Message) {
         if msg.get_msg_type() == MessageType::MsgPropose && self.raw.raft.state == StateRole::Leader {
             let bytes: u64 = msg.get_entries().iter().map(|e| e.data.len() as u64 + e.context.len() as u64 + 128).sum();
+            self.note_load(msg.from, bytes);
             if let Err(e) = self.raw.mut_store().reserve_log(bytes) {
                 tracing::warn!(from = msg.from, error = %e, "forwarded metadata proposal dropped: disk full");
                 return;
@@ -639,9 +647,13 @@ impl Driver {
                 }
                 continue;
             }
+            let bytes = data.len() as u64 + ctx.len() as u64 + 128;
             match self.raw.propose(ctx.clone(), data.clone()) {
                 Ok(()) => {
                     let leader = self.raw.raft.leader_id;
+                    if self.raw.raft.state == StateRole::Leader {
+                        self.note_load(self.raw.raft.id, bytes);
+                    }
                     self.in_flight.insert(seq, InFlight { since: entry.since, waiters: entry.waiters, ctx, data, leader });
                 }
                 Err(raft::Error::ProposalDropped) => {

@@ -42,6 +42,7 @@
 //! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
 //!   plain threads (startup, tests).
 
+mod balance;
 #[cfg(test)]
 mod cluster_tests;
 pub mod codec;
@@ -71,6 +72,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 // `meta::MetaHandle` is used outside src/meta (main.rs, core, broker::queue); `meta::MetaError`
 // is defined below, not re-exported. The other names below have no caller outside src/meta
 // today; they keep the `meta::` paths they had before the split (then via `state.rs`).
+pub use balance::LeaderBalance;
 pub use handle::{MetaHandle, Proposal};
 pub use members::MemberChange;
 pub use net::{ClusterFigures, ClusterSpec, NetInbox, NetInboxRx, RaftNet, Role};
@@ -190,6 +192,9 @@ pub struct MetaConfig {
     /// A proposal or read barrier not answered within this fails with
     /// [`MetaError::NoQuorum`]. Default 10 s ([`driver::PROPOSE_TIMEOUT`]).
     pub propose_timeout: std::time::Duration,
+    /// When the leader moves to the node that proposes most (`balance.rs`); `None`: never.
+    /// Used in a cluster only. Default: [`LeaderBalance::default`].
+    pub leader_balance: Option<LeaderBalance>,
 }
 
 impl Default for MetaConfig {
@@ -198,6 +203,7 @@ impl Default for MetaConfig {
             compact_entries: snapshot::COMPACT_ENTRIES,
             compact_bytes: snapshot::COMPACT_BYTES,
             propose_timeout: driver::PROPOSE_TIMEOUT,
+            leader_balance: Some(LeaderBalance::default()),
         }
     }
 }

@@ -172,7 +172,10 @@ impl Driver {
         let term = self.raw.raft.term;
         match leader {
             0 => tracing::warn!(node = self.shared.node, term, previous = self.last_leader, "metadata group has no leader"),
-            l if l == self.shared.node => tracing::info!(node = l, term, "this node now leads the metadata group"),
+            l if l == self.shared.node => {
+                tracing::info!(node = l, term, "this node now leads the metadata group");
+                self.became_leader_for_load();
+            }
             l => tracing::info!(leader = l, term, "metadata group leader is node {l}"),
         }
         self.last_leader = leader;
