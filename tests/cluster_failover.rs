@@ -163,6 +163,37 @@ fn a_killed_queue_node_fails_over_with_every_confirmed_message() {
     });
 }
 
+/// A consumer on `conn` with prefetch `n` takes `n` deliveries of `queue` and acks none of
+/// them (each must be a first delivery); returns the consumer, its channel and the bodies.
+async fn take_burst(conn: &Connection, queue: &str, n: u16) -> (lapin::Consumer, Channel, BTreeSet<String>) {
+    let ch = channel(conn).await;
+    t("basic.qos", ch.basic_qos(n, BasicQosOptions::default())).await.unwrap();
+    let mut sub = t("basic.consume", ch.basic_consume(queue.into(), "burst".into(), BasicConsumeOptions::default(), FieldTable::default()))
+        .await
+        .unwrap();
+    let mut held = BTreeSet::new();
+    while held.len() < usize::from(n) {
+        let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
+        assert!(!d.redelivered, "first delivery flagged redelivered");
+        held.insert(String::from_utf8_lossy(&d.data).into_owned());
+    }
+    (sub, ch, held)
+}
+
+/// Asserts that every confirmed body came back (`got`) and that each one `held` before the
+/// kill came back redelivered=true.
+fn assert_kept_and_flagged(confirmed: &BTreeSet<String>, got: &BTreeSet<String>, held: &BTreeSet<String>, redelivered: &BTreeSet<String>) {
+    let lost: Vec<&String> = confirmed.difference(got).take(10).collect();
+    assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(got).count());
+    let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
+    assert!(
+        unflagged.is_empty(),
+        "{} handed out before the kill but not redelivered=true after it, e.g. {:?}",
+        unflagged.len(),
+        &unflagged[..unflagged.len().min(5)]
+    );
+}
+
 /// The rule 4 to the letter: the messages a server handed out in its last
 /// milliseconds, with no cursor commit after them, come again redelivered=true from the node
 /// that takes the queue over (the delivery reservation, `queue/replica.rs` step 5).
@@ -179,31 +210,12 @@ fn what_a_killed_server_handed_out_last_comes_again_flagged() {
         // A consumer on node 3 takes 200 in one burst; node 1 (the server) dies the moment
         // the 200th arrives: far sooner than a cursor commit (every 20 ms at most) follows.
         let n3 = connect_uri(&c.amqp_uri(2)).await;
-        let c3 = channel(&n3).await;
-        t("basic.qos", c3.basic_qos(200, BasicQosOptions::default())).await.unwrap();
-        let mut sub =
-            t("basic.consume", c3.basic_consume(q.as_str().into(), "burst".into(), BasicConsumeOptions::default(), FieldTable::default()))
-                .await
-                .unwrap();
-        let mut held = BTreeSet::new();
-        while held.len() < 200 {
-            let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
-            assert!(!d.redelivered, "first delivery flagged redelivered");
-            held.insert(String::from_utf8_lossy(&d.data).into_owned());
-        }
+        let (_sub, _ch, held) = take_burst(&n3, &q, 200).await;
         c.kill9(0);
 
         // Every message is there on a survivor, and each of the 200 comes back flagged.
         let (got, redelivered) = drain_distinct(&n2, &q, confirmed.len(), Duration::from_secs(60)).await;
-        let lost: Vec<&String> = confirmed.difference(&got).take(10).collect();
-        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
-        let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
-        assert!(
-            unflagged.is_empty(),
-            "{} handed out before the kill but not redelivered=true after it, e.g. {:?}",
-            unflagged.len(),
-            &unflagged[..unflagged.len().min(5)]
-        );
+        assert_kept_and_flagged(&confirmed, &got, &held, &redelivered);
         eprintln!("flagged {} of 300 ({} handed out before the kill)", redelivered.len(), held.len());
     });
 }
@@ -224,18 +236,7 @@ fn a_whole_cluster_killed_mid_delivery_flags_what_its_server_handed_out() {
         // Declared through node 1: node 1 serves it.
         let server = 0;
         let conn = connect_uri(&c.amqp_uri(server)).await;
-        let ch = channel(&conn).await;
-        t("basic.qos", ch.basic_qos(150, BasicQosOptions::default())).await.unwrap();
-        let mut sub =
-            t("basic.consume", ch.basic_consume(q.as_str().into(), "burst".into(), BasicConsumeOptions::default(), FieldTable::default()))
-                .await
-                .unwrap();
-        let mut held = BTreeSet::new();
-        while held.len() < 150 {
-            let d = next_delivery(&mut sub, Duration::from_secs(10)).await;
-            assert!(!d.redelivered, "first delivery flagged redelivered");
-            held.insert(String::from_utf8_lossy(&d.data).into_owned());
-        }
+        let (sub, ch, held) = take_burst(&conn, &q, 150).await;
         for i in 0..3 {
             c.kill9(i);
         }
@@ -250,15 +251,7 @@ fn a_whole_cluster_killed_mid_delivery_flags_what_its_server_handed_out() {
         let (got, redelivered) = drain_distinct(&again, &q, confirmed.len() + fresh.len(), Duration::from_secs(60)).await;
         let flagged_fresh: Vec<&String> = fresh.iter().filter(|b| redelivered.contains(*b)).collect();
         assert!(flagged_fresh.is_empty(), "published after the restart yet redelivered=true: {flagged_fresh:?}");
-        let lost: Vec<&String> = confirmed.difference(&got).take(10).collect();
-        assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {lost:?}", confirmed.difference(&got).count());
-        let unflagged: Vec<&String> = held.iter().filter(|b| !redelivered.contains(*b)).collect();
-        assert!(
-            unflagged.is_empty(),
-            "{} handed out before the kill but not redelivered=true after the restart, e.g. {:?}",
-            unflagged.len(),
-            &unflagged[..unflagged.len().min(5)]
-        );
+        assert_kept_and_flagged(&confirmed, &got, &held, &redelivered);
         eprintln!("flagged {} of 250 ({} handed out before the kill)", redelivered.len(), held.len());
     });
 }
