@@ -637,7 +637,8 @@ impl Driver {
             encode_batch(entry.cmds.len(), &entry.cmds, &mut data);
             // The entry's record (and its HardState) must find disk blocks: on a full disk the
             // proposal is refused here, before raft-rs takes it.
-            if let Err(e) = self.raw.mut_store().reserve_log(data.len() as u64 + ctx.len() as u64 + 128) {
+            let bytes = data.len() as u64 + ctx.len() as u64 + 128;
+            if let Err(e) = self.raw.mut_store().reserve_log(bytes) {
                 tracing::warn!(error = %e, "metadata proposal refused: disk full");
                 for w in entry.waiters {
                     let _ = w.reply.send(Err(match &e {
@@ -647,7 +648,6 @@ impl Driver {
                 }
                 continue;
             }
-            let bytes = data.len() as u64 + ctx.len() as u64 + 128;
             match self.raw.propose(ctx.clone(), data.clone()) {
                 Ok(()) => {
                     let leader = self.raw.raft.leader_id;

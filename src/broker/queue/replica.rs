@@ -422,7 +422,7 @@ async fn answer_batch(
     let Some(cell) = weak.upgrade() else { return };
     let mut q = cell.borrow_mut();
     if let Some(repl) = &mut q.repl {
-        repl.batches_in_flight -= 1;
+        repl.batches_in_flight = repl.batches_in_flight.saturating_sub(1);
         repl.kick_enqueuer(weak.clone());
     }
 }
