@@ -28,7 +28,7 @@ use super::queue::replica::is_replicated;
 use super::queue::QueueCell;
 use super::{QueueKey, QueueOp, QueueRef};
 use crate::core::mesh::Inboxes;
-use crate::meta::data::{DataOp, DataSink};
+use crate::meta::data::{DataOp, DataSink, FlushWait};
 use crate::meta::state::Command;
 use crate::meta::{MetaHandle, NodeId};
 
@@ -86,17 +86,16 @@ impl DataSink for ReplicaSink {
         }
     }
 
-    fn flush(&self) -> bool {
+    fn flush(&self) -> FlushWait {
         let mut waits = Vec::new();
         for core in 0..self.inboxes.len() {
             let (done, rx) = flume::bounded(1);
             if self.inboxes.send(core, NodeMsg::SyncReplicas { done }).is_err() {
-                return false;
+                return FlushWait::done(false);
             }
             waits.push(rx);
         }
-        let deadline = Instant::now() + FLUSH_TIMEOUT;
-        waits.into_iter().all(|rx| rx.recv_deadline(deadline).unwrap_or(false))
+        FlushWait::new(waits, Instant::now() + FLUSH_TIMEOUT)
     }
 
     fn skipped_to(&self, index: u64) {

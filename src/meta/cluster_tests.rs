@@ -411,8 +411,8 @@ struct NullSink;
 
 impl crate::meta::data::DataSink for NullSink {
     fn applied(&self, _index: u64, _ops: Vec<crate::meta::data::DataOp>) {}
-    fn flush(&self) -> bool {
-        true
+    fn flush(&self) -> crate::meta::data::FlushWait {
+        crate::meta::data::FlushWait::done(true)
     }
     fn skipped_to(&self, _index: u64) {}
 }

@@ -20,7 +20,8 @@
 //!    most once (a replay after a restart hands the same offsets again: a store skips the
 //!    offsets it already holds).
 //! 2. The log is compacted past an index only after every store of this node has synced
-//!    everything applied up to it ([`DataFeed::flush`]); entries after a snapshot are applied
+//!    everything applied up to it ([`DataFeed::flush`], polled by the driver without waiting;
+//!    the state it compacts to was taken before the flush began); entries after a snapshot are applied
 //!    again at the next start.
 //! 3. `MoveQueue` applies only while the queue is still served by `from` (compare-and-set, as
 //!    cursors are): two leaders of the metadata group in a row cannot move a queue twice.
@@ -144,12 +145,55 @@ impl DataOp {
 pub trait DataSink: Send + Sync {
     /// Applied data ops of one entry at Raft index `index`, in order.
     fn applied(&self, index: u64, ops: Vec<DataOp>);
-    /// Blocks until every op applied so far is synced in its store; false when that could
-    /// not be done (the log is then not compacted). Called before a compaction.
-    fn flush(&self) -> bool;
+    /// Asks every store to sync every op applied so far; the returned [`FlushWait`] says
+    /// when they did (or could not: the log is then not compacted). Called before a
+    /// compaction, on the driver thread: must not block.
+    fn flush(&self) -> FlushWait;
     /// A snapshot from the leader replaced this node's state at `index`: the ops between
     /// what this node applied and `index` never reach its stores.
     fn skipped_to(&self, index: u64);
+}
+
+/// A flush of the stores in progress ([`DataSink::flush`]): one answer per store, due
+/// before a deadline.
+pub struct FlushWait {
+    answers: Vec<flume::Receiver<bool>>,
+    deadline: std::time::Instant,
+    failed: bool,
+}
+
+impl FlushWait {
+    /// Waits for `answers` (each `true` once its store synced) until `deadline`.
+    pub fn new(answers: Vec<flume::Receiver<bool>>, deadline: std::time::Instant) -> FlushWait {
+        FlushWait { answers, deadline, failed: false }
+    }
+
+    /// A flush already over: synced (`true`) or not.
+    pub fn done(ok: bool) -> FlushWait {
+        FlushWait { answers: Vec::new(), deadline: std::time::Instant::now(), failed: !ok }
+    }
+
+    /// `Some(true)` once every store answered that it synced, `Some(false)` once one could
+    /// not (or the deadline passed), `None` while answers are due. Never blocks.
+    pub fn poll(&mut self) -> Option<bool> {
+        let mut i = 0;
+        while i < self.answers.len() && !self.failed {
+            match self.answers[i].try_recv() {
+                Ok(true) => {
+                    self.answers.swap_remove(i);
+                }
+                Ok(false) | Err(flume::TryRecvError::Disconnected) => self.failed = true,
+                Err(flume::TryRecvError::Empty) => i += 1,
+            }
+        }
+        if self.failed {
+            return Some(false);
+        }
+        if self.answers.is_empty() {
+            return Some(true);
+        }
+        (std::time::Instant::now() >= self.deadline).then_some(false)
+    }
 }
 
 /// Where the driver puts applied data: held here until a [`DataSink`] is attached (the
@@ -198,13 +242,13 @@ impl DataFeed {
         st.sink.is_some() || !st.held.is_empty()
     }
 
-    /// True once everything applied is synced in its store (no sink and nothing held: true).
-    pub fn flush(&self) -> bool {
+    /// Starts syncing everything applied in its store (no sink and nothing held: done).
+    pub fn flush(&self) -> FlushWait {
         let sink = {
             let st = self.inner.lock();
             match &st.sink {
                 Some(sink) => sink.clone(),
-                None => return st.held.is_empty(),
+                None => return FlushWait::done(st.held.is_empty()),
             }
         };
         sink.flush()
@@ -474,8 +518,8 @@ mod tests {
         fn applied(&self, index: u64, ops: Vec<DataOp>) {
             self.got.lock().push((index, ops));
         }
-        fn flush(&self) -> bool {
-            self.synced
+        fn flush(&self) -> FlushWait {
+            FlushWait::done(self.synced)
         }
         fn skipped_to(&self, _index: u64) {}
     }
@@ -487,19 +531,47 @@ mod tests {
     #[test]
     fn the_feed_holds_what_was_applied_before_the_sink_and_hands_it_over_in_order() {
         let feed = DataFeed::default();
-        assert!(feed.flush(), "nothing applied: compaction may go on");
+        assert_eq!(feed.flush().poll(), Some(true), "nothing applied: compaction may go on");
         feed.push(3, vec![settle(1)]);
         feed.push(4, Vec::new());
         feed.push(5, vec![settle(2), settle(3)]);
-        assert!(!feed.flush(), "held data not yet in any store: no compaction");
+        assert_eq!(feed.flush().poll(), Some(false), "held data not yet in any store: no compaction");
         let sink = Arc::new(Recorder { got: Mutex::new(Vec::new()), synced: true });
         feed.attach(sink.clone());
         feed.push(6, vec![settle(4)]);
         let got = sink.got.lock().clone();
         assert_eq!(got, vec![(3, vec![settle(1)]), (5, vec![settle(2), settle(3)]), (6, vec![settle(4)])]);
-        assert!(feed.flush());
+        assert_eq!(feed.flush().poll(), Some(true));
         let failing = DataFeed::default();
         failing.attach(Arc::new(Recorder { got: Mutex::new(Vec::new()), synced: false }));
-        assert!(!failing.flush(), "a store that could not sync keeps the log");
+        assert_eq!(failing.flush().poll(), Some(false), "a store that could not sync keeps the log");
+    }
+
+    #[test]
+    fn a_flush_is_over_when_every_store_answered_and_failed_by_one_no_or_the_deadline() {
+        let far = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let (a, ra) = flume::bounded(1);
+        let (b, rb) = flume::bounded(1);
+        let mut w = FlushWait::new(vec![ra, rb], far);
+        assert_eq!(w.poll(), None, "no store answered yet");
+        a.send(true).unwrap();
+        assert_eq!(w.poll(), None, "one store still syncing");
+        b.send(true).unwrap();
+        assert_eq!(w.poll(), Some(true));
+
+        let (a, ra) = flume::bounded(1);
+        let (b, rb) = flume::bounded::<bool>(1);
+        let mut w = FlushWait::new(vec![ra, rb], far);
+        a.send(false).unwrap();
+        assert_eq!(w.poll(), Some(false), "a store that could not sync fails the flush at once");
+        drop(b);
+
+        let (_keep, ra) = flume::bounded::<bool>(1);
+        let (b, rb) = flume::bounded::<bool>(1);
+        drop(b);
+        assert_eq!(FlushWait::new(vec![ra, rb], far).poll(), Some(false), "a store gone fails the flush");
+
+        let (_keep, ra) = flume::bounded::<bool>(1);
+        assert_eq!(FlushWait::new(vec![ra], std::time::Instant::now()).poll(), Some(false), "past the deadline");
     }
 }

@@ -182,6 +182,25 @@ pub(super) fn read_snapshot(path: &Path) -> Result<SnapshotBody, MetaError> {
     serde_json::from_slice(json).map_err(|e| corrupt(format!("json: {e}")))
 }
 
+impl super::driver::Driver {
+    /// True once the stores synced everything applied before this compaction's state was
+    /// taken; the first call starts their sync, later ones look (never waiting). A failed
+    /// sync puts the compaction off for a second.
+    pub(super) fn stores_synced(&mut self) -> bool {
+        let wait = self.flushing.get_or_insert_with(|| self.shared.data.flush());
+        match wait.poll() {
+            None => false,
+            Some(synced) => {
+                self.flushing = None;
+                if !synced {
+                    self.compact_after = Some(self.now + std::time::Duration::from_secs(1));
+                }
+                synced
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
