@@ -366,10 +366,8 @@ impl Node {
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
         let held = read_index(&index).await?;
         let (vhost, name) = (&qref.key.vhost, &qref.key.name);
-        let key = (vhost.to_string(), name.to_string());
-        let (cursor, reserved, tail) = self.shared.meta.with_state(|s| {
-            (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.next_offsets.get(&key).copied().unwrap_or(0))
-        });
+        let (cursor, reserved, tail) =
+            self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.tail(vhost, name)));
         Ok((shard, Some(index), Recovered { cursor, held, reserved, tail }))
     }
 

@@ -52,7 +52,7 @@ pub(super) struct Load {
     since: Instant,
     own: u64,
     forwarded: HashMap<NodeId, u64>,
-    /// When this node last became leader or moved its leadership away.
+    /// When this node last became leader.
     held_since: Instant,
 }
 
@@ -114,7 +114,6 @@ impl Driver {
             own_mb_s = format!("{:.1}", load.own as f64 / elapsed.as_secs_f64() / 1e6),
             "moving the metadata group's leadership to the node that proposes most"
         );
-        self.load.held_since = now;
         self.raw.transfer_leader(to);
     }
 }

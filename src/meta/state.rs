@@ -479,6 +479,11 @@ impl MetaState {
         self.cursors.get(&(vhost.to_owned(), queue.to_owned())).copied()
     }
 
+    /// The tail of queue `queue` in `vhost`: the offset its next `Enqueue` gets (0 when none).
+    pub fn tail(&self, vhost: &str, queue: &str) -> u64 {
+        self.next_offsets.get(&(vhost.to_owned(), queue.to_owned())).copied().unwrap_or(0)
+    }
+
     /// The delivery reservation of queue `queue` in `vhost` (a queue offset; 0 when none).
     pub fn reservation(&self, vhost: &str, queue: &str) -> u64 {
         self.reservations.get(&(vhost.to_owned(), queue.to_owned())).copied().unwrap_or(0)

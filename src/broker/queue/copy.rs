@@ -409,7 +409,7 @@ async fn hold_enqueuer(weak: &Weak<RefCell<Queue>>, meta: &crate::meta::MetaHand
             (!r.enqueue_in_flight(), next)
         };
         if idle {
-            let tail = meta.with_state(|s| s.next_offsets.get(key).copied().unwrap_or(0));
+            let tail = meta.with_state(|s| s.tail(&key.0, &key.1));
             if next >= tail {
                 return Some(tail);
             }
