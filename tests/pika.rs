@@ -17,6 +17,13 @@ fn pika_basics() {
     run_client("basics.py", &b.host(), b.port(), &[]);
 }
 
+/// Transactions as pika applications use them (issue 12 item 6).
+#[test]
+fn pika_transactions() {
+    let b = Broker::start();
+    run_client("tx.py", &b.host(), b.port(), &[]);
+}
+
 #[test]
 fn pika_acceptance_10000_persistent_confirmed_in_order() {
     let b = Broker::start();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::{Bytes, BytesMut};
 
+use super::transaction::Tx;
 use super::unacked::{DeliveryTag, Ledger};
 use crate::broker::{ConsumerId, QueueRef};
 
@@ -116,6 +117,17 @@ impl Confirms {
         }
     }
 
+    /// Takes the next sequence number for a publish routed to `queues` queues; it waits
+    /// for their answers unless there are none (unroutable: complete at once).
+    pub fn take_seq(&mut self, queues: usize) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if queues > 0 {
+            self.pending.insert(seq, (queues as u32, false));
+        }
+        seq
+    }
+
     /// Lowest publish still waiting, if any.
     pub fn lowest_pending(&self) -> Option<u64> {
         self.pending.keys().next().copied()
@@ -143,8 +155,11 @@ pub struct Channel {
     pub prefetch: u32,
     /// basic.qos global=true: the window shared by all consumers of the channel.
     pub credit: std::sync::Arc<crate::broker::ChannelCredit>,
-    /// Publisher confirms.
+    /// Publisher confirms; after tx.select, the sequence numbers and pending answers of
+    /// committed publishes (no confirm frames are sent then).
     pub confirms: Confirms,
+    /// tx.select received: what the transaction holds (`crate::amqp::transaction`).
+    pub tx: Option<Box<Tx>>,
     /// A publish whose content is being received.
     pub publish: Option<PendingPublish>,
     /// channel.flow active flag as last set by the client.
@@ -165,6 +180,7 @@ impl Channel {
             prefetch: 0,
             credit: Default::default(),
             confirms: Confirms::default(),
+            tx: None,
             publish: None,
             flow_active: true,
         }

@@ -8,6 +8,7 @@
 //!   and the pure delivery-tag assignment and publisher-confirm coalescing.
 //! - [`channel`]: per-channel state (delivery tags, ledger, consumers, confirms).
 //! - [`unacked`]: the pure ledger of unsettled deliveries.
+//! - [`transaction`]: the pure state of a transactional channel (class `tx`).
 //! - [`methods`]: one file per AMQP class.
 //! - [`error`]: [`error::AmqpError`], reply codes and scopes.
 
@@ -16,4 +17,5 @@ pub mod codec;
 pub mod connection;
 pub mod error;
 pub mod methods;
+pub mod transaction;
 pub mod unacked;

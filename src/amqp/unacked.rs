@@ -63,8 +63,21 @@ impl Ledger {
     /// 406 PRECONDITION_FAILED "unknown delivery tag N" when N is not outstanding (never
     /// delivered on this channel, or already settled); the ledger is unchanged then.
     pub fn settle(&mut self, tag: DeliveryTag, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
+        self.settle_with(tag, multiple, |_, u| u)
+    }
+
+    /// [`Ledger::settle`], keeping each delivery's tag: what a transaction holds until
+    /// tx.commit, and gives back with [`Ledger::restore`] on tx.rollback.
+    ///
+    /// # Errors
+    /// As [`Ledger::settle`].
+    pub fn settle_tagged(&mut self, tag: DeliveryTag, multiple: bool) -> Result<Vec<(DeliveryTag, Unacked)>, AmqpError> {
+        self.settle_with(tag, multiple, |t, u| (t, u))
+    }
+
+    fn settle_with<T>(&mut self, tag: DeliveryTag, multiple: bool, f: impl Fn(DeliveryTag, Unacked) -> T) -> Result<Vec<T>, AmqpError> {
         if multiple && tag.0 == 0 {
-            return Ok(std::mem::take(&mut self.map).into_values().collect());
+            return Ok(std::mem::take(&mut self.map).into_iter().map(|(t, u)| f(t, u)).collect());
         }
         if !self.map.contains_key(&tag) {
             return Err(AmqpError::precondition_failed(format!("unknown delivery tag {tag}")));
@@ -72,10 +85,16 @@ impl Ledger {
         if multiple {
             let rest = self.map.split_off(&DeliveryTag(tag.0 + 1));
             let done = std::mem::replace(&mut self.map, rest);
-            Ok(done.into_values().collect())
+            Ok(done.into_iter().map(|(t, u)| f(t, u)).collect())
         } else {
-            Ok(vec![self.map.remove(&tag).expect("checked above")])
+            Ok(vec![f(tag, self.map.remove(&tag).expect("checked above"))])
         }
+    }
+
+    /// Puts settled deliveries back under their own tags (tx.rollback: the acks of the
+    /// transaction are undone, the messages are outstanding on this channel again).
+    pub fn restore(&mut self, items: impl IntoIterator<Item = (DeliveryTag, Unacked)>) {
+        self.map.extend(items);
     }
 
     /// Removes and returns everything (channel close, recover).

@@ -18,7 +18,7 @@
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{basic, AMQPClass};
+use amq_protocol::protocol::{basic, tx, AMQPClass};
 use futures_lite::io::AsyncWriteExt;
 
 use super::handshake::close_method;
@@ -164,13 +164,25 @@ impl Session {
                 // Only the incarnation that published, and only while it is open (DESIGN.md
                 // rule 9: a confirm names a stored message of this channel, never one of a
                 // channel closed since; spec 1.5.2.5: nothing follows a channel.close).
-                let done = st
-                    .channels
-                    .get_mut(&channel)
-                    .filter(|c| c.uid == chan_uid && c.state == ChannelState::Open)
-                    .and_then(|c| c.confirms.stored(seq, ok));
-                if let Some(ok) = done {
-                    st.confirms_ready.push((channel, seq, ok));
+                let Some(c) = st.channels.get_mut(&channel).filter(|c| c.uid == chan_uid && c.state == ChannelState::Open) else {
+                    return;
+                };
+                let Some(ok) = c.confirms.stored(seq, ok) else { return };
+                let low = c.confirms.lowest_pending();
+                match c.tx.as_mut() {
+                    None => st.confirms_ready.push((channel, seq, ok)),
+                    // A transactional channel: the commits this answer completes.
+                    Some(tx) => {
+                        let done = tx.stored(seq, ok, low);
+                        drop(st);
+                        for ok in done {
+                            if !ok {
+                                self.fail_channel(channel, crate::amqp::methods::tx::partial_completion(), Some(out));
+                                break;
+                            }
+                            encode_method(out, channel, &AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})));
+                        }
+                    }
                 }
             }
             ClientEvent::AckTimeout { channel: ChannelId(channel), chan_uid, timeout_ms } => {

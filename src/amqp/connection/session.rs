@@ -293,6 +293,8 @@ impl Session {
 /// Marks a channel closed for the queues: returns its uid and every queue it touched.
 pub fn close_effects(c: &mut Channel) -> (u64, Vec<QueueRef>) {
     c.publish = None;
+    // An open transaction is discarded (crate::amqp::transaction rule 5).
+    c.tx = None;
     c.consumers.clear();
     let _ = c.ledger.drain();
     (c.uid, c.touched.drain().collect())

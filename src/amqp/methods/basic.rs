@@ -13,6 +13,7 @@ use crate::amqp::channel::{ChannelConsumer, PendingPublish};
 use crate::amqp::codec::{encode_content, encode_method};
 use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
+use crate::amqp::transaction::{Routed, SettleKind};
 use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
 use crate::broker::message::{split_header, Message};
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
@@ -75,24 +76,23 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
         }
         basic::AMQPMethod::Get(g) => get(s, channel, g).await,
         basic::AMQPMethod::Ack(a) => {
-            let done = settle(s, channel, DeliveryTag(a.delivery_tag), a.multiple)?;
-            Stats::add(&s.core.stats().acked, done.len() as u64);
-            let settled = by_queue(done);
-            wake_channel_queues(s, channel, &settled);
-            let chan_uid = chan_uid(s, channel);
-            for (q, offs) in settled {
-                s.queue_send(&q, QueueOp::Settle { chan_uid, ack: offs, requeue: Vec::new(), reject: Vec::new() });
+            if let Some(done) = settle(s, channel, DeliveryTag(a.delivery_tag), a.multiple, SettleKind::Ack)? {
+                apply_settle(s, channel, SettleKind::Ack, done);
             }
             Ok(())
         }
         basic::AMQPMethod::Reject(r) => {
-            let done = settle(s, channel, DeliveryTag(r.delivery_tag), false)?;
-            reject_or_requeue(s, channel, done, r.requeue);
+            let kind = if r.requeue { SettleKind::Requeue } else { SettleKind::Reject };
+            if let Some(done) = settle(s, channel, DeliveryTag(r.delivery_tag), false, kind)? {
+                apply_settle(s, channel, kind, done);
+            }
             Ok(())
         }
         basic::AMQPMethod::Nack(n) => {
-            let done = settle(s, channel, DeliveryTag(n.delivery_tag), n.multiple)?;
-            reject_or_requeue(s, channel, done, n.requeue);
+            let kind = if n.requeue { SettleKind::Requeue } else { SettleKind::Reject };
+            if let Some(done) = settle(s, channel, DeliveryTag(n.delivery_tag), n.multiple, kind)? {
+                apply_settle(s, channel, kind, done);
+            }
             Ok(())
         }
         basic::AMQPMethod::Recover(r) => {
@@ -113,14 +113,45 @@ fn chan_uid(s: &Session, channel: u16) -> u64 {
     s.st.borrow().channels.get(&channel).map_or(0, |c| c.uid)
 }
 
-/// Settles (tag, multiple) in the channel's ledger.
+/// Settles (tag, multiple) in the channel's ledger. On a transactional channel the
+/// settled deliveries are held until tx.commit (`crate::amqp::transaction` rule 2) and
+/// `None` comes back; otherwise they are returned for [`apply_settle`].
 ///
 /// # Errors
 /// 406 PRECONDITION_FAILED "unknown delivery tag" (spec 1.8.3.13; DESIGN.md rule 8).
-fn settle(s: &Session, channel: u16, tag: DeliveryTag, multiple: bool) -> Result<Vec<Unacked>, AmqpError> {
+fn settle(s: &Session, channel: u16, tag: DeliveryTag, multiple: bool, kind: SettleKind) -> Result<Option<Vec<Unacked>>, AmqpError> {
     let mut st = s.st.borrow_mut();
     let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
-    c.ledger.settle(tag, multiple)
+    match c.tx.as_mut() {
+        None => c.ledger.settle(tag, multiple).map(Some),
+        Some(tx) => {
+            tx.settles.push((kind, c.ledger.settle_tagged(tag, multiple)?));
+            Ok(None)
+        }
+    }
+}
+
+/// Carries out a settlement of deliveries taken from the channel's ledger: each queue
+/// gets one `Settle` with its offsets (acked, requeued or rejected), and with a
+/// channel-wide window the channel's other queues are woken.
+pub fn apply_settle(s: &Session, channel: u16, kind: SettleKind, done: Vec<Unacked>) {
+    let stats = s.core.stats();
+    match kind {
+        SettleKind::Ack => Stats::add(&stats.acked, done.len() as u64),
+        SettleKind::Requeue => Stats::add(&stats.requeued, done.len() as u64),
+        SettleKind::Reject => {}
+    }
+    let settled = by_queue(done);
+    wake_channel_queues(s, channel, &settled);
+    let chan_uid = chan_uid(s, channel);
+    for (q, offs) in settled {
+        let op = match kind {
+            SettleKind::Ack => QueueOp::Settle { chan_uid, ack: offs, requeue: Vec::new(), reject: Vec::new() },
+            SettleKind::Requeue => QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: offs, reject: Vec::new() },
+            SettleKind::Reject => QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: Vec::new(), reject: offs },
+        };
+        s.queue_send(&q, op);
+    }
 }
 
 /// With a channel-wide window (global prefetch), credit freed by settling in one queue may
@@ -140,23 +171,6 @@ fn wake_channel_queues(s: &Session, channel: u16, settled: &[(crate::broker::Que
     drop(st);
     for q in others {
         s.queue_send(&q, QueueOp::Wake);
-    }
-}
-
-fn reject_or_requeue(s: &Session, channel: u16, done: Vec<Unacked>, requeue: bool) {
-    if requeue {
-        Stats::add(&s.core.stats().requeued, done.len() as u64);
-    }
-    let settled = by_queue(done);
-    wake_channel_queues(s, channel, &settled);
-    let chan_uid = chan_uid(s, channel);
-    for (q, offs) in settled {
-        let op = if requeue {
-            QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: offs, reject: Vec::new() }
-        } else {
-            QueueOp::Settle { chan_uid, ack: Vec::new(), requeue: Vec::new(), reject: offs }
-        };
-        s.queue_send(&q, op);
     }
 }
 
@@ -269,12 +283,38 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
 }
 
 /// A basic.publish whose content is complete: route it and hand it to every target
-/// queue's owner core. Unroutable mandatory messages come back with basic.return 312
-/// NO_ROUTE before their confirm (DESIGN.md rule 9).
+/// queue's owner core (on a transactional channel: hold it until tx.commit). Unroutable
+/// mandatory messages come back with basic.return 312 NO_ROUTE before their confirm
+/// (DESIGN.md rule 9).
 ///
 /// # Errors
 /// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one.
-pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(), AmqpError> {
+pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), AmqpError> {
+    let routed = route(s, p)?;
+    let seq = {
+        let mut st = s.st.borrow_mut();
+        let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
+        if let Some(tx) = c.tx.as_mut() {
+            tx.publishes.push(routed);
+            return Ok(());
+        }
+        c.confirms.enabled.then(|| c.confirms.take_seq(routed.queues.len()))
+    };
+    let unroutable = routed.queues.is_empty();
+    deliver(s, channel, routed, seq);
+    if let (true, Some(seq)) = (unroutable, seq) {
+        // After the return, through the same channel: the writer confirms it.
+        let _ =
+            s.tx.send(crate::broker::ClientEvent::Stored { channel: ChannelId(channel), chan_uid: chan_uid(s, channel), seq, ok: true });
+    }
+    Ok(())
+}
+
+/// Checks a complete basic.publish against the core's routing copy and routes it.
+///
+/// # Errors
+/// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one.
+pub fn route(s: &Session, mut p: PendingPublish) -> Result<Routed, AmqpError> {
     Stats::add(&s.core.stats().published, 1);
     let vhost = s.vhost();
     let router = s.core.router();
@@ -289,26 +329,20 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
     }
     let props = p.properties.take().unwrap_or_default();
     let headers = props.headers().as_ref();
-    let route = router.route(&vhost, &p.exchange, &p.routing_key, headers);
+    let queues = router.route(&vhost, &p.exchange, &p.routing_key, headers).queues;
     let persistent = *props.delivery_mode() == Some(2);
     let body = p.take_body();
     let message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
-    let seq = {
-        let mut st = s.st.borrow_mut();
-        let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
-        if c.confirms.enabled {
-            let seq = c.confirms.next_seq;
-            c.confirms.next_seq += 1;
-            if !route.queues.is_empty() {
-                c.confirms.pending.insert(seq, (route.queues.len() as u32, false));
-            }
-            Some(seq)
-        } else {
-            None
-        }
-    };
-    if route.queues.is_empty() {
-        if p.mandatory {
+    Ok(Routed { exchange: p.exchange, routing_key: p.routing_key, mandatory: p.mandatory, message, queues })
+}
+
+/// Hands a routed publish to its queues, with confirm ticket `seq` (taken with
+/// `Confirms::take_seq`) when the channel confirms or commits; an unroutable mandatory
+/// one comes back with basic.return.
+pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
+    let Routed { exchange, routing_key, mandatory, message, queues } = r;
+    if queues.is_empty() {
+        if mandatory {
             Stats::add(&s.core.stats().returned, 1);
             let frame_max = s.st.borrow().frame_max;
             let mut out = Vec::new();
@@ -319,32 +353,22 @@ pub fn publish(s: &Rc<Session>, channel: u16, mut p: PendingPublish) -> Result<(
                 &AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
                     reply_code: code::NO_ROUTE,
                     reply_text: "NO_ROUTE".into(),
-                    exchange: p.exchange.as_str().into(),
-                    routing_key: p.routing_key.as_str().into(),
+                    exchange: exchange.as_str().into(),
+                    routing_key: routing_key.as_str().into(),
                 })),
             );
             encode_content(&mut out, channel, raw, &message.body, frame_max);
             s.send_frames(out);
         }
-        if let Some(seq) = seq {
-            // After the return, through the same channel: the writer confirms it.
-            let _ = s.tx.send(crate::broker::ClientEvent::Stored {
-                channel: ChannelId(channel),
-                chan_uid: chan_uid(s, channel),
-                seq,
-                ok: true,
-            });
-        }
-        return Ok(());
+        return;
     }
     let published = crate::observe::sample().then(std::time::Instant::now);
-    let last = route.queues.len() - 1;
+    let last = queues.len() - 1;
+    let chan_uid = chan_uid(s, channel);
     let mut message = Some(message);
-    for (i, q) in route.queues.iter().enumerate() {
+    for (i, q) in queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
-        let chan_uid = chan_uid(s, channel);
         let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), conn: s.id, channel: ChannelId(channel), chan_uid, seq });
         s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
     }
-    Ok(())
 }
