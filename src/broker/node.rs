@@ -505,6 +505,25 @@ impl Node {
         self.clone().open_and_run(def, qref).await;
     }
 
+    /// Opens this core's queues with an x-expires lease that are not open yet (a queue
+    /// otherwise opens at its first operation), so that the lease of a queue nobody touches
+    /// after a restart, or after it moved here, runs out (`queue/expiry.rs`).
+    fn open_expiring_queues(self: &Rc<Self>) {
+        let here = self.shared.meta.node_id();
+        let topo = self.router();
+        let idle: Vec<QueueRef> = topo
+            .topology
+            .queues
+            .values()
+            .filter(|d| d.owner_node == here && super::router::int_arg(&d.arguments, "x-expires").is_some())
+            .filter_map(|d| topo.queue_ref(&d.vhost, &d.name))
+            .filter(|q| q.owner_core % self.shared.cores == self.id && self.queue_slot(&q.key).is_none())
+            .collect();
+        for q in idle {
+            self.queue_op(q, QueueOp::Wake);
+        }
+    }
+
     /// The once-a-second tick, run for the life of the core: syncs queues with unsynced
     /// deletes, sends every channel that holds a delivery past its queue's acknowledgement
     /// timeout an [`ClientEvent::AckTimeout`], and reopens queues whose store failed once
@@ -513,7 +532,13 @@ impl Node {
         if self.shared.meta.is_cluster() {
             glommio::spawn_local(self.clone().watch_replicas()).detach();
         }
+        let mut topology_seen = None;
         loop {
+            let version = self.shared.meta.topology_version();
+            if topology_seen != Some(version) {
+                topology_seen = Some(version);
+                self.open_expiring_queues();
+            }
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();
             for c in self.open_queues() {

@@ -53,6 +53,9 @@ pub struct Consumers {
     next: usize,
     /// Only the first consumer in attach order receives (`x-single-active-consumer`).
     pub single_active: bool,
+    /// When the last consumer left (`None`: none ever did); the start of an idle queue's
+    /// x-expires lease (`expiry.rs`).
+    emptied: Option<std::time::Instant>,
 }
 
 impl Consumers {
@@ -86,7 +89,14 @@ impl Consumers {
         if self.next >= self.list.len() {
             self.next = 0;
         }
+        if self.list.is_empty() {
+            self.emptied = Some(std::time::Instant::now());
+        }
         Some(c)
+    }
+    /// When the last consumer left, if one ever did.
+    pub fn emptied(&self) -> Option<std::time::Instant> {
+        self.emptied
     }
     /// Detaches every consumer of a channel incarnation.
     pub fn remove_channel(&mut self, chan_uid: u64) -> Vec<Consumer> {

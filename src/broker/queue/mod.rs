@@ -27,6 +27,7 @@ pub mod consumer;
 pub mod copy;
 pub mod dispatch;
 pub mod durability;
+pub mod expiry;
 pub mod index;
 pub mod ready;
 pub mod replica;
@@ -75,7 +76,8 @@ pub const DEFAULT_CONSUMER_TIMEOUT_MS: u64 = 30 * 60 * 1000;
 pub trait QueueEnv: Mesh {
     /// Routes a message (for dead-lettering) with the core's current routing table.
     fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&amq_protocol::types::FieldTable>) -> Route;
-    /// The queue has become unused and is auto-delete: remove it.
+    /// The queue has become unused and should go (auto-delete, or its x-expires lease ran
+    /// out): queue.delete with if-unused, so a consumer that attached meanwhile keeps it.
     fn auto_delete(&self, key: &QueueKey);
     /// The metadata group (cursor commits, leader check, node id and boot epoch).
     fn meta(&self) -> &MetaHandle;
@@ -162,6 +164,8 @@ pub struct Queue {
     pub deleted: bool,
     /// Delivery acknowledgement timeout in ms (x-consumer-timeout or the default).
     pub consumer_timeout_ms: u64,
+    /// x-expires: the queue's lease (`expiry.rs`); `None` without the argument.
+    pub expiry: Option<expiry::Expiry>,
     /// x-dead-letter-exchange.
     pub dead_letter_exchange: Option<String>,
     /// x-dead-letter-routing-key.
@@ -222,6 +226,7 @@ impl Queue {
         let consumer_timeout_ms =
             int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
+        let expiry = expiry::Expiry::from_arg(int_arg(&def.arguments, "x-expires"));
         let single_active = super::router::bool_arg(&def.arguments, "x-single-active-consumer").unwrap_or(false);
         let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
         let repl = replicated
@@ -251,6 +256,7 @@ impl Queue {
                 wake,
                 deleted: false,
                 consumer_timeout_ms,
+                expiry,
                 dead_letter_exchange,
                 dead_letter_routing_key,
                 repl,
@@ -258,6 +264,9 @@ impl Queue {
             })
         });
         let weak = Rc::downgrade(&q);
+        if expiry.is_some() {
+            glommio::spawn_local(expiry::expire_when_unused(weak.clone())).detach();
+        }
         glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
         q
     }
@@ -281,12 +290,20 @@ impl Queue {
         let _ = self.wake.try_send(());
     }
 
+    /// A use that renews an x-expires lease (basic.get, queue.declare; `expiry.rs` rule 1).
+    fn renew_lease(&mut self) {
+        if let Some(e) = &mut self.expiry {
+            e.used = Instant::now();
+        }
+    }
+
     /// Executes one operation. Called by the owner core in arrival order.
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
         match op {
             QueueOp::Publish { message, confirm, published } => q.publish(cell, message, confirm, published),
             QueueOp::Get { no_ack, holder, reply } => {
+                q.renew_lease();
                 drop(q);
                 dispatch::basic_get(cell, no_ack, holder, reply);
             }
@@ -326,6 +343,8 @@ impl Queue {
                 Queue::apply_replicated(cell, op);
             }
             QueueOp::Stats { reply } => {
+                // queue.declare, active or passive, renews an x-expires lease (RabbitMQ's `stat`).
+                q.renew_lease();
                 let _ = reply.send(Ok((q.message_count(), q.consumers.len() as u32)));
             }
             QueueOp::Purge { reply } => {
