@@ -168,7 +168,8 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         let transport = parts.transport.clone();
         let links: PeerLinks = Arc::new(move || transport.peers().into_iter().map(|p| (p.id, p.connected)).collect());
         shared.peer_links = Some(links);
-        let remote = Arc::new(Remote::new(config.node_id, Arc::new(DataLane(parts.transport)), meta, inboxes, cores));
+        let remote =
+            Arc::new(Remote::new(config.node_id, Arc::new(DataLane(parts.transport)), meta, inboxes, cores, shared.reply_to.clone()));
         parts.slot.set(remote.clone());
         shared.remote = Some(remote);
     }

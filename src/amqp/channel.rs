@@ -30,6 +30,18 @@ pub struct ChannelConsumer {
     pub queue: QueueRef,
 }
 
+/// The channel's consumer on the direct reply-to pseudo-queue (`broker::reply_to`).
+#[derive(Clone, Debug)]
+pub struct ReplyTo {
+    /// Its consumer tag.
+    pub tag: Arc<str>,
+    /// The name replies are published to (`amq.rabbitmq.reply-to.<node>.<token>`), which the
+    /// channel's requests carry as their `reply_to`.
+    pub name: String,
+    /// Its token in the node's registry.
+    pub token: u64,
+}
+
 /// A basic.publish waiting for its content header and body frames.
 #[derive(Debug)]
 pub struct PendingPublish {
@@ -160,6 +172,8 @@ pub struct Channel {
     pub confirms: Confirms,
     /// tx.select received: what the transaction holds (`crate::amqp::transaction`).
     pub tx: Option<Box<Tx>>,
+    /// Its direct reply-to consumer, if it consumes from `amq.rabbitmq.reply-to`.
+    pub reply_to: Option<ReplyTo>,
     /// A publish whose content is being received.
     pub publish: Option<PendingPublish>,
     /// channel.flow active flag as last set by the client.
@@ -181,6 +195,7 @@ impl Channel {
             credit: Default::default(),
             confirms: Confirms::default(),
             tx: None,
+            reply_to: None,
             publish: None,
             flow_active: true,
         }

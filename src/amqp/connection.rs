@@ -40,7 +40,7 @@ mod outbound;
 mod session;
 mod tags;
 
-pub use session::{close_effects, ConnState, Session};
+pub use session::{close_effects, CloseEffects, ConnState, Session};
 
 use handshake::handshake;
 use outbound::writer;

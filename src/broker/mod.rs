@@ -30,6 +30,7 @@ pub mod node;
 pub mod queue;
 pub mod remote;
 pub mod replicas;
+pub mod reply_to;
 pub mod router;
 
 use std::sync::Arc;

@@ -57,6 +57,8 @@ pub struct Shared {
     pub peer_links: Option<PeerLinks>,
     /// In a cluster: serving other nodes' queues and ours to them (`broker::remote`).
     pub remote: Option<Arc<super::remote::Remote>>,
+    /// This node's direct reply-to consumers (`broker::reply_to`).
+    pub reply_to: Arc<super::reply_to::ReplyConsumers>,
 }
 
 /// Reports (peer id, link up) for every other member of the cluster.
@@ -77,6 +79,7 @@ impl Shared {
             alarms,
             peer_links: None,
             remote: None,
+            reply_to: Default::default(),
         }
     }
 
@@ -258,6 +261,9 @@ impl Node {
 
     fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
         let here = self.shared.meta.node_id();
+        if qref.owner_core == super::reply_to::DIRECT_CORE {
+            return self.direct_reply(&qref, here, op);
+        }
         // Replicated data is for this node's own store, whoever serves the queue.
         let replicated = matches!(op, QueueOp::Replicated(_));
         if qref.owner_node != here && !replicated {
@@ -303,6 +309,26 @@ impl Node {
                 drop(queues);
                 let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or(qref);
                 glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
+            }
+        }
+    }
+
+    /// A reply published to a direct reply-to name (`broker::reply_to`, step 3): handed to
+    /// the requester when the name is this node's (dropped when it is no longer registered,
+    /// as RabbitMQ does), else sent to the node it names. The publish is confirmed either
+    /// way; no other operation names a reply target.
+    fn direct_reply(&self, qref: &QueueRef, here: crate::meta::NodeId, op: QueueOp) {
+        if qref.owner_node != here {
+            match &self.shared.remote {
+                Some(remote) => remote.forward(qref, op),
+                None => refuse_remote(qref, here, op),
+            }
+            return;
+        }
+        if let QueueOp::Publish { message, confirm, .. } = op {
+            self.shared.reply_to.deliver(qref, message);
+            if let Some(c) = confirm {
+                c.answer(true);
             }
         }
     }

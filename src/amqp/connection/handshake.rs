@@ -100,6 +100,7 @@ fn server_properties() -> FieldTable {
         "authentication_failure_close",
         "per_consumer_qos",
         "connection.blocked",
+        "direct_reply_to",
     ] {
         caps.insert(c.into(), AMQPValue::Boolean(true));
     }

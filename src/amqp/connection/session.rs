@@ -199,11 +199,13 @@ impl Session {
     }
 
     /// Tells every queue a channel touched that it is gone (they requeue what it held and
-    /// drop its consumers).
-    pub fn apply_close_effects(&self, effects: (u64, Vec<QueueRef>)) {
-        let (uid, queues) = effects;
-        for q in queues {
-            self.queue_send(&q, QueueOp::ChannelClosed { chan_uid: uid });
+    /// drop its consumers), and ends its direct reply-to consumer.
+    pub fn apply_close_effects(&self, effects: CloseEffects) {
+        if let Some(token) = effects.reply_token {
+            self.core.shared.reply_to.unregister(token);
+        }
+        for q in effects.queues {
+            self.queue_send(&q, QueueOp::ChannelClosed { chan_uid: effects.uid });
         }
     }
 
@@ -290,12 +292,22 @@ impl Session {
     }
 }
 
-/// Marks a channel closed for the queues: returns its uid and every queue it touched.
-pub fn close_effects(c: &mut Channel) -> (u64, Vec<QueueRef>) {
+/// What closing a channel leaves to do outside it ([`Session::apply_close_effects`]).
+pub struct CloseEffects {
+    /// The channel's incarnation.
+    uid: u64,
+    /// Every queue it consumed or got from.
+    queues: Vec<QueueRef>,
+    /// Its direct reply-to consumer's token (`broker::reply_to`).
+    reply_token: Option<u64>,
+}
+
+/// Marks a channel closed: returns what its queues and the reply-to registry must be told.
+pub fn close_effects(c: &mut Channel) -> CloseEffects {
     c.publish = None;
     // An open transaction is discarded (crate::amqp::transaction rule 5).
     c.tx = None;
     c.consumers.clear();
     let _ = c.ledger.drain();
-    (c.uid, c.touched.drain().collect())
+    CloseEffects { uid: c.uid, queues: c.touched.drain().collect(), reply_token: c.reply_to.take().map(|r| r.token) }
 }

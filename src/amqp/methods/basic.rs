@@ -15,7 +15,8 @@ use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
 use crate::amqp::transaction::{Routed, SettleKind};
 use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
-use crate::broker::message::{split_header, Message};
+use crate::broker::message::{encode_properties, split_header, Message};
+use crate::broker::reply_to;
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
@@ -63,7 +64,16 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
         basic::AMQPMethod::Consume(c) => consume(s, channel, c).await,
         basic::AMQPMethod::Cancel(c) => {
             let tag: Arc<str> = Arc::from(c.consumer_tag.as_str());
-            let found = s.st.borrow_mut().channels.get_mut(&channel).and_then(|ch| ch.consumers.remove(&tag));
+            let (found, reply) = match s.st.borrow_mut().channels.get_mut(&channel) {
+                Some(ch) => {
+                    let reply = ch.reply_to.take_if(|r| r.tag == tag);
+                    (ch.consumers.remove(&tag), reply)
+                }
+                None => (None, None),
+            };
+            if let Some(r) = &reply {
+                s.core.shared.reply_to.unregister(r.token);
+            }
             match found {
                 Some(cons) => s.queue_send(&cons.queue, QueueOp::Cancel { consumer: cons.id, send_ok: !c.nowait }),
                 None if !c.nowait => s.send_method(
@@ -193,12 +203,15 @@ fn recover(s: &Session, channel: u16, requeue: bool) {
 }
 
 async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(), AmqpError> {
-    let (q, _) = lookup(s, c.queue.as_str()).await?;
     let tag: Arc<str> = if c.consumer_tag.as_str().is_empty() {
         Arc::from(format!("amq.ctag-{}", unique_suffix(s.core.shared.next_id())))
     } else {
         Arc::from(c.consumer_tag.as_str())
     };
+    if c.queue.as_str() == reply_to::PSEUDO_QUEUE {
+        return consume_replies(s, channel, tag, &c);
+    }
+    let (q, _) = lookup(s, c.queue.as_str()).await?;
     let id = s.core.shared.next_id();
     let spec = {
         let mut st = s.st.borrow_mut();
@@ -235,6 +248,49 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         return Err(e.into());
     }
     Ok(())
+}
+
+/// basic.consume on `amq.rabbitmq.reply-to` (`broker::reply_to`, step 1): registers the
+/// channel's direct reply-to name.
+///
+/// # Errors
+/// 406 PRECONDITION_FAILED without no-ack ("reply consumer cannot acknowledge") or when the
+/// channel already has one ("reply consumer already set"); 530 NOT_ALLOWED for a consumer
+/// tag in use on the channel.
+fn consume_replies(s: &Rc<Session>, channel: u16, tag: Arc<str>, c: &basic::Consume) -> Result<(), AmqpError> {
+    if !c.no_ack {
+        return Err(AmqpError::precondition_failed("reply consumer cannot acknowledge"));
+    }
+    let token = s.core.shared.next_id().wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ unique_token_salt();
+    {
+        let mut st = s.st.borrow_mut();
+        let ch = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
+        if ch.reply_to.is_some() {
+            return Err(AmqpError::precondition_failed("reply consumer already set"));
+        }
+        if ch.consumers.contains_key(&tag) {
+            return Err(AmqpError::not_allowed(format!("attempt to reuse consumer tag '{tag}'")));
+        }
+        let consumer = reply_to::ReplyConsumer {
+            channel: ChannelId(channel),
+            chan_uid: ch.uid,
+            consumer_tag: ConsumerTag(tag.clone()),
+            tx: s.tx.clone(),
+            pending_bytes: s.pending_bytes.clone(),
+        };
+        let name = s.core.shared.reply_to.register(s.core.shared.meta.node_id(), token, consumer);
+        ch.reply_to = Some(crate::amqp::channel::ReplyTo { tag: tag.clone(), name, token });
+    }
+    if !c.nowait {
+        s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: tag.as_ref().into() })));
+    }
+    Ok(())
+}
+
+/// Clock bits that make a reply-to token hard to guess from the ids before it.
+fn unique_token_salt() -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    nanos.rotate_left(29) ^ (std::process::id() as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9)
 }
 
 async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpError> {
@@ -290,7 +346,7 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
 /// # Errors
 /// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one.
 pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), AmqpError> {
-    let routed = route(s, p)?;
+    let routed = route(s, channel, p)?;
     let seq = {
         let mut st = s.st.borrow_mut();
         let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
@@ -310,11 +366,15 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
     Ok(())
 }
 
-/// Checks a complete basic.publish against the core's routing copy and routes it.
+/// Checks a complete basic.publish on `channel` against the core's routing copy and routes
+/// it. A request whose `reply_to` is `amq.rabbitmq.reply-to` gets the channel's direct
+/// reply-to name instead; a reply to such a name routes to it (`broker::reply_to`).
 ///
 /// # Errors
-/// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one.
-pub fn route(s: &Session, mut p: PendingPublish) -> Result<Routed, AmqpError> {
+/// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one; 406
+/// PRECONDITION_FAILED "fast reply consumer does not exist" (RabbitMQ's words) for a
+/// request to be answered by direct reply-to on a channel that does not consume from it.
+pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed, AmqpError> {
     Stats::add(&s.core.stats().published, 1);
     let vhost = s.vhost();
     let router = s.core.router();
@@ -327,9 +387,21 @@ pub fn route(s: &Session, mut p: PendingPublish) -> Result<Routed, AmqpError> {
             Some(_) => {}
         }
     }
-    let props = p.properties.take().unwrap_or_default();
+    let mut props = p.properties.take().unwrap_or_default();
+    if props.reply_to().as_ref().is_some_and(|r| r.as_str() == reply_to::PSEUDO_QUEUE) {
+        let name = s.st.borrow().channels.get(&channel).and_then(|c| c.reply_to.as_ref().map(|r| r.name.clone()));
+        let name = name.ok_or_else(|| AmqpError::precondition_failed("fast reply consumer does not exist"))?;
+        *props = props.with_reply_to(name.as_str().into());
+        p.raw_properties = encode_properties(&props).into();
+    }
     let headers = props.headers().as_ref();
-    let queues = router.route(&vhost, &p.exchange, &p.routing_key, headers).queues;
+    let queues = match p.exchange.is_empty().then(|| reply_to::target(&vhost, &p.routing_key)).flatten() {
+        // A reply to a name of this node that is no longer consumed is unroutable (a
+        // mandatory one comes back); another node's name is that node's to judge.
+        Some(t) if t.owner_node == s.core.shared.meta.node_id() && !s.core.shared.reply_to.serves(&t.key.name) => Vec::new(),
+        Some(t) => vec![t],
+        None => router.route(&vhost, &p.exchange, &p.routing_key, headers).queues,
+    };
     let persistent = *props.delivery_mode() == Some(2);
     let body = p.take_body();
     let message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);

@@ -72,8 +72,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         queue::AMQPMethod::Declare(d) => {
             let mut name = d.queue.to_string();
             if d.passive {
-                let (q, _) = lookup(s, &name).await?;
-                let (messages, consumers) = stats(s, &q).await?;
+                // The direct reply-to pseudo-queue can be declared passively, as in RabbitMQ.
+                let (messages, consumers) = if name == crate::broker::reply_to::PSEUDO_QUEUE {
+                    (0, 0)
+                } else {
+                    let (q, _) = lookup(s, &name).await?;
+                    stats(s, &q).await?
+                };
                 if !d.nowait {
                     declare_ok(s, channel, &name, messages, consumers);
                 }

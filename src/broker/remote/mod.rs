@@ -79,6 +79,8 @@ pub struct Remote {
     /// them, so the answer always has a lane back (a request sent while only the lane out
     /// was up could be answered into a lane not yet open, and its confirm lost).
     links: Mutex<std::collections::HashSet<NodeId>>,
+    /// This node's direct reply-to consumers: replies from peers go straight to them.
+    reply_to: Arc<crate::broker::reply_to::ReplyConsumers>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -160,9 +162,18 @@ impl RemoteSlot {
 }
 
 impl Remote {
-    /// Forwarding state for node `me` with `cores` cores.
-    pub fn new(me: NodeId, net: Arc<dyn DataNet>, meta: MetaHandle, inboxes: Inboxes<NodeMsg>, cores: u32) -> Remote {
+    /// Forwarding state for node `me` with `cores` cores; replies to `reply_to`'s names
+    /// are handed to them.
+    pub fn new(
+        me: NodeId,
+        net: Arc<dyn DataNet>,
+        meta: MetaHandle,
+        inboxes: Inboxes<NodeMsg>,
+        cores: u32,
+        reply_to: Arc<crate::broker::reply_to::ReplyConsumers>,
+    ) -> Remote {
         Remote {
+            reply_to,
             me,
             net,
             meta,

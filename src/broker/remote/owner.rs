@@ -57,6 +57,19 @@ impl Remote {
     /// core (invariant 4: only when this node owns the queue); a connection's end is handled
     /// here.
     pub(super) fn route_request(&self, from: NodeId, req: Request) {
+        if let Request::Publish { queue, message, confirm } = &req {
+            if crate::broker::reply_to::parse(&queue.name).is_some() {
+                // A reply to one of this node's direct reply-to names (`broker::reply_to`).
+                let target =
+                    QueueRef { key: queue.clone(), owner_core: crate::broker::reply_to::DIRECT_CORE, owner_node: self.me, durable: false };
+                self.reply_to.deliver(&target, message.clone());
+                if let Some(c) = confirm {
+                    let event = Event::Stored { channel: c.channel, chan_uid: c.chan_uid, seq: c.seq, ok: true };
+                    let _ = self.send_frame(from, &Frame::Event { conn: c.conn, event });
+                }
+                return;
+            }
+        }
         let queue = match &req {
             Request::ConnectionClosed { conn } => {
                 self.owner.lock().proxies.remove(&(from, *conn));
