@@ -185,7 +185,7 @@ impl Shard {
             let mut st = inner.st.borrow_mut();
             let mut v = Vec::new();
             for s in st.segs.iter_mut().filter(|s| s.full && !s.sealed && s.end() <= below && s.live > 0) {
-                side::idx_write_seal(&mut s.idx, s.count, s.data_end);
+                side::idx_write_seal(&mut s.idx, s.count, s.data_end, s.flags_all);
                 s.sealed = true;
                 v.push((s.base, s.data_end, s.file.clone()));
             }

@@ -214,6 +214,23 @@ pub fn parse_record(buf: &[u8]) -> Parse<'_> {
     })
 }
 
+/// What a record head says, read without the rest of the record: `(len, offset, flags)`.
+///
+/// `None` if `buf` is shorter than [`RECORD_HEAD_BYTES`], the length field is out of range,
+/// or the kind is not a data record. The CRC is not checked (it covers the whole record):
+/// recovery uses this to learn the flags of a sealed segment's records without reading
+/// their bodies, and a caller must compare `len` and `offset` with what it expects.
+pub fn parse_record_head(buf: &[u8]) -> Option<(usize, Offset, u8)> {
+    if buf.len() < RECORD_HEAD_BYTES {
+        return None;
+    }
+    let len = u32::from_le_bytes(buf[0..4].try_into().unwrap()) as usize;
+    if !(RECORD_HEAD_BYTES..=MAX_RECORD_BYTES).contains(&len) || buf[17] != RECORD_KIND_DATA {
+        return None;
+    }
+    Some((len, u64::from_le_bytes(buf[8..16].try_into().unwrap()), buf[16]))
+}
+
 /// Content of the `format` marker file: [`FORMAT_LINE`] padded with zeros to [`ALIGN`] bytes.
 pub fn format_file_bytes() -> Vec<u8> {
     let mut v = vec![0u8; ALIGN];
@@ -252,6 +269,17 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn record_head_alone() {
+        let v = frame(42, 5, b"hdr", b"body!");
+        assert_eq!(parse_record_head(&v[..RECORD_HEAD_BYTES]), Some((v.len(), 42, 5)));
+        assert_eq!(parse_record_head(&v[..RECORD_HEAD_BYTES - 1]), None);
+        assert_eq!(parse_record_head(&[0u8; RECORD_HEAD_BYTES]), None, "a zero length is no record");
+        let mut w = v.clone();
+        w[17] = 9;
+        assert_eq!(parse_record_head(&w), None, "unknown kind");
     }
 
     #[test]

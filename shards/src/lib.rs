@@ -56,7 +56,8 @@
 //!     full segment is sealed, its file is cut to the 4096 boundary after its
 //!     last record.
 //!   - `<base>.idx`: 4096-byte header (`magic "RMQIDX\0\x01" | version | flags
-//!     (bit 0 sealed) | base | capacity | count | data_end | entries_crc |
+//!     (bit 0 sealed; bit 1: bits 8..16 hold the AND of every record's flags byte,
+//!     written with the seal) | base | capacity | count | data_end | entries_crc |
 //!     header_crc`), then one u32 file position per record. Memory-mapped.
 //!     Sealed (with `count`, `data_end` and a CRC of the entries) and fdatasync'ed
 //!     once the segment is full and durable: at open a sealed index is trusted
@@ -121,6 +122,11 @@
 //!
 //! Offsets of records that were appended but lost in a crash (not covered by a
 //! `Synced`) are handed out again after recovery.
+//!
+//! [`Shard::open_retaining`] also deletes every live record whose flags byte lacks the
+//! bits it keeps (the broker: transient messages at a restart), read during the scan of
+//! unsealed segments and from the record heads of sealed ones whose seal's flags summary
+//! does not rule them out; the deletes are synced before it returns.
 //!
 //! # The IOPOLL trap
 //! glommio probes polled I/O on the first direct-I/O file opened on a device
@@ -227,6 +233,9 @@ pub struct RecoveryReport {
     pub records: u64,
     /// Records recovered as deleted (bit set in the deletion bitmap).
     pub deleted: u64,
+    /// Live records deleted by this open because their flags lacked what
+    /// [`Shard::open_retaining`] keeps (not in `records` nor `deleted`; 0 for [`Shard::open`]).
+    pub discarded: u64,
     /// Offset ranges `[from, to)` dropped, with the reason. For a torn tail the
     /// range is `[first lost, first lost + 1)`: how many unsynced records were
     /// in the torn bytes is unknown.

@@ -155,6 +155,8 @@ async fn first_nonzero(r: &mut SeqReader<'_>, from: u64, to: u64) -> std::io::Re
 struct Recovered {
     seg: Segment,
     tail: Vec<u8>,
+    /// Live records lacking the flags `open` keeps (offsets, ascending), to be deleted.
+    discard: Vec<Offset>,
 }
 
 fn warn(report: &mut RecoveryReport, msg: String) {
@@ -167,15 +169,29 @@ fn drop_range(report: &mut RecoveryReport, from: Offset, to: Offset, why: String
     report.dropped.push((from, to, why));
 }
 
-/// Recovers one segment. `max_count` bounds its records (the next segment's base).
-async fn recover_segment(
-    dir: &Path,
+/// Where recovery reads a segment from.
+struct SegmentAt<'a> {
+    dir: &'a Path,
     base: Offset,
+    /// The newest segment (takes appends after open).
     last: bool,
+    /// Bound on its records (the next segment's base minus its own).
     max_count: u64,
+}
+
+/// Recovers one segment. With `keep`, also lists its live records whose flags byte lacks
+/// a bit of `keep` (`Recovered::discard`): read during the scan of an unsealed segment; for
+/// a sealed one, from the record heads (not CRC-checked unless `verify_on_open`), unless
+/// its seal says every record has them.
+async fn recover_segment(
+    at: SegmentAt<'_>,
+    keep: Option<u8>,
     cfg: &ShardConfig,
     report: &mut RecoveryReport,
 ) -> Result<Recovered, StoreError> {
+    let SegmentAt { dir, base, last, max_count } = at;
+    let mut discard = Vec::new();
+    let lacks = |flags: u8| keep.is_some_and(|k| flags & k != k);
     let sp = format::seg_path(dir, base, FileKind::Seg);
     let ip = format::seg_path(dir, base, FileKind::Idx);
     let dp = format::seg_path(dir, base, FileKind::Del);
@@ -220,10 +236,15 @@ async fn recover_segment(
     let mut r = SeqReader { file: &file, size, buf: Vec::new(), buf_pos: 0 };
     let mut seg_size = size;
     let (count, data_end);
+    let mut flags_all = 0xffu8;
     if let (true, Some((c, end))) = (trusted, seal) {
         count = c;
         data_end = end;
-        if cfg.verify_on_open {
+        let summary = side::idx_flags_all(&idx);
+        flags_all = summary.unwrap_or(0);
+        // Records to discard can only be here if the seal does not rule them out.
+        let sift = keep.is_some() && summary.is_none_or(lacks);
+        if cfg.verify_on_open || sift {
             for k in 0..count {
                 if side::bit_get(&del, k) {
                     continue;
@@ -231,12 +252,28 @@ async fn recover_segment(
                 let pos = side::idx_get(&idx, k);
                 let end = if k + 1 < count { side::idx_get(&idx, k + 1) } else { data_end };
                 let len = end.saturating_sub(pos) as usize;
+                if !cfg.verify_on_open {
+                    // The head only: its flags byte, the body is not read (a record whose
+                    // head does not match its index entry is kept, and checked when read).
+                    let want = len.min(RECORD_HEAD_BYTES);
+                    let got = r.ensure(pos, want).await.map_err(|e| StoreError::io("reading segment", &sp, e))?;
+                    let head = format::parse_record_head(r.slice(pos, got));
+                    if head.is_some_and(|(l, o, flags)| l == len && o == base + k && lacks(flags)) {
+                        discard.push(base + k);
+                    }
+                    continue;
+                }
                 let got = r.ensure(pos, len).await.map_err(|e| StoreError::io("reading segment", &sp, e))?;
                 let why = if got < len {
                     Some(format!("record at byte {pos} is cut short by the end of the file"))
                 } else {
                     match format::parse_record(r.slice(pos, len)) {
-                        Parse::Record(rec) if rec.offset == base + k && rec.len == len => None,
+                        Parse::Record(rec) if rec.offset == base + k && rec.len == len => {
+                            if lacks(rec.flags) {
+                                discard.push(base + k);
+                            }
+                            None
+                        }
                         Parse::Record(rec) => Some(format!("record at byte {pos} has offset {}, expected {}", rec.offset, base + k)),
                         Parse::Bad(w) => Some(format!("{w} at byte {pos}")),
                         Parse::End | Parse::Short { .. } => Some(format!("no record at byte {pos}")),
@@ -290,6 +327,10 @@ async fn recover_segment(
             match format::parse_record(bytes) {
                 Parse::Record(rec) if rec.offset == base + n => {
                     side::idx_put(&mut idx, n, pos);
+                    flags_all &= rec.flags;
+                    if lacks(rec.flags) && !side::bit_get(&del, n) {
+                        discard.push(base + n);
+                    }
                     n += 1;
                     pos += rec.len as u64;
                 }
@@ -411,12 +452,22 @@ async fn recover_segment(
             full: !last || trusted,
             sealed: trusted,
             del_dirty: false,
+            flags_all,
         },
         tail,
+        discard,
     })
 }
 
-pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -> Result<(Shard, RecoveryReport), StoreError> {
+/// Opens and recovers the shard in `dir`. With `keep`, every live record whose flags byte
+/// lacks a bit of `keep` is deleted (its bitmap bit set; durable by the next full sync,
+/// which [`Shard::open_retaining`] runs) and counted in `RecoveryReport::discarded`.
+pub(crate) async fn open(
+    dir: &Path,
+    cfg: ShardConfig,
+    faults: Option<Faults>,
+    keep: Option<u8>,
+) -> Result<(Shard, RecoveryReport), StoreError> {
     cfg.validate()?;
     let dir: PathBuf = dir.to_path_buf();
     let d2 = dir.clone();
@@ -460,18 +511,22 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     }
     let mut segs = VecDeque::new();
     let mut tail = Vec::new();
+    let mut discard = Vec::new();
     for (k, &base) in bases.iter().enumerate() {
         let last = k + 1 == bases.len();
         let max_count = bases.get(k + 1).map(|&nb| nb - base).unwrap_or(u64::MAX);
         injected("opening segment", &format::seg_path(&dir, base, FileKind::Seg))?;
-        let rec = recover_segment(&dir, base, last, max_count, &cfg, &mut report).await?;
+        let at = SegmentAt { dir: &dir, base, last, max_count };
+        let mut rec = recover_segment(at, keep, &cfg, &mut report).await?;
         if last {
             tail = rec.tail;
         }
+        discard.append(&mut rec.discard);
         segs.push_back(rec.seg);
     }
     let next_offset = segs.back().map(|s| s.base + s.count).unwrap_or(0);
     let mut st = State::new(next_offset, segs, cfg.cache_bytes, alloc);
+    discard_records(&mut st, &dir, &discard, &mut report);
     if let Some((full, base, data_end)) = st.segs.back().map(|s| (s.full, s.base, s.data_end)) {
         if !full {
             let mut buf = st.alloc_first_chunk();
@@ -482,7 +537,40 @@ pub(crate) async fn open(dir: &Path, cfg: ShardConfig, faults: Option<Faults>) -
     if !report.dropped.is_empty() || !report.warnings.is_empty() {
         tracing::warn!(dir = %dir.display(), dropped = report.dropped.len(), warnings = report.warnings.len(), "shard recovered with losses");
     }
-    tracing::debug!(dir = %dir.display(), records = report.records, deleted = report.deleted, next_offset, "shard opened");
+    tracing::debug!(
+        dir = %dir.display(),
+        records = report.records,
+        deleted = report.deleted,
+        discarded = report.discarded,
+        next_offset,
+        "shard opened"
+    );
     let inner = new_inner(st, dir, cfg, faults);
     Ok((Shard::from_parts(inner), report))
+}
+
+/// Deletes the records `open` was asked not to keep (`offsets` ascending), as
+/// [`Shard::delete_by_offsets`] would: bitmap bits, live counts, and a delete epoch for the
+/// next full sync to make durable (a crash before it brings them back, and the next open
+/// discards them again). A bitmap page that cannot be allocated (a full disk, a segment of
+/// an older version) leaves its records live, with a warning.
+fn discard_records(st: &mut State, dir: &Path, offsets: &[Offset], report: &mut RecoveryReport) {
+    let mut hint = 0;
+    let mut discarded = 0u64;
+    let mut failed = None;
+    for &o in offsets {
+        match st.delete_one(dir, o, &mut hint) {
+            Ok(true) => discarded += 1,
+            Ok(false) => {}
+            Err(e) => failed = Some(e),
+        }
+    }
+    if let Some(e) = failed {
+        warn(report, format!("records that open was asked to discard stay live: {e}"));
+    }
+    if discarded > 0 {
+        st.del_epoch += 1;
+    }
+    report.records -= discarded;
+    report.discarded += discarded;
 }

@@ -61,6 +61,12 @@ pub(crate) struct Segment {
     pub sealed: bool,
     /// Bitmap changed since the last sync.
     pub del_dirty: bool,
+    /// AND of the flags byte of every record in the segment (`0xff` while it has none),
+    /// written into the index with its seal: recovery skips reading the flags of a sealed
+    /// segment whose records all have the flags it keeps ([`crate::Shard::open_retaining`]).
+    /// Known for every segment that can still be sealed (recovery scans those); a trusted
+    /// sealed segment holds what its seal says, or 0.
+    pub flags_all: u8,
 }
 
 impl Segment {
@@ -165,6 +171,7 @@ impl Inner {
             full: false,
             sealed: false,
             del_dirty: false,
+            flags_all: 0xff,
         });
         let mut buf = st.alloc_first_chunk();
         format::encode_seg_header(base, self.cfg.segment_bytes, buf.as_bytes_mut());

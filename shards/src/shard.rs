@@ -61,12 +61,38 @@ impl Shard {
     /// Errors: [`StoreError::Config`], [`StoreError::Format`] for a directory
     /// of another format version, [`StoreError::Io`] for unreadable files.
     pub async fn open(dir: &Path, cfg: ShardConfig) -> Result<(Shard, RecoveryReport), StoreError> {
-        crate::recover::open(dir, cfg, None).await
+        crate::recover::open(dir, cfg, None, None).await
+    }
+
+    /// [`Shard::open`] that keeps only the records whose flags byte has every bit of
+    /// `keep`: each other live record is deleted (its bit set in the deletion bitmap, as
+    /// [`Shard::delete_by_offsets`] does) and counted in [`RecoveryReport::discarded`], and
+    /// a full [`Shard::sync`] makes those deletes durable and removes the segments they
+    /// emptied before this returns. A crash before that sync leaves them live on disk; the
+    /// next `open_retaining` discards them again. `keep = 0` keeps everything.
+    ///
+    /// The broker opens a durable queue's messages this way at its first open after a
+    /// start, keeping persistent messages only (RabbitMQ's classic queues drop transient
+    /// messages at a restart).
+    ///
+    /// Cost: records of unsealed segments are read by recovery anyway; a sealed segment is
+    /// read only if its seal does not say every record has `keep` (then one read of each
+    /// live record's 24-byte head; with [`ShardConfig::verify_on_open`], the whole record
+    /// and its CRC). A record whose head does not match its index entry is kept (it is
+    /// checked when read).
+    ///
+    /// Errors: as [`Shard::open`], and as [`Shard::sync`] when something was discarded.
+    pub async fn open_retaining(dir: &Path, cfg: ShardConfig, keep: u8) -> Result<(Shard, RecoveryReport), StoreError> {
+        let (shard, report) = crate::recover::open(dir, cfg, None, Some(keep)).await?;
+        if report.discarded > 0 {
+            shard.sync().await?;
+        }
+        Ok((shard, report))
     }
 
     /// [`Shard::open`] with a fault plan (tests: crash at named points).
     pub async fn open_with_faults(dir: &Path, cfg: ShardConfig, faults: Faults) -> Result<(Shard, RecoveryReport), StoreError> {
-        crate::recover::open(dir, cfg, Some(faults)).await
+        crate::recover::open(dir, cfg, Some(faults), None).await
     }
 
     /// Shard directory.
@@ -120,6 +146,7 @@ impl Shard {
             let i = s.count;
             inner.make_room(s, i, align_up(s.data_end + len))?;
             side::idx_set(&mut s.idx, i, s.data_end);
+            s.flags_all &= flags;
             s.count += 1;
             s.live += 1;
             s.data_end += len;

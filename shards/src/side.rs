@@ -2,9 +2,11 @@
 //! deletion bitmap (`.del`).
 //!
 //! `.idx`: a 4096-byte header, then one `u32` file position per record.
-//! Header: `magic[8] | version u32 | flags u32 (bit 0 = sealed) | base u64 |
-//! capacity u64 | count u64 | data_end u64 | entries_crc u32 | header_crc u32`
-//! (`header_crc` = CRC32 of bytes 0..52). A sealed index is trusted at open.
+//! Header: `magic[8] | version u32 | flags u32 | base u64 | capacity u64 | count u64 |
+//! data_end u64 | entries_crc u32 | header_crc u32` (`header_crc` = CRC32 of bytes 0..52).
+//! `flags`: bit 0 = sealed; bit 1 = bits 8..16 hold the AND of the flags byte of every
+//! record in the segment (written with the seal; indexes sealed before it have bit 1
+//! clear: unknown). A sealed index is trusted at open.
 //!
 //! `.del`: a 4096-byte header `magic[8] | version u32 | 0u32 | base u64 |
 //! capacity u64 | header_crc u32` (CRC of bytes 0..32), then one bit per
@@ -131,7 +133,7 @@ pub(crate) fn idx_put(m: &mut [u8], i: u64, pos: u64) {
 /// the entries matches.
 pub(crate) fn idx_seal(m: &[u8]) -> Option<(u64, u64)> {
     let flags = u32::from_le_bytes(m[12..16].try_into().unwrap());
-    if flags & 1 == 0 {
+    if flags & IDX_SEALED == 0 {
         return None;
     }
     let count = u64::from_le_bytes(m[32..40].try_into().unwrap());
@@ -144,13 +146,27 @@ pub(crate) fn idx_seal(m: &[u8]) -> Option<(u64, u64)> {
     (crc == crc32fast::hash(&m[H..H + count as usize * 4])).then_some((count, data_end))
 }
 
-/// Writes the seal (count, data end, entries CRC) into the index header.
-pub(crate) fn idx_write_seal(m: &mut [u8], count: u64, data_end: u64) {
+/// Index header flag: the index is sealed.
+const IDX_SEALED: u32 = 1;
+/// Index header flag: bits 8..16 hold the AND of every record's flags byte.
+const IDX_FLAGS_ALL: u32 = 2;
+
+/// The AND of the flags byte of every record of a sealed segment, if its seal says
+/// (indexes sealed by a version before the summary: `None`).
+pub(crate) fn idx_flags_all(m: &[u8]) -> Option<u8> {
+    let flags = u32::from_le_bytes(m[12..16].try_into().unwrap());
+    (flags & IDX_SEALED != 0 && flags & IDX_FLAGS_ALL != 0).then_some((flags >> 8) as u8)
+}
+
+/// Writes the seal (count, data end, entries CRC, and `flags_all`: the AND of the flags
+/// byte of every record) into the index header.
+pub(crate) fn idx_write_seal(m: &mut [u8], count: u64, data_end: u64, flags_all: u8) {
     let crc = crc32fast::hash(&m[H..H + count as usize * 4]);
     m[32..40].copy_from_slice(&count.to_le_bytes());
     m[40..48].copy_from_slice(&data_end.to_le_bytes());
     m[48..52].copy_from_slice(&crc.to_le_bytes());
-    m[12..16].copy_from_slice(&1u32.to_le_bytes());
+    let flags = IDX_SEALED | IDX_FLAGS_ALL | (flags_all as u32) << 8;
+    m[12..16].copy_from_slice(&flags.to_le_bytes());
     let hcrc = crc32fast::hash(&m[0..52]);
     m[52..56].copy_from_slice(&hcrc.to_le_bytes());
 }
@@ -252,8 +268,10 @@ mod tests {
         idx_set(&mut m, 0, 4096);
         idx_set(&mut m, 1, 5000);
         assert_eq!(idx_seal(&m), None);
-        idx_write_seal(&mut m, 2, 6000);
+        assert_eq!(idx_flags_all(&m), None, "not sealed");
+        idx_write_seal(&mut m, 2, 6000, 0x81);
         assert_eq!(idx_seal(&m), Some((2, 6000)));
+        assert_eq!(idx_flags_all(&m), Some(0x81));
         drop(m);
         let (mut m, _) = open(&q, true, 5).unwrap();
         assert_eq!(idx_get(&m, 1), 5000);

@@ -186,6 +186,10 @@ pub struct Node {
     /// Shared state.
     pub shared: Arc<Shared>,
     queues: RefCell<rustc_hash::FxHashMap<QueueKey, Slot>>,
+    /// Durable queues of this core whose messages were opened since the broker started:
+    /// only a queue's first open in a run drops its transient messages (a restart); a
+    /// reopen after a store failure keeps them, as the queue held them.
+    opened_this_run: RefCell<rustc_hash::FxHashSet<QueueKey>>,
     router: RefCell<Rc<Router>>,
     /// Open connections on this core and their event channels.
     pub conns: RefCell<HashMap<ConnId, ClientTx>>,
@@ -199,6 +203,7 @@ impl Node {
             id,
             shared,
             queues: RefCell::new(Default::default()),
+            opened_this_run: RefCell::new(Default::default()),
             router: RefCell::new(Rc::new(router)),
             conns: RefCell::new(HashMap::new()),
         })
@@ -370,6 +375,15 @@ impl Node {
 
     /// Opens a queue's message shard and, for a durable queue, its unacked index, and
     /// reads what recovery needs (the committed cursor and the index records).
+    ///
+    /// Restart semantics of RabbitMQ's classic queues: at a durable queue's first open
+    /// after the broker started, its transient messages (published without delivery_mode
+    /// 2) are deleted from the store (`Shard::open_retaining` keeping `FLAG_PERSISTENT`),
+    /// whether the broker stopped or crashed; the persistent ones stay. Not for replicated
+    /// queues nor `x-queue-type=quorum` ones, which keep every message whatever its delivery
+    /// mode (as RabbitMQ's quorum queues). Rule 6 (index coverage = durability) holds: no
+    /// unacked-index record names a transient message (`Queue::index_delivery`), and
+    /// `Queue::start` drops any record of a message that is not live.
     async fn open_queue(
         &self,
         def: &QueueDef,
@@ -380,7 +394,22 @@ impl Node {
             claim_store(dir.clone(), def.incarnation, qref.key.name.to_string()).await?;
         }
         let cfg = ringmq_shards::ShardConfig { segment_bytes: self.shared.config.segment_bytes, ..Default::default() };
-        let (shard, report) = ringmq_shards::Shard::open(&dir.join("messages"), cfg).await?;
+        let classic = super::router::string_arg(&def.arguments, "x-queue-type") != Some("quorum");
+        let restarted = qref.durable
+            && classic
+            && !super::queue::replica::is_replicated(def, self.shared.meta.is_cluster())
+            && !self.opened_this_run.borrow().contains(&qref.key);
+        let (shard, report) = if restarted {
+            let keep = super::message::FLAG_PERSISTENT;
+            let opened = ringmq_shards::Shard::open_retaining(&dir.join("messages"), cfg, keep).await?;
+            self.opened_this_run.borrow_mut().insert(qref.key.clone());
+            opened
+        } else {
+            ringmq_shards::Shard::open(&dir.join("messages"), cfg).await?
+        };
+        if report.discarded > 0 {
+            tracing::info!(queue = %qref.key.name, vhost = %qref.key.vhost, messages = report.discarded, "dropped transient messages at restart");
+        }
         shard.prepare().await?;
         for (from, to, why) in &report.dropped {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
@@ -419,6 +448,7 @@ impl Node {
                             destroy_shards(shard, index).await;
                             remove_dir(dir).await;
                             me.queues.borrow_mut().remove(&key);
+                            me.opened_this_run.borrow_mut().remove(&key);
                             let _ = reply.send(Ok(n));
                         })
                         .detach();

@@ -226,6 +226,7 @@ impl Queue {
     /// unacked index first and leaves the core only once that record is synced
     /// ([`Queue::flush_unsynced`]): after any crash, a message that reached a client is
     /// known to have been delivered (redelivered=true), never silently handed out again.
+    /// Tracked deliveries behind it wait with it, so none overtakes it.
     pub(super) fn deliver(&mut self, consumer: ConsumerId, rec: Record) {
         let offset = rec.offset;
         let flags = rec.flags;
@@ -260,7 +261,10 @@ impl Queue {
             self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit });
         }
         self.passed(offset);
-        if index_offset.is_some() {
+        // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
+        // (a transient message) must not overtake one still waiting for its record's sync,
+        // so while any waits (or a flush round is on its way) it waits with them.
+        if index_offset.is_some() || (track && (self.index_flushing || !self.unsynced.is_empty())) {
             self.unsynced.push((consumer, d, pending));
             return;
         }
