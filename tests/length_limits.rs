@@ -279,17 +279,26 @@ async fn limits_hold_across_kill9() {
     let mut b = Broker::start();
     require_own_broker!(b, "kill -9 and restart");
     let persistent = BasicProperties::default().with_delivery_mode(2);
-    let (q, qb) = (uniq("maxlen-durable"), uniq("maxbytes-durable"));
+    let (q, qb, qr) = (uniq("maxlen-durable"), uniq("maxbytes-durable"), uniq("maxlen-reopen"));
     {
         let c = connect(&b).await;
         let ch = chan(&c).await;
         confirm_mode(&ch).await;
         declare_queue(&ch, &q, QueueDeclareOptions::durable(), limit_args(&[("x-max-length", long(3))])).await;
         declare_queue(&ch, &qb, QueueDeclareOptions::durable(), limit_args(&[("x-max-length-bytes", long(10))])).await;
+        declare_queue(&ch, &qr, QueueDeclareOptions::durable(), limit_args(&[("x-max-length", long(2))])).await;
         let acks = publish_each(&ch, &q, &["m1", "m2", "m3", "m4", "m5", "m6"], persistent.clone()).await;
         assert!(acks.iter().all(|a| *a));
         assert!(publish_each(&ch, &qb, &["aaaa", "bbbb"], persistent.clone()).await.iter().all(|a| *a));
         assert_eq!(ready_count(&ch, &q).await, 3);
+        // r1 stays delivered-unacked when the broker dies: it comes back ready at the restart,
+        // three ready messages in a queue of two.
+        publish_each(&ch, &qr, &["r1"], persistent.clone()).await;
+        let getter = chan(&c).await;
+        let held = t("get", getter.basic_get(qr.as_str().into(), BasicGetOptions::default())).await.unwrap().expect("r1");
+        assert_eq!(held.delivery.data, b"r1");
+        publish_each(&ch, &qr, &["r2", "r3"], persistent.clone()).await;
+        assert_eq!(ready_count(&ch, &qr).await, 2);
     }
     b.kill9_restart();
     let c = connect(&b).await;
@@ -301,5 +310,8 @@ async fn limits_hold_across_kill9() {
     assert_eq!(ready_count(&ch, &qb).await, 2);
     assert_eq!(drained(&ch, &q).await, ["m4", "m5", "m6"]);
     assert_eq!(drained(&ch, &qb).await, ["bbbb", "cccc"]);
+    // Opened over its limit, the queue drops its head (r1, back at its original position), as
+    // RabbitMQ's init_max_length does.
+    assert_eq!(drained(&ch, &qr).await, ["r2", "r3"]);
     t("close", c.close(200, "".into())).await.unwrap();
 }
