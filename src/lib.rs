@@ -44,6 +44,9 @@
 //!    (`broker/queue/durability.rs`, `group_commit`), others at once. In a cluster a durable
 //!    queue proposes it to the metadata group instead (`broker/queue/replica.rs`): confirmed
 //!    once committed on a majority, appended by every member when it applies the entry.
+//!    A queue with `x-max-length(-bytes)` refuses the publish first (`reject-publish*`,
+//!    basic.nack) or drops its oldest ready messages after (`drop-head`):
+//!    `broker/queue/limits.rs`.
 //! 5. The dispatcher (`broker/queue/dispatch.rs`) claims the lowest ready offset for a
 //!    consumer with credit, records its holder (`settle::Held`), appends an unacked-index
 //!    record when the delivery is tracked and durable, and sends the delivery once that
@@ -58,7 +61,7 @@
 //! 1. One consumer at a time: `settle::Held::hold`, `Held::settle` (only the holder settles).
 //! 2. Index before cursor: `dispatch` `Queue::index_delivery`, `durability::cursor_cas`
 //!    (consumes an `IndexSynced`).
-//! 3. New copy before old delete: `settle::dead_letter`.
+//! 3. New copy before old delete: `Queue::dead_letter` (`settle.rs`).
 //! 4. Ack is two deletes: `Queue::delete`, then `durability::release_index_records`
 //!    (needs a `MessagesSynced`).
 //! 5. One requeue primitive: `Queue::requeue`, behind `Queue::settle`,

@@ -223,3 +223,59 @@ fn a_killed_queue_node_cancels_remote_consumers_and_nacks_publishes() {
         assert!(ok, "node 2 never served the restarted node's queue again");
     });
 }
+
+/// Issue 12 item 3 on a replicated queue: drop-head and reject-publish decided by the serving
+/// member, the drops carried to every member through the queue's settle, so the member that
+/// takes over after a kill -9 of the server holds only the kept messages and goes on
+/// enforcing the limit.
+#[test]
+fn a_replicated_queue_keeps_its_length_limit_across_a_failover() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let limited = |overflow: &str| {
+            let mut args = FieldTable::default();
+            args.insert("x-max-length".into(), lapin::types::AMQPValue::LongLongInt(2));
+            args.insert("x-overflow".into(), lapin::types::AMQPValue::LongString(overflow.into()));
+            args
+        };
+        let (q, rq) = (uniq("maxlen-replicated"), uniq("reject-replicated"));
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), limited("drop-head")).await;
+        declare_queue(&channel(&n1).await, &rq, QueueDeclareOptions::durable(), limited("reject-publish")).await;
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let p2 = confirming(&n2).await;
+        publish_all(&p2, &q, "m", 5).await;
+        assert_eq!(counts(&n2, &q).await.unwrap(), (2, 0), "drop-head on the replicated queue");
+        publish_all(&p2, &rq, "r", 2).await;
+        let refused = publish_confirmed(&p2, "", &rq, b"r-2", persistent()).await;
+        assert!(refused.is_nack(), "reject-publish on the replicated queue: {refused:?}");
+        assert_eq!(counts(&n2, &rq).await.unwrap(), (2, 0));
+
+        // Let the settles reach the log, then kill the serving node.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        c.kill9(0);
+        let deadline = std::time::Instant::now() + Duration::from_secs(40);
+        let mut answered = None;
+        while answered.is_none() && std::time::Instant::now() < deadline {
+            let ch = channel(&n2).await;
+            let opts = QueueDeclareOptions { passive: true, ..Default::default() };
+            if let Ok(Ok(ok)) =
+                tokio::time::timeout(Duration::from_secs(3), ch.queue_declare(q.as_str().into(), opts, FieldTable::default())).await
+            {
+                answered = Some(ok.message_count());
+            } else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        assert_eq!(answered, Some(2), "the new server holds only the kept messages");
+        // The new server enforces the limit too.
+        let p2 = confirming(&n2).await;
+        publish_all(&p2, &q, "n", 1).await;
+        assert_eq!(counts(&n2, &q).await.unwrap(), (2, 0));
+        let ch = channel(&n2).await;
+        assert_eq!(drain(&ch, &q, 10).await, [b"m-4".to_vec(), b"n-0".to_vec()]);
+        let refused = publish_confirmed(&p2, "", &rq, b"r-3", persistent()).await;
+        assert!(refused.is_nack(), "reject-publish after the failover: {refused:?}");
+        assert_eq!(drain(&ch, &rq, 10).await, [b"r-0".to_vec(), b"r-1".to_vec()]);
+    });
+}

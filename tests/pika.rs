@@ -4,7 +4,9 @@
 //! messages with confirms to a durable queue, consumed with manual ack, each exactly once and in
 //! order; and the two-phase version across a broker restart (ringmq-only: the harness restarts
 //! the broker between the phases): the durable queue and its unconsumed messages survive, the
-//! non-durable queue is gone. Needs python3 with pika (`python3 -m pip install pika`).
+//! non-durable queue is gone. Also issue 12 item 3 (queue length limits: drop-head with a
+//! dead-letter exchange, reject-publish's basic.nack, a bad x-overflow → 406).
+//! Needs python3 with pika (`python3 -m pip install pika`).
 
 mod common;
 
@@ -22,6 +24,12 @@ fn pika_basics() {
 fn pika_transactions() {
     let b = Broker::start();
     run_client("tx.py", &b.host(), b.port(), &[]);
+}
+
+#[test]
+fn pika_length_limits() {
+    let b = Broker::start();
+    run_client("length_limits.py", &b.host(), b.port(), &[]);
 }
 
 #[test]

@@ -250,6 +250,13 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
             )));
         }
     }
+    // RabbitMQ's three overflow behaviours (`broker::queue::limits`).
+    if let Some(Err(why)) = string_arg(args, "x-overflow").map(crate::broker::queue::limits::Overflow::parse) {
+        return Err(AmqpError::precondition_failed(format!(
+            "invalid arg 'x-overflow' for queue '{}' in vhost '{}': {why}",
+            def.name, def.vhost
+        )));
+    }
     match string_arg(args, "x-queue-type") {
         None | Some("classic") => {}
         // A quorum queue is durable, shared and lives on: RabbitMQ refuses the properties

@@ -13,6 +13,7 @@
 //! - [`settle`]: the ack path — DESIGN.md's rules 1–10, and one function per entry point;
 //! - [`durability`]: everything that waits for an fdatasync, with the proofs that order it;
 //! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
+//! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
 //!
 //! # Invariants
@@ -29,6 +30,7 @@ pub mod dispatch;
 pub mod durability;
 pub mod expiry;
 pub mod index;
+pub mod limits;
 pub mod ready;
 pub mod replica;
 pub mod settle;
@@ -48,6 +50,7 @@ use crate::meta::MetaHandle;
 use consumer::Consumers;
 pub use index::read_index;
 use index::IndexRecord;
+use limits::Limits;
 use ready::ReadySet;
 use replica::Replication;
 use settle::Held;
@@ -115,6 +118,9 @@ pub struct Recovered {
     /// takeover applied the `MoveQueue`, which ends the old server's deliveries), so nothing
     /// at or past it was handed out before.
     pub tail: u64,
+    /// (offset, body bytes) of every live message, read only for a queue with
+    /// `x-max-length-bytes` ([`limits`]); empty otherwise.
+    pub body_lens: Vec<(u64, u32)>,
 }
 
 /// A queue's state. See the module doc.
@@ -172,6 +178,8 @@ pub struct Queue {
     pub dead_letter_routing_key: Option<String>,
     /// A replicated queue's state (`replica.rs`); `None` for a queue of one node.
     repl: Option<Replication>,
+    /// Length limits (`limits.rs`); `None` for a queue without `x-max-length(-bytes)`.
+    limits: Option<Limits>,
     env: Rc<dyn QueueEnv>,
 }
 
@@ -204,7 +212,12 @@ impl Queue {
         let delivered_below = if replicated { recovered.cursor.max(recovered.reserved.min(recovered.tail)) } else { recovered.cursor };
         let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < delivered_below).collect();
         let indexed = recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o));
-        let ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
+        let mut ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
+        let quorum = string_arg(&def.arguments, "x-queue-type") == Some("quorum");
+        let limits = Limits::from_arguments(&def.arguments, quorum);
+        if limits.is_some_and(|l| l.counts_bytes()) {
+            ready.count_bytes(recovered.body_lens.iter().copied().filter(|(o, _)| shard.is_live(*o)));
+        }
         // The scanner (rule 7): records of a dead boot epoch are requeued at once — their
         // messages are ready again, flagged; the records stay as theirs until the messages are
         // settled (a record of a message no longer live goes now). It runs where the queue's
@@ -260,6 +273,7 @@ impl Queue {
                 dead_letter_exchange,
                 dead_letter_routing_key,
                 repl,
+                limits,
                 env,
             })
         });
@@ -268,6 +282,11 @@ impl Queue {
             glommio::spawn_local(expiry::expire_when_unused(weak.clone())).detach();
         }
         glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
+        // `limits.rs`, behaviour 2, at open (RabbitMQ's `init_max_length`): deliveries of an
+        // earlier run that came back ready may have taken the queue over its limit.
+        if limits.is_some() {
+            q.borrow_mut().drop_head();
+        }
         q
     }
 
@@ -360,6 +379,24 @@ impl Queue {
     }
 
     fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+        // The one branch a queue without length limits pays (`limits.rs`).
+        if self.limits.is_none() {
+            return self.store_published(cell, message, confirm, published);
+        }
+        if self.refuse_over_limit(&message, confirm.as_ref()) {
+            return;
+        }
+        let replicated = self.repl.is_some();
+        self.store_published(cell, message, confirm, published);
+        if !replicated {
+            // A replicated queue drops when it applies the `Enqueue` (`replica.rs`).
+            self.drop_head();
+        }
+    }
+
+    /// Appends a published message (or proposes it, for a replicated queue) and answers or
+    /// queues its confirm.
+    fn store_published(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
         if self.repl.is_some() {
             return self.propose_enqueue(cell, message, confirm, published);
         }
@@ -367,7 +404,7 @@ impl Queue {
         match self.shard.append_shared(message.flags, &message.header, &message.body) {
             Ok(offset) => {
                 let now = published.map(|_| Instant::now());
-                self.ready.push(offset, now);
+                self.ready.push(offset, message.body.len(), now);
                 if needs_sync {
                     if let Some(c) = confirm {
                         self.pending_confirms.push((c, published));

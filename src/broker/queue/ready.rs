@@ -12,11 +12,14 @@
 //!   it is now (ready again or outstanding).
 //! - `ready_at` holds (offset, stored at) of the sampled offsets among `ready`, in offset
 //!   order (entries behind the head are dropped as it passes them).
+//! - `bytes` (kept only for a queue with `x-max-length-bytes`: `limits.rs`) holds the body
+//!   length of every live offset, ready or claimed, and `bytes.ready` is the sum over the
+//!   ready ones.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// See the module doc. Memory: 8 bytes per ready offset (`VecDeque<u64>`), more for the
 /// requeued (B-tree) and flagged (hash set) ones.
@@ -26,6 +29,32 @@ pub struct ReadySet {
     ready_at: VecDeque<(u64, Instant)>,
     requeued: BTreeSet<u64>,
     redelivered: FxHashSet<u64>,
+    bytes: Option<Box<BodyBytes>>,
+}
+
+/// Body lengths of a queue's live messages (see the module doc), for `x-max-length-bytes`.
+#[derive(Debug, Default)]
+struct BodyBytes {
+    /// Offset → (body bytes, ready now).
+    of: FxHashMap<u64, (u32, bool)>,
+    /// Sum of the body bytes of the ready offsets.
+    ready: u64,
+}
+
+impl BodyBytes {
+    /// `offset` enters (`true`) or leaves (`false`) the ready set.
+    fn set_ready(&mut self, offset: u64, ready: bool) {
+        if let Some((len, was)) = self.of.get_mut(&offset) {
+            if *was != ready {
+                *was = ready;
+                if ready {
+                    self.ready += u64::from(*len);
+                } else {
+                    self.ready -= u64::from(*len);
+                }
+            }
+        }
+    }
 }
 
 impl ReadySet {
@@ -35,6 +64,23 @@ impl ReadySet {
         let ready: VecDeque<u64> = live.into();
         let redelivered = delivered_before.into_iter().collect();
         ReadySet { ready, redelivered, ..Default::default() }
+    }
+
+    /// Starts counting body bytes (`x-max-length-bytes`), with the body lengths of the
+    /// offsets live now, (offset, body bytes): every one of them is ready (a queue that opens
+    /// has delivered nothing yet). Offsets pushed later bring their length with them.
+    pub fn count_bytes(&mut self, lens: impl IntoIterator<Item = (u64, u32)>) {
+        let mut b = BodyBytes::default();
+        for (o, len) in lens {
+            b.of.insert(o, (len, true));
+            b.ready += u64::from(len);
+        }
+        self.bytes = Some(Box::new(b));
+    }
+
+    /// Sum of the ready messages' body bytes; 0 unless [`ReadySet::count_bytes`] was called.
+    pub fn ready_bytes(&self) -> u64 {
+        self.bytes.as_ref().map_or(0, |b| b.ready)
     }
 
     /// Messages ready for delivery.
@@ -47,10 +93,15 @@ impl ReadySet {
         self.len() == 0
     }
 
-    /// A new message was appended at `offset` (higher than any before); `stored_at` when
-    /// its stored→delivered time is sampled.
-    pub fn push(&mut self, offset: u64, stored_at: Option<Instant>) {
+    /// A new message of `body_len` body bytes was appended at `offset` (higher than any
+    /// before); `stored_at` when its stored→delivered time is sampled.
+    pub fn push(&mut self, offset: u64, body_len: usize, stored_at: Option<Instant>) {
         self.ready.push_back(offset);
+        if let Some(b) = &mut self.bytes {
+            let len = u32::try_from(body_len).unwrap_or(u32::MAX);
+            b.of.insert(offset, (len, true));
+            b.ready += u64::from(len);
+        }
         if let Some(at) = stored_at {
             self.ready_at.push_back((offset, at));
         }
@@ -64,6 +115,14 @@ impl ReadySet {
     /// Claims the lowest ready offset; with it, when it was sampled and is delivered for
     /// the first time, the instant it was stored.
     pub fn take_next(&mut self) -> Option<(u64, Option<Instant>)> {
+        let taken = self.take_next_unsized();
+        if let (Some(b), Some((o, _))) = (&mut self.bytes, taken) {
+            b.set_ready(o, false);
+        }
+        taken
+    }
+
+    fn take_next_unsized(&mut self) -> Option<(u64, Option<Instant>)> {
         if let Some(o) = self.requeued.pop_first() {
             return Some((o, None));
         }
@@ -84,6 +143,9 @@ impl ReadySet {
     /// Puts a claimed but undelivered offset back at its original position; its
     /// redelivered flag does not change.
     pub fn unclaim(&mut self, offset: u64) {
+        if let Some(b) = &mut self.bytes {
+            b.set_ready(offset, true);
+        }
         if self.ready.front().is_none_or(|f| offset < *f) {
             self.requeued.insert(offset);
         } else {
@@ -94,6 +156,9 @@ impl ReadySet {
     /// A delivered offset comes back (rule 5): ready at its original position, flagged
     /// redelivered.
     pub fn requeue(&mut self, offset: u64) {
+        if let Some(b) = &mut self.bytes {
+            b.set_ready(offset, true);
+        }
         self.redelivered.insert(offset);
         self.requeued.insert(offset);
     }
@@ -108,8 +173,12 @@ impl ReadySet {
         self.redelivered.contains(&offset)
     }
 
-    /// `offset` is deleted: its flag goes.
+    /// `offset` is deleted: its flag (and its body length) goes.
     pub fn forget(&mut self, offset: u64) {
+        if let Some(b) = &mut self.bytes {
+            b.set_ready(offset, false);
+            b.of.remove(&offset);
+        }
         self.redelivered.remove(&offset);
     }
 
@@ -121,6 +190,12 @@ impl ReadySet {
         offs.extend(std::mem::take(&mut self.requeued));
         for o in &offs {
             self.redelivered.remove(o);
+        }
+        if let Some(b) = &mut self.bytes {
+            for o in &offs {
+                b.of.remove(o);
+            }
+            b.ready = 0;
         }
         offs
     }
@@ -155,11 +230,16 @@ mod tests {
 
     proptest! {
         /// Whatever happens, the next message handed out is the lowest ready offset (original
-        /// position), each offset is ready or claimed, never both, and exactly the offsets
-        /// given back as delivered carry the redelivered flag.
+        /// position), each offset is ready or claimed, never both, exactly the offsets
+        /// given back as delivered carry the redelivered flag, and the ready bytes are the sum
+        /// of the ready messages' body lengths (`x-max-length-bytes`).
         #[test]
-        fn lowest_first_and_flags_follow_requeues(ops in proptest::collection::vec(op(), 1..200)) {
+        fn lowest_first_and_flags_follow_requeues(ops in proptest::collection::vec(op(), 1..200), sized in any::<bool>()) {
             let mut s = ReadySet::default();
+            if sized {
+                s.count_bytes([]);
+            }
+            let len_of = |o: u64| (o % 7) * 100;
             let mut next = 0u64;
             // Model: offset → delivered before; and the claimed offsets.
             let mut model: BTreeMap<u64, bool> = BTreeMap::new();
@@ -167,7 +247,7 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Push => {
-                        s.push(next, None);
+                        s.push(next, len_of(next) as usize, None);
                         model.insert(next, false);
                         next += 1;
                     }
@@ -199,6 +279,8 @@ mod tests {
                     _ => {}
                 }
                 prop_assert_eq!(s.len(), model.len());
+                let want_bytes: u64 = if sized { model.keys().map(|o| len_of(*o)).sum() } else { 0 };
+                prop_assert_eq!(s.ready_bytes(), want_bytes);
             }
         }
     }
@@ -207,8 +289,8 @@ mod tests {
     fn a_sampled_offset_reports_its_store_time_once() {
         let mut s = ReadySet::default();
         let t = Instant::now();
-        s.push(0, None);
-        s.push(1, Some(t));
+        s.push(0, 0, None);
+        s.push(1, 0, Some(t));
         assert_eq!(s.take_next(), Some((0, None)));
         assert_eq!(s.take_next(), Some((1, Some(t))));
         s.requeue(1);

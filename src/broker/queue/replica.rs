@@ -123,6 +123,9 @@ pub struct Replication {
     holding: bool,
     /// Growing the replica set (`copy.rs`): the copier here, or the receiving end's state.
     pub(super) grow: super::copy::GrowState,
+    /// Messages (and their body bytes) a length limit admitted (`limits.rs`) whose `Enqueue`
+    /// this member has not applied yet, nor seen fail: they count toward the limit.
+    unapplied: (u64, u64),
 }
 
 impl Replication {
@@ -164,6 +167,24 @@ impl Replication {
             self.enqueuing = true;
             glommio::spawn_local(enqueuer(cell)).detach();
         }
+    }
+
+    /// Messages and body bytes admitted under a length limit and not applied yet.
+    pub(super) fn unapplied(&self) -> (u64, u64) {
+        self.unapplied
+    }
+
+    /// A length limit admitted a message of `body_len` bytes (applied or failed later).
+    pub(super) fn admitted(&mut self, body_len: u64) {
+        self.unapplied.0 += 1;
+        self.unapplied.1 += body_len;
+    }
+
+    /// An admitted message was applied here, or its `Enqueue` failed. Saturating: a member
+    /// that took over the queue applies what an earlier server admitted.
+    fn settled_admission(&mut self, body_len: u64) {
+        self.unapplied.0 = self.unapplied.0.saturating_sub(1);
+        self.unapplied.1 = self.unapplied.1.saturating_sub(body_len);
     }
 
     fn answer_gets_empty(&mut self) {
@@ -224,9 +245,14 @@ impl Queue {
                     q.leave_replica_set(&format!("it lacks messages {next}..{offset} of the queue"));
                     return;
                 }
+                if q.limits.is_some_and(|l| l.rejects_publish()) {
+                    if let Some(r) = q.repl.as_mut().filter(|r| r.serving) {
+                        r.settled_admission(body.len() as u64);
+                    }
+                }
                 match q.shard.append_shared(flags, &header, &body) {
                     Ok(at) if at == offset => {
-                        q.ready.push(at, None);
+                        q.ready.push(at, body.len(), None);
                         let below = q.repl.as_ref().map_or(0, |r| r.delivered_below);
                         if at < q.cursor.committed.max(below) {
                             // Stored again by a replay (this copy's shard had lost its unsynced
@@ -234,11 +260,15 @@ impl Queue {
                             q.ready.mark_redelivered(at);
                         }
                         q.dirty = true;
+                        if q.limits.is_some() {
+                            // `limits.rs`, behaviour 5: the serving member drops, through `Settle`.
+                            q.drop_head();
+                        }
                         q.wake();
                     }
                     Ok(at) => {
                         tracing::error!(queue = %q.qref.key.name, offset, at, "replica stored a message at another offset");
-                        q.ready.push(at, None);
+                        q.ready.push(at, body.len(), None);
                     }
                     Err(e) => {
                         if e.is_disk_full() {
@@ -375,7 +405,16 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
             (batch, env.meta().clone(), env)
         };
         drop(cell);
-        let (cmds, tickets): (Vec<Command>, Vec<_>) = batch.into_iter().map(|(c, t, p)| (c, (t, p))).unzip();
+        let (cmds, tickets): (Vec<Command>, Vec<_>) = batch
+            .into_iter()
+            .map(|(c, t, p)| {
+                let len = match &c {
+                    Command::Enqueue { body, .. } => body.len() as u64,
+                    _ => 0,
+                };
+                (c, (t, p, len))
+            })
+            .unzip();
         // Only this task submits, and it awaits each submission: batches reach the driver in order.
         let submitted = meta.submit_batch(cmds).await;
         glommio::spawn_local(answer_batch(weak.clone(), env, submitted, tickets)).detach();
@@ -383,22 +422,28 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
 }
 
 /// Answers one `Enqueue` batch's confirms with its outcome (a queue deleted meanwhile
-/// confirms: RabbitMQ's reading), then lets the enqueuer propose what waited.
+/// confirms: RabbitMQ's reading), then lets the enqueuer propose what waited. `tickets`:
+/// (confirm, publish time, body bytes) per message.
 async fn answer_batch(
     weak: Weak<std::cell::RefCell<Queue>>,
     env: Rc<dyn QueueEnv>,
     submitted: Result<crate::meta::Proposal, crate::meta::MetaError>,
-    tickets: Vec<(Option<ConfirmTo>, Option<Instant>)>,
+    tickets: Vec<(Option<ConfirmTo>, Option<Instant>, u64)>,
 ) {
     let result = match submitted {
         Ok(p) => p.outcomes().await,
         Err(e) => Err(e),
     };
     let now = Instant::now();
+    // Body bytes of the messages not enqueued (`limits.rs`: they no longer count).
+    let mut failed = Vec::new();
     match result {
         Ok(outcomes) => {
-            for ((ticket, published), o) in tickets.into_iter().zip(outcomes) {
+            for ((ticket, published, len), o) in tickets.into_iter().zip(outcomes) {
                 let ok = matches!(o, Outcome::Enqueued { .. } | Outcome::NotFound);
+                if !ok {
+                    failed.push(len);
+                }
                 if let Some(p) = published {
                     env.stats().publish_to_stored.record(now.duration_since(p));
                 }
@@ -412,7 +457,8 @@ async fn answer_batch(
                 tracing::warn!(error = %e, messages = tickets.len(), "replicated publish not committed (nacked)");
             }
             crate::observe::Stats::add(&env.stats().store_refused, tickets.len() as u64);
-            for (ticket, _) in tickets {
+            for (ticket, _, len) in tickets {
+                failed.push(len);
                 if let Some(c) = ticket {
                     c.answer(false);
                 }
@@ -421,7 +467,13 @@ async fn answer_batch(
     }
     let Some(cell) = weak.upgrade() else { return };
     let mut q = cell.borrow_mut();
+    let counted = q.limits.is_some_and(|l| l.rejects_publish());
     if let Some(repl) = &mut q.repl {
+        if counted {
+            for len in failed {
+                repl.settled_admission(len);
+            }
+        }
         repl.batches_in_flight = repl.batches_in_flight.saturating_sub(1);
         repl.kick_enqueuer(weak.clone());
     }

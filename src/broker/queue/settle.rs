@@ -12,7 +12,7 @@
 //!    queue appends an unacked-index record (`Queue::index_delivery`), and the delivery
 //!    leaves only once that record is synced; the cursor commit consumes the index's
 //!    [`super::durability::IndexSynced`] proof ([`super::durability::cursor_cas`]).
-//! 3. **New copy before old delete.** [`dead_letter`] publishes the new copy with a
+//! 3. **New copy before old delete.** [`Queue::dead_letter`] publishes the new copy with a
 //!    confirm ticket and deletes the original only after every target queue stored (and,
 //!    for durable targets, synced) it.
 //! 4. **Ack is two deletes**: [`Queue::delete`] removes the offset from the message shard
@@ -236,6 +236,10 @@ impl Queue {
             self.release(&o);
             self.ready.requeue(off);
         }
+        if self.limits.is_some() {
+            // `limits.rs`, behaviour 4: a requeue may take the queue over its limit.
+            self.drop_head();
+        }
         self.wake();
     }
 
@@ -270,9 +274,8 @@ impl Queue {
         // Rule 5.
         q.requeue(requeue);
         q.wake();
-        drop(q);
         // Rule 3.
-        dead_letter(cell, moved.into_iter().map(|(off, _)| off).collect());
+        q.dead_letter(moved.into_iter().map(|(off, _)| off).collect(), DeathReason::Rejected);
     }
 
     /// Entry point: a channel closed, gracefully or with its connection, or by its
@@ -341,68 +344,150 @@ impl Queue {
     }
 }
 
-/// Rule 3: dead-letters rejected offsets through the queue's `x-dead-letter-exchange`
-/// (with an `x-death` entry, reason `rejected`), deleting each original only after every
-/// target queue has stored its copy. A copy that is not stored everywhere leaves the
-/// original in place (logged).
-fn dead_letter(cell: &QueueCell, offsets: Vec<u64>) {
-    if offsets.is_empty() {
-        return;
+/// Why a message is dead-lettered: the `reason` of its `x-death` entry (RabbitMQ docs,
+/// "Dead Letter Exchanges").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeathReason {
+    /// basic.reject or basic.nack with requeue=false.
+    Rejected,
+    /// Dropped or refused at a length limit (`limits.rs`).
+    Maxlen,
+}
+
+impl DeathReason {
+    /// The reason as RabbitMQ writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Rejected => "rejected",
+            DeathReason::Maxlen => "maxlen",
+        }
     }
-    let q = cell.borrow();
-    let Some(dlx) = q.dead_letter_exchange.clone() else { return };
-    let dlrk = q.dead_letter_routing_key.clone();
-    let shard = q.shard.clone();
-    let source = q.qref.key.clone();
-    let env = q.env.clone();
-    drop(q);
-    let weak = Rc::downgrade(cell);
-    glommio::spawn_local(async move {
-        futures_lite::future::yield_now().await;
-        for off in offsets {
-            let rec = match shard.read(off).await {
-                Ok(Some(r)) => r,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!(error = %e, "dead-letter read failed; message kept");
+}
+
+impl Queue {
+    /// Rule 3: dead-letters `offsets` (out of the ready and outstanding sets already) through
+    /// the queue's `x-dead-letter-exchange` with an `x-death` entry of `reason`, deleting each
+    /// original only after every target queue has stored its copy. A copy that is not stored
+    /// everywhere leaves the original in place (logged; it is ready again after a restart).
+    pub(super) fn dead_letter(&self, offsets: Vec<u64>, reason: DeathReason) {
+        if offsets.is_empty() {
+            return;
+        }
+        let Some(target) = DeadLetterTarget::of(self) else { return };
+        let shard = self.shard.clone();
+        let weak = self.me.clone();
+        glommio::spawn_local(async move {
+            futures_lite::future::yield_now().await;
+            for off in offsets {
+                let rec = match shard.read(off).await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::error!(error = %e, "dead-letter read failed; message kept");
+                        continue;
+                    }
+                };
+                let original = Message { header: rec.header, body: rec.body, flags: rec.flags };
+                if !target.publish_copy(&original, reason, off).await {
+                    tracing::error!(offset = off, "dead-letter copy not stored everywhere; original kept");
                     continue;
                 }
-            };
-            let original = Message { header: rec.header, body: rec.body, flags: rec.flags };
-            let (exchange, rk, raw) = original.parts();
-            let props = decode_properties(raw).unwrap_or_default();
-            let new_rk = dlrk.clone().unwrap_or_else(|| rk.to_owned());
-            let props = with_x_death(props, &source.name, "rejected", exchange, rk);
-            let copy = Message::new(&dlx, &new_rk, &encode_properties(&props), original.body.clone(), original.persistent());
-            let route = env.route(&source.vhost, &dlx, &new_rk, props.headers().as_ref());
-            let (tx, rx) = flume::unbounded();
-            // Its own "connection" id: a target on another node answers this flow, not another.
-            let conn = crate::broker::ConnId(crate::broker::remote::pseudo_conn());
-            let n = route.queues.len();
-            let published = crate::observe::sample().then(Instant::now);
-            for target in &route.queues {
-                let confirm = ConfirmTo { tx: tx.clone(), conn, channel: crate::broker::ChannelId(0), chan_uid: 0, seq: off };
-                env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
-            }
-            drop(tx);
-            let mut stored = 0;
-            while stored < n {
-                match rx.recv_async().await {
-                    Ok(ClientEvent::Stored { ok: true, .. }) => stored += 1,
-                    Ok(_) => {}
-                    Err(_) => break,
+                if let Some(cell) = weak.upgrade() {
+                    cell.borrow_mut().delete(&[off]);
                 }
             }
-            if stored < n {
-                tracing::error!(offset = off, "dead-letter copy not stored everywhere; original kept");
-                continue;
+        })
+        .detach();
+    }
+
+    /// Dead-letters a message that was never stored here (`reject-publish-dlx`, `limits.rs`):
+    /// only the copy is published; a copy not stored is logged and lost, as the refused
+    /// publish itself is (its publisher got basic.nack).
+    pub(super) fn dead_letter_unstored(&self, message: Message, reason: DeathReason) {
+        let Some(target) = DeadLetterTarget::of(self) else { return };
+        glommio::spawn_local(async move {
+            if !target.publish_copy(&message, reason, 0).await {
+                tracing::warn!(queue = %target.source.name, "dead-letter copy of a refused publish not stored everywhere");
             }
-            if let Some(cell) = weak.upgrade() {
-                cell.borrow_mut().delete(&[off]);
+        })
+        .detach();
+    }
+}
+
+/// Where a queue's dead letters go, and what a copy needs from the queue.
+struct DeadLetterTarget {
+    dlx: String,
+    dlrk: Option<String>,
+    source: crate::broker::QueueKey,
+    env: Rc<dyn super::QueueEnv>,
+}
+
+impl DeadLetterTarget {
+    fn of(q: &Queue) -> Option<DeadLetterTarget> {
+        Some(DeadLetterTarget {
+            dlx: q.dead_letter_exchange.clone()?,
+            dlrk: q.dead_letter_routing_key.clone(),
+            source: q.qref.key.clone(),
+            env: q.env.clone(),
+        })
+    }
+
+    /// Publishes the dead-lettered copy of `original` to every queue the exchange routes it
+    /// to, but those it would reach in a cycle ([`is_cycle`]); true once every one of them
+    /// stored it (also when it routes nowhere: RabbitMQ drops such a copy).
+    async fn publish_copy(&self, original: &Message, reason: DeathReason, seq: u64) -> bool {
+        let (exchange, rk, raw) = original.parts();
+        let props = decode_properties(raw).unwrap_or_default();
+        let new_rk = self.dlrk.clone().unwrap_or_else(|| rk.to_owned());
+        let props = with_x_death(props, &self.source.name, reason.as_str(), exchange, rk);
+        let copy = Message::new(&self.dlx, &new_rk, &encode_properties(&props), original.body.clone(), original.persistent());
+        let mut route = self.env.route(&self.source.vhost, &self.dlx, &new_rk, props.headers().as_ref());
+        if let Some(h) = props.headers() {
+            route.queues.retain(|t| !is_cycle(h, &t.key.name));
+        }
+        let (tx, rx) = flume::unbounded();
+        // Its own "connection" id: a target on another node answers this flow, not another.
+        let conn = crate::broker::ConnId(crate::broker::remote::pseudo_conn());
+        let n = route.queues.len();
+        let published = crate::observe::sample().then(Instant::now);
+        for target in &route.queues {
+            let confirm = ConfirmTo { tx: tx.clone(), conn, channel: crate::broker::ChannelId(0), chan_uid: 0, seq };
+            self.env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
+        }
+        drop(tx);
+        let mut stored = 0;
+        while stored < n {
+            match rx.recv_async().await {
+                Ok(ClientEvent::Stored { ok: true, .. }) => stored += 1,
+                Ok(_) => {}
+                Err(_) => break,
             }
         }
-    })
-    .detach();
+        stored == n
+    }
+}
+
+/// RabbitMQ's dead-letter cycle check: a copy whose `x-death` (newest first, this death
+/// included) already names `target`, with no `rejected` death since that entry, would go
+/// round for ever (e.g. a `maxlen` queue dead-lettering into itself): it is not sent there.
+/// A cycle with a rejection in it is a client's choice and goes on.
+pub fn is_cycle(headers: &FieldTable, target: &str) -> bool {
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else { return false };
+    let field = |t: &FieldTable, k: &str| match t.inner().get(k) {
+        Some(AMQPValue::LongString(v)) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        Some(AMQPValue::ShortString(v)) => v.as_str().to_owned(),
+        _ => String::new(),
+    };
+    for d in deaths.as_slice() {
+        let AMQPValue::FieldTable(t) = d else { continue };
+        if field(t, "reason") == DeathReason::Rejected.as_str() {
+            return false;
+        }
+        if field(t, "queue") == target {
+            return true;
+        }
+    }
+    false
 }
 
 /// Adds or updates the `x-death` header as RabbitMQ writes it: an array of tables, most
