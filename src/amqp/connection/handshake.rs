@@ -301,10 +301,11 @@ mod tests {
             "authentication_failure_close",
             "per_consumer_qos",
             "connection.blocked",
+            "direct_reply_to",
         ] {
             assert_eq!(caps.inner().get(c), Some(&AMQPValue::Boolean(true)), "{c}");
         }
-        assert_eq!(caps.inner().len(), 7);
+        assert_eq!(caps.inner().len(), 8);
         assert!(matches!(p.inner().get("product"), Some(AMQPValue::LongString(s)) if s.as_bytes() == b"ringmq"));
     }
 
