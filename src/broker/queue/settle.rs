@@ -493,7 +493,8 @@ pub fn is_cycle(headers: &FieldTable, target: &str) -> bool {
 /// Adds or updates the `x-death` header as RabbitMQ writes it: an array of tables, most
 /// recent first, one per (queue, reason), with `count`, `reason`, `queue`, `time`
 /// (seconds), `exchange` and `routing-keys`; plus `x-first-death-{reason,queue,exchange}`
-/// once (RabbitMQ docs, "Dead Letter Exchanges", "Dead-Lettered Messages").
+/// once and `x-last-death-{reason,queue,exchange}` every time (RabbitMQ docs, "Dead Letter
+/// Exchanges", "Dead-Lettered Messages").
 pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: &str, routing_key: &str) -> AMQPProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -536,6 +537,9 @@ pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: 
             headers.insert(ShortString::from(k), AMQPValue::LongString(LongString::from(v)));
         }
     }
+    for (k, v) in [("x-last-death-reason", reason), ("x-last-death-queue", queue), ("x-last-death-exchange", exchange)] {
+        headers.insert(ShortString::from(k), AMQPValue::LongString(LongString::from(v)));
+    }
     props.with_headers(headers)
 }
 
@@ -555,10 +559,17 @@ mod tests {
         let AMQPValue::FieldTable(t) = &a.as_slice()[0] else { panic!() };
         assert_eq!(t.inner().get("count"), Some(&AMQPValue::LongLongInt(2)));
         assert_eq!(h.inner().get("x-first-death-queue"), Some(&AMQPValue::LongString("src".into())));
-        let p = with_x_death(p, "other", "rejected", "x", "k");
+        let p = with_x_death(p, "other", "maxlen", "x", "k");
         let h = p.headers().clone().unwrap();
         let AMQPValue::FieldArray(a) = h.inner().get("x-death").unwrap() else { panic!() };
         assert_eq!(a.as_slice().len(), 2);
+        // The first death stays, the last one follows each death.
+        let got = |k: &str| h.inner().get(k).cloned();
+        assert_eq!(got("x-first-death-queue"), Some(AMQPValue::LongString("src".into())));
+        assert_eq!(got("x-first-death-reason"), Some(AMQPValue::LongString("rejected".into())));
+        assert_eq!(got("x-last-death-queue"), Some(AMQPValue::LongString("other".into())));
+        assert_eq!(got("x-last-death-reason"), Some(AMQPValue::LongString("maxlen".into())));
+        assert_eq!(got("x-last-death-exchange"), Some(AMQPValue::LongString("x".into())));
     }
 
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
