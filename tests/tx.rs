@@ -186,3 +186,37 @@ async fn a_committed_transaction_of_persistent_messages_survives_kill_9() {
     assert_eq!(drain(&ch, &q, 600).await, want);
     t("close", c.close(200, "".into())).await.unwrap();
 }
+
+/// A transaction on node 1 whose publishes and acks go to a queue served by node 2: commit-ok
+/// comes once node 2 stored them, and a rollback's acks stay undone there too.
+#[test]
+fn a_transaction_commits_to_a_queue_on_another_node() {
+    common::cluster::run(async {
+        let c = common::cluster::Cluster::start(3);
+        let here = connect_uri(&c.amqp_uri(0)).await;
+        let there = connect_uri(&c.amqp_uri(1)).await;
+        let q = uniq("tx-remote");
+        let tch = t("channel.open", there.create_channel()).await.unwrap();
+        declare_queue(&tch, &q, QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await;
+        let tx = t("channel.open", here.create_channel()).await.unwrap();
+        t("tx.select", tx.tx_select()).await.unwrap();
+        for i in 0..20 {
+            let props = BasicProperties::default().with_delivery_mode(2);
+            t("publish", tx.basic_publish("".into(), q.as_str().into(), Default::default(), format!("m{i}").as_bytes(), props))
+                .await
+                .unwrap();
+        }
+        assert_eq!(ready_count(&tch, &q).await, 0, "publishes visible on the queue's node before tx.commit");
+        t("tx.commit", tx.tx_commit()).await.expect("tx.commit");
+        assert_eq!(ready_count(&tch, &q).await, 20, "commit-ok before the queue's node stored the publishes");
+        let (tag, _, body) = get_manual(&tx, &q).await;
+        assert_eq!(body, b"m0");
+        t("ack", tx.basic_ack(tag, BasicAckOptions::default())).await.unwrap();
+        t("tx.rollback", tx.tx_rollback()).await.unwrap();
+        t("close tx channel", tx.close(200, "".into())).await.unwrap();
+        // The rolled-back ack left m0 outstanding; the close requeued it on node 2.
+        assert_eq!(wait_ready(&tch, &q, 20, Duration::from_secs(10)).await, 20);
+        let (_, redelivered, body) = get_manual(&tch, &q).await;
+        assert_eq!((redelivered, body.as_slice()), (true, b"m0".as_slice()));
+    });
+}
