@@ -7,30 +7,11 @@ until commit, rollback, a mandatory unroutable publish returned at commit (befor
 and the 406 for mixing tx and confirm mode. Bounded to 20 s even against a broker that stops
 answering. Passes against RabbitMQ too.
 """
-import signal
-import sys
 import uuid
 
 import pika
 
-NAME = "tx"
-HOST = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"
-PORT = int(sys.argv[2]) if len(sys.argv) > 2 else 5672
-
-
-class Fail(Exception):
-    pass
-
-
-def check(cond, msg):
-    if not cond:
-        raise Fail(msg)
-
-
-def connect():
-    return pika.BlockingConnection(pika.ConnectionParameters(
-        host=HOST, port=PORT, heartbeat=0, connection_attempts=1,
-        socket_timeout=5, blocked_connection_timeout=5))
+from harness import Fail, check, connect, main
 
 
 def ready(ch, q):
@@ -97,22 +78,5 @@ def scenario():
     conn.close()
 
 
-def _alarm(signum, frame):
-    raise Fail("did not finish within 20 s")
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(20)
-    try:
-        scenario()
-        print("PASS %s" % NAME)
-        rc = 0
-    except Fail as e:
-        print("FAIL %s: %s" % (NAME, e))
-        rc = 1
-    except Exception as e:  # protocol surprises are failures, not crashes
-        print("FAIL %s: unexpected %s: %s" % (NAME, type(e).__name__, e))
-        rc = 1
-    sys.stdout.flush()
-    sys.exit(rc)
+    main("tx", scenario)
