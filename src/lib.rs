@@ -33,7 +33,9 @@
 //!    (`amqp/connection.rs`: handshake, then a reader and a writer half).
 //! 2. basic.publish + header + body frames are decoded (`amqp/codec.rs`) and completed
 //!    (`amqp/methods/basic.rs`, `publish`); the route comes from that core's copy of the
-//!    routing tables (`broker/router.rs`, `broker/exchange/`).
+//!    routing tables (`broker/router.rs`, `broker/exchange/`). A transactional channel holds
+//!    the routed publish until tx.commit (`amqp/transaction.rs`); a reply to a direct
+//!    reply-to name goes to the requester's channel, no queue (`broker/reply_to.rs`).
 //! 3. The message (`broker/message.rs`, shared `Bytes`) goes to each target queue's owner
 //!    core as a `QueueOp::Publish` (`broker/node.rs`: directly on this core, else through
 //!    the owner's inbox, `core/mesh.rs`; a queue of another node: over the cluster's data
