@@ -236,6 +236,9 @@ pub struct ConsumerSpec {
     pub cancel_notify: bool,
     /// Whether the queue must send consume-ok (false for nowait).
     pub send_consume_ok: bool,
+    /// Consumer priority (basic.consume argument `x-priority`, RabbitMQ's consumer
+    /// priorities; 0 by default): see `queue::consumer`.
+    pub priority: i32,
     /// Where its deliveries go.
     pub tx: ClientTx,
     /// Body bytes delivered to its connection and not yet written to the socket.

@@ -101,6 +101,7 @@ fn server_properties() -> FieldTable {
         "per_consumer_qos",
         "connection.blocked",
         "direct_reply_to",
+        "consumer_priorities",
     ] {
         caps.insert(c.into(), AMQPValue::Boolean(true));
     }
@@ -302,10 +303,11 @@ mod tests {
             "per_consumer_qos",
             "connection.blocked",
             "direct_reply_to",
+            "consumer_priorities",
         ] {
             assert_eq!(caps.inner().get(c), Some(&AMQPValue::Boolean(true)), "{c}");
         }
-        assert_eq!(caps.inner().len(), 8);
+        assert_eq!(caps.inner().len(), 9);
         assert!(matches!(p.inner().get("product"), Some(AMQPValue::LongString(s)) if s.as_bytes() == b"ringmq"));
     }
 

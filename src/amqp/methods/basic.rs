@@ -212,6 +212,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         return consume_replies(s, channel, tag, &c);
     }
     let (q, _) = lookup(s, c.queue.as_str()).await?;
+    let priority = consumer_priority(&c.arguments)?;
     let id = s.core.shared.next_id();
     let spec = {
         let mut st = s.st.borrow_mut();
@@ -234,6 +235,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
             channel_credit: ch.credit.clone(),
             cancel_notify,
             send_consume_ok: !c.nowait,
+            priority,
             tx: s.tx.clone(),
             pending_bytes: s.pending_bytes.clone(),
         }
@@ -248,6 +250,20 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         return Err(e.into());
     }
     Ok(())
+}
+
+/// The `x-priority` argument of basic.consume (RabbitMQ's consumer priorities; 0 without
+/// one).
+///
+/// # Errors
+/// 406 PRECONDITION_FAILED for a value that is not an integer of 32 bits.
+fn consumer_priority(args: &amq_protocol::types::FieldTable) -> Result<i32, AmqpError> {
+    if !args.inner().contains_key("x-priority") {
+        return Ok(0);
+    }
+    crate::broker::router::int_arg(args, "x-priority")
+        .and_then(|p| i32::try_from(p).ok())
+        .ok_or_else(|| AmqpError::precondition_failed("invalid arg 'x-priority' for basic.consume: expected an integer"))
 }
 
 /// basic.consume on `amq.rabbitmq.reply-to` (`broker::reply_to`, step 1): registers the

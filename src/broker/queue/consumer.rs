@@ -2,6 +2,12 @@
 //! (basic.qos prefetch_count, AMQP 0-9-1 spec 1.8.3.1; RabbitMQ's per-consumer reading), or,
 //! for a queue declared with `x-single-active-consumer=true`, only the consumer attached
 //! first (the next one takes over when it goes: RabbitMQ's single active consumer).
+//!
+//! Consumer priorities (`x-priority` on basic.consume, RabbitMQ's "Consumer Priorities"): a
+//! delivery goes to a consumer of the highest priority among those with credit, round-robin
+//! among equals; a lower one gets messages only while every higher one is blocked (out of
+//! credit or backlogged). While all consumers share one priority, selection is the plain
+//! round-robin.
 
 use crate::broker::{ConsumerId, ConsumerSpec};
 
@@ -56,6 +62,8 @@ pub struct Consumers {
     /// When the last consumer left (`None`: none ever did); the start of an idle queue's
     /// x-expires lease (`expiry.rs`).
     emptied: Option<std::time::Instant>,
+    /// Some consumers have different priorities (see the module doc).
+    prioritized: bool,
 }
 
 impl Consumers {
@@ -78,6 +86,12 @@ impl Consumers {
     /// Attaches a consumer.
     pub fn add(&mut self, spec: ConsumerSpec) {
         self.list.push(Consumer { spec, in_flight: 0 });
+        self.reprioritize();
+    }
+
+    fn reprioritize(&mut self) {
+        let first = self.list.first().map(|c| c.spec.priority);
+        self.prioritized = self.list.iter().any(|c| Some(c.spec.priority) != first);
     }
     /// Detaches a consumer by id.
     pub fn remove(&mut self, id: ConsumerId) -> Option<Consumer> {
@@ -92,6 +106,7 @@ impl Consumers {
         if self.list.is_empty() {
             self.emptied = Some(std::time::Instant::now());
         }
+        self.reprioritize();
         Some(c)
     }
     /// When the last consumer left, if one ever did.
@@ -130,6 +145,20 @@ impl Consumers {
             return self.list.first_mut().filter(|c| c.has_credit());
         }
         let n = self.list.len();
+        if self.prioritized {
+            // The first in round-robin order of the highest priority with credit.
+            let mut best: Option<(i32, usize)> = None;
+            for k in 0..n {
+                let i = (self.next + k) % n;
+                let c = &self.list[i];
+                if best.is_none_or(|(p, _)| c.spec.priority > p) && c.has_credit() {
+                    best = Some((c.spec.priority, i));
+                }
+            }
+            let (_, i) = best?;
+            self.next = (i + 1) % n;
+            return Some(&mut self.list[i]);
+        }
         for k in 0..n {
             let i = (self.next + k) % n;
             if self.list[i].has_credit() {
@@ -147,6 +176,10 @@ mod tests {
     use std::sync::Arc;
 
     fn spec(id: u64, prefetch: u32) -> ConsumerSpec {
+        prioritized(id, prefetch, 0)
+    }
+
+    fn prioritized(id: u64, prefetch: u32, priority: i32) -> ConsumerSpec {
         ConsumerSpec {
             id,
             conn: crate::broker::ConnId(1),
@@ -159,6 +192,7 @@ mod tests {
             channel_credit: Default::default(),
             cancel_notify: true,
             send_consume_ok: true,
+            priority,
             tx: flume::unbounded().0,
             pending_bytes: Default::default(),
         }
@@ -194,5 +228,27 @@ mod tests {
         assert!(cs.next_with_credit().is_none());
         cs.remove(1);
         assert_eq!(cs.next_with_credit().unwrap().spec.id, 2, "the next consumer takes over");
+    }
+
+    #[test]
+    fn the_highest_priority_with_credit_gets_it_round_robin_among_equals() {
+        let mut cs = Consumers::default();
+        cs.add(prioritized(1, 0, 1));
+        cs.add(prioritized(2, 1, 5));
+        cs.add(prioritized(3, 1, 5));
+        cs.add(prioritized(4, 0, 0));
+        let take = |cs: &mut Consumers| {
+            let c = cs.next_with_credit().unwrap();
+            c.in_flight += 1;
+            c.spec.id
+        };
+        // 2 and 3 (priority 5) in turn until both are full, then 1 (priority 1), never 4.
+        assert_eq!([take(&mut cs), take(&mut cs), take(&mut cs), take(&mut cs)], [2, 3, 1, 1]);
+        cs.get_mut(3).unwrap().in_flight = 0;
+        assert_eq!(take(&mut cs), 3, "credit back on a higher consumer: it comes first again");
+        cs.remove(1);
+        cs.remove(2);
+        cs.remove(3);
+        assert_eq!(take(&mut cs), 4);
     }
 }

@@ -134,6 +134,7 @@ impl Remote {
                     channel_prefetch: c.channel_credit.limit.load(Ordering::Relaxed),
                     cancel_notify,
                     send_consume_ok: c.send_consume_ok,
+                    priority: c.priority,
                 };
                 (Request::Consume { req, queue, consumer }, Some((req, Waiting::Consume(reply))))
             }

@@ -171,6 +171,7 @@ impl Remote {
                     channel_credit: credit,
                     cancel_notify: c.cancel_notify,
                     send_consume_ok: c.send_consume_ok,
+                    priority: c.priority,
                     tx,
                     pending_bytes: pending,
                 };

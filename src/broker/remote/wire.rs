@@ -77,6 +77,8 @@ pub struct RemoteConsumer {
     pub cancel_notify: bool,
     /// Send consume-ok (false for nowait).
     pub send_consume_ok: bool,
+    /// Consumer priority (`x-priority`).
+    pub priority: i32,
 }
 
 /// A → B: an operation on one of B's queues, or the end of one of A's connections.
@@ -514,6 +516,19 @@ macro_rules! uint_field {
 }
 uint_field!(u16, u32, u64);
 
+/// A signed 32-bit integer: its zigzag form as a varint.
+impl Field for i32 {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_varint(out, u64::from(((*self << 1) ^ (*self >> 31)) as u32));
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let at = r.pos;
+        let value = r.varint()?;
+        let z = u32::try_from(value).map_err(|_| WireError::OutOfRange { at, value })?;
+        Ok(((z >> 1) as i32) ^ -((z & 1) as i32))
+    }
+}
+
 /// A boolean is a tag: 0 or 1.
 impl Field for bool {
     fn put(&self, out: &mut Vec<u8>) {
@@ -661,7 +676,7 @@ impl Field for RemoteHolder {
 impl Field for RemoteConsumer {
     fn put(&self, out: &mut Vec<u8>) {
         let c = self;
-        put!(out; c.id, c.holder, c.tag, c.no_ack, c.exclusive, c.prefetch, c.channel_prefetch, c.cancel_notify, c.send_consume_ok);
+        put!(out; c.id, c.holder, c.tag, c.no_ack, c.exclusive, c.prefetch, c.channel_prefetch, c.cancel_notify, c.send_consume_ok, c.priority);
     }
     fn get(r: &mut Reader<'_>) -> Result<Self, WireError> {
         Ok(RemoteConsumer {
@@ -674,6 +689,7 @@ impl Field for RemoteConsumer {
             channel_prefetch: r.get()?,
             cancel_notify: r.get()?,
             send_consume_ok: r.get()?,
+            priority: r.get()?,
         })
     }
 }

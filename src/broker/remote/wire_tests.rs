@@ -77,8 +77,8 @@ fn result<T: std::fmt::Debug>(ok: impl Strategy<Value = T>) -> impl Strategy<Val
 fn request() -> impl Strategy<Value = Request> {
     let confirm =
         (int(), any::<u16>(), int(), int()).prop_map(|(conn, channel, chan_uid, seq)| RemoteConfirm { conn, channel, chan_uid, seq });
-    let consumer = (int(), holder(), text(), any::<[bool; 4]>(), any::<u32>(), any::<u32>()).prop_map(
-        |(id, holder, tag, [no_ack, exclusive, cancel_notify, send_consume_ok], prefetch, channel_prefetch)| RemoteConsumer {
+    let consumer = (int(), holder(), text(), any::<[bool; 4]>(), any::<u32>(), any::<u32>(), any::<i32>()).prop_map(
+        |(id, holder, tag, [no_ack, exclusive, cancel_notify, send_consume_ok], prefetch, channel_prefetch, priority)| RemoteConsumer {
             id,
             holder,
             tag,
@@ -88,6 +88,7 @@ fn request() -> impl Strategy<Value = Request> {
             channel_prefetch,
             cancel_notify,
             send_consume_ok,
+            priority,
         },
     );
     prop_oneof![
