@@ -421,3 +421,36 @@ fn confirm_delivery_tags_count_up_from_one() {
         assert_eq!(c.read_method().method_id(), Some((50, 41)));
     });
 }
+
+/// A client that pipelines 1,100 channel.open and then connection.close without reading gets
+/// every open-ok and then the close-ok, before the socket closes (the fuzzer saw only 1,025
+/// replies and no close-ok: the writer stopped at its batch; issue 14).
+#[test]
+fn a_close_after_a_burst_of_methods_answers_every_one_then_close_ok() {
+    run(|addr| {
+        let mut c = RawConn::open(addr);
+        let mut burst = Vec::new();
+        for ch in 1..=1100u16 {
+            let mut a = Vec::new();
+            shortstr(&mut a, "");
+            burst.extend(frame(FRAME_METHOD, ch, &method(20, 10, &a)));
+        }
+        let mut close = Vec::new();
+        close.extend_from_slice(&200u16.to_be_bytes());
+        shortstr(&mut close, "bye");
+        close.extend_from_slice(&[0, 0, 0, 0]);
+        burst.extend(frame(FRAME_METHOD, 0, &method(10, 50, &close)));
+        c.write(&burst);
+        let mut open_ok = 0;
+        for _ in 0..2000 {
+            let f = c.read_frame().unwrap_or_else(|| panic!("EOF after {open_ok} channel.open-ok, before connection.close-ok"));
+            match f.method_id() {
+                Some((20, 11)) => open_ok += 1,
+                Some((10, 51)) => break,
+                other => panic!("unexpected frame {other:?} after {open_ok} open-ok"),
+            }
+        }
+        assert_eq!(open_ok, 1100, "every channel.open answered before connection.close-ok");
+        assert!(c.expect_eof(), "the socket closes after close-ok");
+    });
+}

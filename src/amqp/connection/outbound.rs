@@ -93,7 +93,24 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, 
             s.pending_bytes.fetch_sub(delivered_bytes, std::sync::atomic::Ordering::Relaxed);
         }
         if s.st.borrow().finish {
-            let _ = w.flush().await;
+            // Whatever was queued before the end goes out too (the replies to a burst of
+            // methods, then connection.close-ok), bounded by what is queued now and by
+            // CLOSE_WAIT for a peer that stopped reading.
+            for _ in 0..rx.len() {
+                let Ok(ev) = rx.try_recv() else { break };
+                s.on_event(ev, &mut out);
+            }
+            s.flush_confirms(&mut out);
+            let _ = futures_lite::future::or(
+                async {
+                    if !out.is_empty() {
+                        let _ = w.write_all(&out).await;
+                    }
+                    let _ = w.flush().await;
+                },
+                glommio::timer::sleep(CLOSE_WAIT),
+            )
+            .await;
             let _ = w.close().await;
             return;
         }
