@@ -279,3 +279,39 @@ fn a_replicated_queue_keeps_its_length_limit_across_a_failover() {
         assert_eq!(drain(&ch, &rq, 10).await, [b"r-0".to_vec(), b"r-1".to_vec()]);
     });
 }
+
+/// Issue 12's `delivery_limit` on a replicated quorum queue served by node 1, its client on
+/// node 2: each nack(requeue) from node 2 is counted by the serving member, the redelivery
+/// reaching node 2 carries `x-delivery-count`, and the return past the limit dead-letters the
+/// message into a queue that node 3 reads.
+#[test]
+fn a_delivery_limit_counts_the_returns_of_a_client_on_another_node() {
+    run(async {
+        let c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let (q, dlq) = (uniq("poison-replicated"), uniq("poison-dlq"));
+        durable_queue(&n1, &dlq).await;
+        let mut args = FieldTable::default();
+        for (k, v) in [("x-queue-type", "quorum"), ("x-dead-letter-exchange", ""), ("x-dead-letter-routing-key", dlq.as_str())] {
+            args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+        }
+        args.insert("x-delivery-limit".into(), lapin::types::AMQPValue::LongLongInt(1));
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), args).await;
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        publish_all(&confirming(&n2).await, &q, "p", 1).await;
+        let g2 = channel(&n2).await;
+        let mut counts_seen = Vec::new();
+        for _ in 0..2 {
+            let got = t("basic.get", g2.basic_get(q.as_str().into(), BasicGetOptions::default())).await.unwrap().expect("the message");
+            let count = got.delivery.properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count").cloned());
+            counts_seen.push(count);
+            t("basic.nack", got.delivery.nack(BasicNackOptions { multiple: false, requeue: true })).await.unwrap();
+        }
+        assert_eq!(counts_seen, [None, Some(lapin::types::AMQPValue::LongLongInt(1))], "x-delivery-count as seen on node 2");
+        let n3 = connect_uri(&c.amqp_uri(2)).await;
+        let ch3 = channel(&n3).await;
+        assert_eq!(wait_ready(&ch3, &dlq, 1, Duration::from_secs(10)).await, 1, "dead-lettered past the limit");
+        assert_eq!(drain(&ch3, &dlq, 10).await, [b"p-0".to_vec()]);
+        assert_eq!(counts(&n3, &q).await.unwrap(), (0, 0), "gone from the source queue");
+    });
+}

@@ -226,7 +226,7 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
         ("x-max-length", 0),
         ("x-max-length-bytes", 0),
         ("x-max-priority", 0),
-        ("x-delivery-limit", 0),
+        ("x-delivery-limit", -1),
         ("x-quorum-initial-group-size", 1),
     ] {
         if args.inner().contains_key(key) && int_arg(args, key).is_none_or(|v| v < min) {

@@ -232,6 +232,7 @@ impl Queue {
         let flags = rec.flags;
         let redelivered = self.ready.is_redelivered(offset);
         let qref = self.qref.clone();
+        let message = self.as_delivered(offset, Message { header: rec.header, body: rec.body, flags });
         let Some(c) = self.consumers.get_mut(consumer) else {
             self.unclaim(offset);
             return;
@@ -244,7 +245,7 @@ impl Queue {
             queue: qref,
             offset: Offset(offset),
             redelivered,
-            message: Message { header: rec.header, body: rec.body, flags },
+            message,
             track,
         };
         let tx = c.spec.tx.clone();
@@ -346,6 +347,16 @@ impl Queue {
         }
     }
 
+    /// The stored message at `offset` as it goes to a client: with `x-delivery-count` when
+    /// the queue has a delivery limit and the message came back before
+    /// (`delivery_limit.rs`, behaviour 3); as stored otherwise.
+    fn as_delivered(&self, offset: u64, message: Message) -> Message {
+        match self.delivery_limit.as_ref().map_or(0, |d| d.count(offset)) {
+            0 => message,
+            n => super::delivery_limit::with_delivery_count(message, n),
+        }
+    }
+
     /// Claims `rec` for a basic.get; returns the reply and, when the delivery got an
     /// unacked-index record, the index to sync before answering.
     fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<Rc<Shard>>) {
@@ -366,7 +377,7 @@ impl Queue {
         let r = GetReply {
             offset: Offset(offset),
             redelivered,
-            message: Message { header: rec.header, body: rec.body, flags: rec.flags },
+            message: self.as_delivered(offset, Message { header: rec.header, body: rec.body, flags: rec.flags }),
             message_count: self.message_count(),
         };
         (r, sync)

@@ -14,6 +14,7 @@
 //! - [`durability`]: everything that waits for an fdatasync, with the proofs that order it;
 //! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
 //! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
+//! - [`delivery_limit`]: `x-delivery-limit` (poison-message handling);
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
 //!
 //! # Invariants
@@ -26,6 +27,7 @@
 
 pub mod consumer;
 pub mod copy;
+pub mod delivery_limit;
 pub mod dispatch;
 pub mod durability;
 pub mod expiry;
@@ -180,6 +182,8 @@ pub struct Queue {
     repl: Option<Replication>,
     /// Length limits (`limits.rs`); `None` for a queue without `x-max-length(-bytes)`.
     limits: Option<Limits>,
+    /// `x-delivery-limit` and the return counts (`delivery_limit.rs`); `None` without a limit.
+    delivery_limit: Option<delivery_limit::DeliveryLimit>,
     env: Rc<dyn QueueEnv>,
 }
 
@@ -215,6 +219,7 @@ impl Queue {
         let mut ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
         let quorum = string_arg(&def.arguments, "x-queue-type") == Some("quorum");
         let limits = Limits::from_arguments(&def.arguments, quorum);
+        let delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&def.arguments, quorum);
         if limits.is_some_and(|l| l.counts_bytes()) {
             ready.count_bytes(recovered.body_lens.iter().copied().filter(|(o, _)| shard.is_live(*o)));
         }
@@ -274,6 +279,7 @@ impl Queue {
                 dead_letter_routing_key,
                 repl,
                 limits,
+                delivery_limit,
                 env,
             })
         });

@@ -214,6 +214,9 @@ impl Queue {
         }
         for &off in offsets {
             self.ready.forget(off);
+            if let Some(d) = &mut self.delivery_limit {
+                d.forget(off);
+            }
             if let Some(i) = self.index_of.remove(&off) {
                 self.index_trash.push(i);
             }
@@ -227,14 +230,29 @@ impl Queue {
     /// The requeue primitive (rule 5): settled deliveries go back to the ready set at their
     /// original position, flagged redelivered; their holders' credit is given back. Their
     /// index records stay (the messages were delivered: after a crash they come back
-    /// flagged).
+    /// flagged). A queue with a delivery limit counts each return, and a message returned
+    /// more times than the limit is dead-lettered (reason `delivery_limit`) or deleted
+    /// instead (`delivery_limit.rs`, behaviours 1 and 2).
     pub(super) fn requeue(&mut self, settled: Vec<(u64, Outstanding)>) {
         if settled.is_empty() {
             return;
         }
+        let mut over_limit = Vec::new();
         for (off, o) in settled {
             self.release(&o);
+            if self.delivery_limit.as_mut().is_some_and(|d| d.returned(off)) {
+                over_limit.push(off);
+                continue;
+            }
             self.ready.requeue(off);
+        }
+        if !over_limit.is_empty() {
+            tracing::debug!(queue = %self.qref.key.name, messages = over_limit.len(), "returned more times than the delivery limit");
+            if self.dead_letter_exchange.is_some() {
+                self.dead_letter(over_limit, DeathReason::DeliveryLimit);
+            } else {
+                self.delete(&over_limit);
+            }
         }
         if self.limits.is_some() {
             // `limits.rs`, behaviour 4: a requeue may take the queue over its limit.
@@ -352,6 +370,8 @@ pub enum DeathReason {
     Rejected,
     /// Dropped or refused at a length limit (`limits.rs`).
     Maxlen,
+    /// Returned more times than the queue's delivery limit (`delivery_limit.rs`).
+    DeliveryLimit,
 }
 
 impl DeathReason {
@@ -360,6 +380,7 @@ impl DeathReason {
         match self {
             DeathReason::Rejected => "rejected",
             DeathReason::Maxlen => "maxlen",
+            DeathReason::DeliveryLimit => "delivery_limit",
         }
     }
 }
