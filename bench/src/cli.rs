@@ -102,6 +102,13 @@ pub struct Flags {
     /// delivery_mode=2 and durable queues.
     #[arg(long)]
     pub persistent: bool,
+    /// Message priorities: message k of a producer carries priority k mod N (0..N-1);
+    /// 0 = no priority property. Pair with `--queue-args x-max-priority=N`.
+    #[arg(long, default_value_t = 0)]
+    pub priorities: u8,
+    /// Per-message TTL: every message carries `expiration` = this many ms (none if absent).
+    #[arg(long)]
+    pub expiration: Option<u64>,
     /// Consume with no_ack=true.
     #[arg(long, conflicts_with = "multi_ack_every")]
     pub auto_ack: bool,
@@ -249,6 +256,10 @@ pub struct Config {
     pub mandatory: bool,
     /// delivery_mode 2 + durable queues.
     pub persistent: bool,
+    /// Priority levels cycled through by each producer's messages (0 = no priority property).
+    pub priorities: u8,
+    /// Per-message `expiration`, ms.
+    pub expiration: Option<u64>,
     /// no_ack consumers.
     pub auto_ack: bool,
     /// Ack every N deliveries (manual ack only).
@@ -359,6 +370,8 @@ impl Config {
             confirm: f.confirm.unwrap_or(dconf),
             mandatory: f.mandatory,
             persistent: f.persistent,
+            priorities: f.priorities,
+            expiration: f.expiration,
             auto_ack: !manual,
             multi_ack_every: multi,
             prefetch,

@@ -112,6 +112,8 @@ fn setup_json(cfg: &Config, j: &mut Map<String, Value>) {
     j.insert("confirm_window".into(), json!(cfg.confirm));
     j.insert("mandatory".into(), json!(cfg.mandatory));
     j.insert("persistent".into(), json!(cfg.persistent));
+    j.insert("priorities".into(), json!(cfg.priorities));
+    j.insert("expiration_ms".into(), json!(cfg.expiration));
     j.insert("auto_ack".into(), json!(cfg.auto_ack));
     j.insert("multi_ack_every".into(), json!(if cfg.auto_ack { Value::Null } else { json!(cfg.multi_ack_every) }));
     j.insert("prefetch".into(), json!(cfg.prefetch));

@@ -317,6 +317,9 @@ async fn open_producers(env: &Env, conns: &mut Vec<Connection>) -> Result<Vec<Ta
         if cfg.persistent {
             props = props.with_delivery_mode(2);
         }
+        if let Some(ms) = cfg.expiration {
+            props = props.with_expiration(ms.to_string().into());
+        }
         let rk: ShortString = match cfg.exchange.kind {
             ExchangeType::Fanout => "".into(),
             ExchangeType::Headers => {
@@ -577,7 +580,11 @@ async fn producer(
             };
             let mut body = template.clone();
             body::encode(&mut body, Tag { run: env.run_id, producer: index, seq: sent as u32 }, intended);
-            let mut fut = publish(&ch, ex.clone(), rk.clone(), opts, body, props.clone());
+            let props = match cfg.priorities {
+                0 => props.clone(),
+                n => props.clone().with_priority((sent % u64::from(n)) as u8),
+            };
+            let mut fut = publish(&ch, ex.clone(), rk.clone(), opts, body, props);
             sent += 1;
             Stats::bump(&stats.sent, 1);
             match fut.as_mut().poll(cx) {
