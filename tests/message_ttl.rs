@@ -414,8 +414,9 @@ async fn a_message_that_expires_during_a_kill_9_is_dead_lettered_after_the_start
     expires_while_down(true).await;
 }
 
-/// A consumer attached before the start never sees what expired while the broker was down,
-/// even on a queue whose TTL comes from `expiration` alone (no queue TTL, no timer at open).
+/// A consumer attached after the start never sees what expired while the broker was down, on
+/// a queue whose TTL comes from `expiration` alone (no queue TTL); a queue of such messages
+/// empties with no consumer.
 #[tokio::test]
 async fn a_consumer_after_a_restart_never_gets_what_expired_meanwhile() {
     let mut b = Broker::start();
@@ -429,11 +430,19 @@ async fn a_consumer_after_a_restart_never_gets_what_expired_meanwhile() {
         let p = if i % 2 == 0 { persistent.clone().with_expiration("300".into()) } else { persistent.clone() };
         assert!(publish_confirmed(&ch, "", &q, format!("m-{i}").as_bytes(), p).await.is_ack());
     }
+    // A queue of such messages only: after the restart they go with no consumer too.
+    let only = declare_queue(&ch, &uniq("exp-only"), QueueDeclareOptions::durable(), FieldTable::default()).await;
+    for i in 0..3 {
+        assert!(publish_confirmed(&ch, "", &only, format!("e-{i}").as_bytes(), persistent.clone().with_expiration("300".into()))
+            .await
+            .is_ack());
+    }
     let _ = t("close", c.close(200, "".into())).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     b.kill9_restart();
     let c = connect(&b).await;
     let ch = chan(&c).await;
+    expect_ready(&ch, &only, 0, Duration::from_secs(3), "expired while down, no queue TTL, no consumer").await;
     let mut sub = t(
         "consume",
         ch.basic_consume(

@@ -293,6 +293,9 @@ impl Queue {
             // `ttl.rs`, rule 3: the timer looks at the head at once (what expired while the
             // broker was down goes now).
             q.borrow_mut().ttl_mut().queue_ttl = Some(ms);
+        } else if !q.borrow().ready.is_empty() {
+            // A head with a per-message TTL from an earlier run starts the timer too.
+            glommio::spawn_local(ttl::start_if_head_expires(Rc::downgrade(&q))).detach();
         }
         // `limits.rs`, behaviour 2, at open (RabbitMQ's `init_max_length`): deliveries of an
         // earlier run that came back ready may have taken the queue over its limit.

@@ -196,6 +196,29 @@ impl Queue {
     }
 }
 
+/// Rule 3 at open, for a queue without `x-message-ttl`: reads the head's record once and
+/// starts the timer when it carries a deadline (a message published with `expiration` in an
+/// earlier run), so that it expires with no consumer too. A deadline further back is found
+/// when that message reaches the head under a consumer (rule 2).
+pub(super) async fn start_if_head_expires(weak: Weak<RefCell<Queue>>) {
+    let Some((offset, shard)) = weak.upgrade().and_then(|c| {
+        let q = c.borrow();
+        q.ready.peek_next().map(|o| (o, q.shard.clone()))
+    }) else {
+        return;
+    };
+    if let Ok(Some(r)) = shard.read(offset).await {
+        if r.flags & FLAG_DEADLINE != 0 {
+            if let Some(cell) = weak.upgrade() {
+                let mut q = cell.borrow_mut();
+                if !q.deleted {
+                    q.ttl_mut().notify();
+                }
+            }
+        }
+    }
+}
+
 /// Rule 3: the task that expires a queue's head when its deadline comes; ends with the
 /// queue.
 pub(super) async fn expire_at_head(weak: Weak<RefCell<Queue>>, woken: flume::Receiver<()>) {
