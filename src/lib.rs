@@ -48,7 +48,9 @@
 //!    once committed on a majority, appended by every member when it applies the entry.
 //!    A queue with `x-max-length(-bytes)` refuses the publish first (`reject-publish*`,
 //!    basic.nack) or drops its oldest ready messages after (`drop-head`):
-//!    `broker/queue/limits.rs`.
+//!    `broker/queue/limits.rs`. A message with a TTL (`expiration`, set at step 2;
+//!    `x-message-ttl`, set here) carries its deadline in its record; it expires at the
+//!    queue's head on a timer and is never handed out after it: `broker/queue/ttl.rs`.
 //! 5. The dispatcher (`broker/queue/dispatch.rs`) claims the lowest ready offset for a
 //!    consumer with credit, records its holder (`settle::Held`), appends an unacked-index
 //!    record when the delivery is tracked and durable, and sends the delivery once that

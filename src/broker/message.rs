@@ -4,7 +4,10 @@
 //! `header = exchange_len:u8 exchange routing_key_len:u8 routing_key properties`, where
 //! `properties` are the content-header property flags and fields exactly as published
 //! (AMQP 0-9-1 spec 4.2.6.1), and `body` is the message body. Record flags: bit 0 =
-//! persistent (delivery_mode 2).
+//! persistent (delivery_mode 2); bit 1 = [`FLAG_DEADLINE`]: the header starts with the
+//! message's expiry deadline, 8 bytes big-endian (ms since the Unix epoch), before the layout
+//! above. Only a message with a TTL (`x-message-ttl` or `expiration`: `queue::ttl`) carries
+//! it, so a message without one is stored and read as before.
 //!
 //! [`encode_properties`] and [`decode_properties`] convert between the raw properties and
 //! their fields (for the headers a move adds, e.g. dead-lettering's `x-death`).
@@ -14,6 +17,14 @@ use bytes::{BufMut, Bytes};
 
 /// Record flag: the message was published with delivery_mode 2.
 pub const FLAG_PERSISTENT: u8 = 1;
+/// Record flag: the header starts with an 8-byte expiry deadline (see the module doc).
+/// Restart filters keep records by [`FLAG_PERSISTENT`] alone (`flags & keep == keep`), so
+/// this bit changes nothing there.
+pub const FLAG_DEADLINE: u8 = 2;
+
+/// Most ms a TTL may be (`x-message-ttl`, `expiration`): RabbitMQ's `?MAX_EXPIRY_TIMER`,
+/// ten years.
+pub const MAX_TTL_MS: u64 = 315_360_000_000;
 
 /// A message on its way to or from a queue. Cloning is cheap (reference-counted bytes),
 /// so one publish routed to many queues shares one body.
@@ -46,11 +57,84 @@ impl Message {
         self.flags & FLAG_PERSISTENT != 0
     }
 
-    /// Splits the stored header into (exchange, routing key, raw properties).
-    /// A malformed header (never written by ringmq) yields empty parts.
+    /// Splits the stored header into (exchange, routing key, raw properties), past the
+    /// deadline when there is one. A malformed header (never written by ringmq) yields empty
+    /// parts.
     pub fn parts(&self) -> (&str, &str, &[u8]) {
-        split_header(&self.header)
+        split_header(self.header.get(self.deadline_len()..).unwrap_or_default())
     }
+
+    /// The expiry deadline (ms since the Unix epoch), when the message has one.
+    pub fn deadline(&self) -> Option<u64> {
+        deadline_of(self.flags, &self.header)
+    }
+
+    fn deadline_len(&self) -> usize {
+        if self.flags & FLAG_DEADLINE != 0 {
+            8
+        } else {
+            0
+        }
+    }
+
+    /// The message with expiry deadline `at_ms` (ms since the Unix epoch), or its own when
+    /// that is earlier (the smaller TTL wins). Copies the header (not the body) when it
+    /// changes.
+    pub fn with_deadline(self, at_ms: u64) -> Message {
+        let old = self.deadline();
+        if old.is_some_and(|d| d <= at_ms) {
+            return self;
+        }
+        let rest = &self.header[self.deadline_len()..];
+        let mut h = Vec::with_capacity(8 + rest.len());
+        h.put_u64(at_ms);
+        h.extend_from_slice(rest);
+        Message { header: Bytes::from(h), body: self.body, flags: self.flags | FLAG_DEADLINE }
+    }
+}
+
+/// The deadline a record of `flags` and `header` carries (see the module doc).
+pub fn deadline_of(flags: u8, header: &[u8]) -> Option<u64> {
+    if flags & FLAG_DEADLINE == 0 {
+        return None;
+    }
+    header.get(..8).map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")))
+}
+
+/// Parses a per-message `expiration` property as RabbitMQ does (`rabbit_basic:
+/// parse_expiration`, Erlang's `string:to_integer`: an optional sign, then digits, nothing
+/// after them): the TTL in ms.
+///
+/// # Errors
+/// The part of RabbitMQ's 406 text after `invalid expiration '<value>': ` — `no_integer`,
+/// `{leftover_string,"<rest>"}`, `{value_negative,<n>}` or `{value_too_large,<n>}`.
+pub fn parse_expiration(s: &str) -> Result<u64, String> {
+    let b = s.as_bytes();
+    let sign = usize::from(matches!(b.first(), Some(b'+' | b'-')));
+    let digits = b[sign..].iter().take_while(|c| c.is_ascii_digit()).count();
+    if digits == 0 {
+        return Err("no_integer".to_owned());
+    }
+    let (num, rest) = s.split_at(sign + digits);
+    if !rest.is_empty() {
+        return Err(format!("{{leftover_string,\"{rest}\"}}"));
+    }
+    let n: i128 = num.parse().unwrap_or(i128::MAX);
+    check_ttl(n)
+}
+
+/// RabbitMQ's `check_expiry`: a TTL in ms is 0 ..= [`MAX_TTL_MS`].
+///
+/// # Errors
+/// `{value_negative,<n>}` or `{value_too_large,<n>}`, as RabbitMQ writes them.
+pub fn check_ttl(n: i128) -> Result<u64, String> {
+    if n < 0 {
+        return Err(format!("{{value_negative,{n}}}"));
+    }
+    if n > i128::from(MAX_TTL_MS) {
+        return Err(format!("{{value_too_large,{n}}}"));
+    }
+    Ok(n as u64)
 }
 
 /// Splits a stored header into (exchange, routing key, raw properties).
@@ -89,5 +173,31 @@ mod tests {
         assert!(m.persistent());
         assert_eq!(m.parts(), ("amq.direct", "rk.1", &[0x80, 0, 1, b'x'][..]));
         assert_eq!(split_header(&[5, b'a']), ("", "", &[][..]));
+    }
+
+    #[test]
+    fn a_deadline_goes_before_the_header_and_the_smaller_one_wins() {
+        let m = Message::new("x", "rk", &[0, 0], Bytes::from_static(b"b"), true);
+        assert_eq!(m.deadline(), None);
+        let d = m.clone().with_deadline(1_000);
+        assert_eq!((d.deadline(), d.flags), (Some(1_000), FLAG_PERSISTENT | FLAG_DEADLINE));
+        assert_eq!(d.parts(), m.parts());
+        assert_eq!(d.clone().with_deadline(2_000).deadline(), Some(1_000), "a later deadline changes nothing");
+        let e = d.with_deadline(500);
+        assert_eq!((e.deadline(), e.parts()), (Some(500), m.parts()));
+    }
+
+    #[test]
+    fn expiration_as_rabbitmq_parses_it() {
+        assert_eq!(parse_expiration("1000"), Ok(1000));
+        assert_eq!(parse_expiration("+5"), Ok(5));
+        assert_eq!(parse_expiration("0"), Ok(0));
+        assert_eq!(parse_expiration("abc").unwrap_err(), "no_integer");
+        assert_eq!(parse_expiration("").unwrap_err(), "no_integer");
+        assert_eq!(parse_expiration(" 5").unwrap_err(), "no_integer");
+        assert_eq!(parse_expiration("10x").unwrap_err(), "{leftover_string,\"x\"}");
+        assert_eq!(parse_expiration("-1").unwrap_err(), "{value_negative,-1}");
+        assert_eq!(parse_expiration("315360000000"), Ok(MAX_TTL_MS));
+        assert_eq!(parse_expiration("315360000001").unwrap_err(), "{value_too_large,315360000001}");
     }
 }

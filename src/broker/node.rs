@@ -562,9 +562,11 @@ impl Node {
         self.clone().open_and_run(def, qref).await;
     }
 
-    /// Opens this core's queues with an x-expires lease that are not open yet (a queue
-    /// otherwise opens at its first operation), so that the lease of a queue nobody touches
-    /// after a restart, or after it moved here, runs out (`queue/expiry.rs`).
+    /// Opens this core's queues with an x-expires lease or an x-message-ttl that are not open
+    /// yet (a queue otherwise opens at its first operation), so that the lease of a queue
+    /// nobody touches after a restart, or after it moved here, runs out (`queue/expiry.rs`),
+    /// and its messages expire, dead-lettered into queues that open for their copies
+    /// (`queue/ttl.rs`).
     fn open_expiring_queues(self: &Rc<Self>) {
         let here = self.shared.meta.node_id();
         let topo = self.router();
@@ -572,7 +574,12 @@ impl Node {
             .topology
             .queues
             .values()
-            .filter(|d| d.owner_node == here && super::router::int_arg(&d.arguments, "x-expires").is_some())
+            .filter(|d| {
+                // x-expires leases run from the open; x-message-ttl expires at the head on a
+                // timer (`queue::ttl`, rule 3), so with no client touching the queue too.
+                let timed = ["x-expires", "x-message-ttl"].iter().any(|k| super::router::int_arg(&d.arguments, k).is_some());
+                d.owner_node == here && timed
+            })
             .filter_map(|d| topo.queue_ref(&d.vhost, &d.name))
             .filter(|q| q.owner_core % self.shared.cores == self.id && self.queue_slot(&q.key).is_none())
             .collect();

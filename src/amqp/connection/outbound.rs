@@ -27,7 +27,6 @@ use crate::amqp::channel::ChannelState;
 use crate::amqp::codec::{self, encode_heartbeat, encode_method};
 use crate::amqp::error::AmqpError;
 use crate::amqp::unacked::Unacked;
-use crate::broker::message::split_header;
 use crate::broker::{ChannelId, ClientEvent};
 use crate::observe::Stats;
 
@@ -138,7 +137,7 @@ impl Session {
                     // The channel is gone; its ChannelClosed requeues this delivery.
                     return;
                 };
-                let (exchange, rk, props) = split_header(&d.message.header);
+                let (exchange, rk, props) = d.message.parts();
                 codec::encode_deliver(out, d.channel.0, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel.0, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);

@@ -15,7 +15,7 @@ use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
 use crate::amqp::transaction::{Routed, SettleKind};
 use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
-use crate::broker::message::{encode_properties, split_header, Message};
+use crate::broker::message::{encode_properties, parse_expiration, Message};
 use crate::broker::reply_to;
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
@@ -334,7 +334,7 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
             if !g.no_ack {
                 ch.ledger.insert(tag, Unacked { queue: q.clone(), offset: got.offset });
             }
-            let (exchange, rk, props) = split_header(&got.message.header);
+            let (exchange, rk, props) = got.message.parts();
             encode_method(
                 &mut out,
                 channel,
@@ -389,7 +389,9 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
 /// # Errors
 /// 404 NOT_FOUND for a missing exchange; 403 ACCESS_REFUSED for an internal one; 406
 /// PRECONDITION_FAILED "fast reply consumer does not exist" (RabbitMQ's words) for a
-/// request to be answered by direct reply-to on a channel that does not consume from it.
+/// request to be answered by direct reply-to on a channel that does not consume from it,
+/// and "invalid expiration '<value>': <why>" (RabbitMQ's words) for an `expiration` that is
+/// not a TTL ([`parse_expiration`]).
 pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed, AmqpError> {
     Stats::add(&s.core.stats().published, 1);
     let vhost = s.vhost();
@@ -404,6 +406,14 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
         }
     }
     let mut props = p.properties.take().unwrap_or_default();
+    // A per-message TTL (RabbitMQ's `check_expiration_header`): its deadline is fixed here,
+    // at publish, and goes with the message (`broker::queue::ttl`).
+    let expires_in = match props.expiration() {
+        None => None,
+        Some(e) => {
+            Some(parse_expiration(e.as_str()).map_err(|why| AmqpError::precondition_failed(format!("invalid expiration '{e}': {why}")))?)
+        }
+    };
     if props.reply_to().as_ref().is_some_and(|r| r.as_str() == reply_to::PSEUDO_QUEUE) {
         let name = s.st.borrow().channels.get(&channel).and_then(|c| c.reply_to.as_ref().map(|r| r.name.clone()));
         let name = name.ok_or_else(|| AmqpError::precondition_failed("fast reply consumer does not exist"))?;
@@ -420,7 +430,10 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
     };
     let persistent = *props.delivery_mode() == Some(2);
     let body = p.take_body();
-    let message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
+    let mut message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
+    if let Some(ttl) = expires_in {
+        message = message.with_deadline(crate::broker::queue::index::now_ms() + ttl);
+    }
     Ok(Routed { exchange: p.exchange, routing_key: p.routing_key, mandatory: p.mandatory, message, queues })
 }
 

@@ -208,6 +208,31 @@ fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consume
     );
 }
 
+/// RabbitMQ's name of a field table value's type, as its 406 texts print it.
+fn rabbit_type(v: &amq_protocol::types::AMQPValue) -> &'static str {
+    use amq_protocol::types::AMQPValue as V;
+    match v {
+        V::Boolean(_) => "bool",
+        V::ShortShortInt(_) => "byte",
+        V::ShortShortUInt(_) => "unsignedbyte",
+        V::ShortInt(_) => "short",
+        V::ShortUInt(_) => "unsignedshort",
+        V::LongInt(_) => "signedint",
+        V::LongUInt(_) => "unsignedint",
+        V::LongLongInt(_) => "long",
+        V::Float(_) => "float",
+        V::Double(_) => "double",
+        V::DecimalValue(_) => "decimal",
+        V::ShortString(_) => "shortstr",
+        V::LongString(_) => "longstr",
+        V::FieldArray(_) => "array",
+        V::Timestamp(_) => "timestamp",
+        V::FieldTable(_) => "table",
+        V::ByteArray(_) => "binary",
+        V::Void => "void",
+    }
+}
+
 /// Rejects queue arguments of the wrong type (406, as RabbitMQ does for the x- arguments
 /// it knows).
 fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
@@ -218,10 +243,22 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
             return Err(AmqpError::precondition_failed(format!("invalid arg '{key}' for queue '{}': expected a string", def.name)));
         }
     }
+    // x-message-ttl in RabbitMQ's words (`rabbit_amqqueue:check_message_ttl_arg`).
+    if let Some(v) = args.inner().get("x-message-ttl") {
+        let why = match int_arg(args, "x-message-ttl") {
+            Some(n) => crate::broker::message::check_ttl(i128::from(n)).err(),
+            None => Some(format!("\"expected integer, got {}\"", rabbit_type(v))),
+        };
+        if let Some(why) = why {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg 'x-message-ttl' for queue '{}' in vhost '{}': {why}",
+                def.name, def.vhost
+            )));
+        }
+    }
     // Integer arguments RabbitMQ knows, with their lowest valid value.
     for (key, min) in [
         ("x-consumer-timeout", 0),
-        ("x-message-ttl", 0),
         ("x-expires", 1),
         ("x-max-length", 0),
         ("x-max-length-bytes", 0),

@@ -86,17 +86,19 @@ impl DeliveryLimit {
 }
 
 /// `message` as delivered after `count` returns: with `x-delivery-count` = `count` in its
-/// headers (behaviour 3), other headers and properties unchanged. Re-encodes the properties:
-/// called only for a message returned at least once.
+/// headers (behaviour 3), other headers and properties, persistence and expiry deadline
+/// unchanged. Re-encodes the properties: called only for a message returned at least once.
 pub fn with_delivery_count(message: Message, count: u32) -> Message {
     let (exchange, routing_key, raw) = message.parts();
     let props = decode_properties(raw).unwrap_or_default();
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(ShortString::from("x-delivery-count"), AMQPValue::LongLongInt(i64::from(count)));
     let props = props.with_headers(headers);
-    let mut m = Message::new(exchange, routing_key, &encode_properties(&props), message.body.clone(), message.persistent());
-    m.flags = message.flags;
-    m
+    let m = Message::new(exchange, routing_key, &encode_properties(&props), message.body.clone(), message.persistent());
+    match message.deadline() {
+        Some(at_ms) => m.with_deadline(at_ms),
+        None => m,
+    }
 }
 
 /// The `x-delivery-count` of a delivered message's headers, if any (for tests and tools).
@@ -150,7 +152,8 @@ mod tests {
         h.insert("app".into(), AMQPValue::LongString("x".into()));
         let props = AMQPProperties::default().with_headers(h).with_content_type("text/plain".into());
         let m = Message::new("ex", "rk", &encode_properties(&props), bytes::Bytes::from_static(b"body"), true);
-        let d = with_delivery_count(m, 3);
+        let d = with_delivery_count(m.with_deadline(42), 3);
+        assert_eq!(d.deadline(), Some(42), "the expiry deadline stays");
         let (ex, rk, raw) = d.parts();
         assert_eq!((ex, rk, d.persistent(), &d.body[..]), ("ex", "rk", true, &b"body"[..]));
         let p = decode_properties(raw).unwrap();

@@ -86,7 +86,7 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                                 }
                             }
                             // None: deleted meanwhile (purge), nothing to deliver.
-                            if let Some(rec) = first {
+                            if let Some(rec) = first.filter(|r| !q.expire_if_due(r)) {
                                 q.deliver(consumer, rec);
                             }
                         }
@@ -131,21 +131,29 @@ pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringm
 /// basic.get: claims the next ready message for `holder`.
 pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     let mut q = cell.borrow_mut();
-    if q.held_back() {
-        // A replicated queue's message past its delivery reservation (`replica.rs`, step 5).
-        q.park_get((no_ack, holder, reply));
-        return;
-    }
-    let Some(offset) = q.take_next() else {
-        let _ = reply.send(Ok(None));
-        return;
+    // `ttl.rs`, rule 2: an expired message is never the answer.
+    q.expire_head();
+    let offset = loop {
+        if q.held_back() {
+            // A replicated queue's message past its delivery reservation (`replica.rs`, step 5).
+            q.park_get((no_ack, holder, reply));
+            return;
+        }
+        let Some(offset) = q.take_next() else {
+            let _ = reply.send(Ok(None));
+            return;
+        };
+        match q.paged.remove(&offset).or_else(|| q.shard.read_cached(offset)) {
+            Some(rec) if q.expire_if_due(&rec) => continue,
+            Some(rec) => {
+                let (r, sync) = q.finish_get(rec, no_ack, holder);
+                drop(q);
+                reply_get(r, sync, reply);
+                return;
+            }
+            None => break offset,
+        }
     };
-    if let Some(rec) = q.paged.remove(&offset).or_else(|| q.shard.read_cached(offset)) {
-        let (r, sync) = q.finish_get(rec, no_ack, holder);
-        drop(q);
-        reply_get(r, sync, reply);
-        return;
-    }
     q.paging += 1;
     let shard = q.shard.clone();
     drop(q);
@@ -156,6 +164,11 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
         let mut q = cell.borrow_mut();
         q.paging -= 1;
         match rec {
+            Ok(Some(rec)) if q.expire_if_due(&rec) => {
+                // Expired: the next message is the answer.
+                drop(q);
+                basic_get(&cell, no_ack, holder, reply);
+            }
             Ok(Some(rec)) => {
                 let (r, sync) = q.finish_get(rec, no_ack, holder);
                 drop(q);
@@ -176,8 +189,12 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
 impl Queue {
     /// Claims the next ready offset (the lowest: rule 5's order), recording its
     /// stored→delivered time when it was sampled.
-    fn take_next(&mut self) -> Option<u64> {
+    pub(super) fn take_next(&mut self) -> Option<u64> {
         let (offset, stored_at) = self.ready.take_next()?;
+        if let Some(t) = &self.ttl {
+            // The head changed (`ttl.rs`, rule 3).
+            t.notify();
+        }
         if let Some(at) = stored_at {
             self.env.stats().stored_to_delivered.record(at.elapsed());
         }
@@ -191,6 +208,10 @@ impl Queue {
 
     /// One dispatcher step: deliver one cached message, or claim one that must be read.
     fn step(&mut self) -> Step {
+        if self.ttl.is_some() && !self.consumers.is_empty() {
+            // `ttl.rs`, rule 2: the expired head goes before a delivery is claimed.
+            self.expire_head();
+        }
         if self.deleted || self.consumers.is_empty() || self.message_count() == 0 {
             return Step::Idle;
         }
@@ -210,7 +231,9 @@ impl Queue {
         let offset = self.take_next().expect("message_count > 0");
         match self.paged.remove(&offset).or_else(|| self.shard.read_cached(offset)) {
             Some(rec) => {
-                self.deliver(consumer, rec);
+                if !self.expire_if_due(&rec) {
+                    self.deliver(consumer, rec);
+                }
                 Step::Sent
             }
             None => {

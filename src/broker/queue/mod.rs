@@ -15,6 +15,7 @@
 //! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
 //! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
 //! - [`delivery_limit`]: `x-delivery-limit` (poison-message handling);
+//! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
 //!
 //! # Invariants
@@ -36,6 +37,7 @@ pub mod limits;
 pub mod ready;
 pub mod replica;
 pub mod settle;
+pub mod ttl;
 
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
@@ -184,6 +186,9 @@ pub struct Queue {
     limits: Option<Limits>,
     /// `x-delivery-limit` and the return counts (`delivery_limit.rs`); `None` without a limit.
     delivery_limit: Option<delivery_limit::DeliveryLimit>,
+    /// Message TTL (`ttl.rs`); `None` for a queue without `x-message-ttl` that took no
+    /// message with `expiration` in this run.
+    ttl: Option<Box<ttl::Ttl>>,
     env: Rc<dyn QueueEnv>,
 }
 
@@ -280,6 +285,7 @@ impl Queue {
                 repl,
                 limits,
                 delivery_limit,
+                ttl: None,
                 env,
             })
         });
@@ -288,6 +294,15 @@ impl Queue {
             glommio::spawn_local(expiry::expire_when_unused(weak.clone())).detach();
         }
         glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
+        let message_ttl = int_arg(&q.borrow().def.arguments, "x-message-ttl").and_then(|v| u64::try_from(v).ok());
+        if let Some(ms) = message_ttl {
+            // `ttl.rs`, rule 3: the timer looks at the head at once (what expired while the
+            // broker was down goes now).
+            q.borrow_mut().ttl_mut().queue_ttl = Some(ms);
+        } else if !q.borrow().ready.is_empty() {
+            // A head with a per-message TTL from an earlier run starts the timer too.
+            glommio::spawn_local(ttl::start_if_head_expires(Rc::downgrade(&q))).detach();
+        }
         // `limits.rs`, behaviour 2, at open (RabbitMQ's `init_max_length`): deliveries of an
         // earlier run that came back ready may have taken the queue over its limit.
         if limits.is_some() {
@@ -313,6 +328,9 @@ impl Queue {
 
     fn wake(&self) {
         let _ = self.wake.try_send(());
+        if let Some(t) = &self.ttl {
+            t.notify();
+        }
     }
 
     /// A use that renews an x-expires lease (basic.get, queue.declare; `expiry.rs` rule 1).
@@ -370,6 +388,7 @@ impl Queue {
             QueueOp::Stats { reply } => {
                 // queue.declare, active or passive, renews an x-expires lease (RabbitMQ's `stat`).
                 q.renew_lease();
+                q.expire_head();
                 let _ = reply.send(Ok((q.message_count(), q.consumers.len() as u32)));
             }
             QueueOp::Purge { reply } => {
@@ -384,7 +403,11 @@ impl Queue {
         }
     }
 
-    fn publish(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+    fn publish(&mut self, cell: &QueueCell, mut message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+        if self.ttl.is_some() {
+            // `ttl.rs`, rule 1: the deadline is fixed before the message is stored or proposed.
+            message = self.stamp_deadline(message);
+        }
         // The one branch a queue without length limits pays (`limits.rs`).
         if self.limits.is_none() {
             return self.store_published(cell, message, confirm, published);
@@ -407,6 +430,7 @@ impl Queue {
             return self.propose_enqueue(cell, message, confirm, published);
         }
         let needs_sync = self.qref.durable && message.persistent();
+        let deadline = message.deadline();
         match self.shard.append_shared(message.flags, &message.header, &message.body) {
             Ok(offset) => {
                 let now = published.map(|_| Instant::now());
@@ -428,6 +452,9 @@ impl Queue {
                     }
                 }
                 self.wake();
+                if let Some(d) = deadline {
+                    self.enqueued_with_deadline(offset, d);
+                }
             }
             Err(e) => {
                 if e.is_disk_full() {

@@ -265,6 +265,10 @@ impl Queue {
                             q.drop_head();
                         }
                         q.wake();
+                        if let Some(d) = crate::broker::message::deadline_of(flags, &header) {
+                            // `ttl.rs`: the deadline the serving member fixed, in the record.
+                            q.enqueued_with_deadline(at, d);
+                        }
                     }
                     Ok(at) => {
                         tracing::error!(queue = %q.qref.key.name, offset, at, "replica stored a message at another offset");

@@ -217,6 +217,9 @@ impl Queue {
             if let Some(d) = &mut self.delivery_limit {
                 d.forget(off);
             }
+            if let Some(t) = &mut self.ttl {
+                t.forget(off);
+            }
             if let Some(i) = self.index_of.remove(&off) {
                 self.index_trash.push(i);
             }
@@ -372,6 +375,8 @@ pub enum DeathReason {
     Maxlen,
     /// Returned more times than the queue's delivery limit (`delivery_limit.rs`).
     DeliveryLimit,
+    /// Its TTL ran out (`ttl.rs`).
+    Expired,
 }
 
 impl DeathReason {
@@ -381,6 +386,7 @@ impl DeathReason {
             DeathReason::Rejected => "rejected",
             DeathReason::Maxlen => "maxlen",
             DeathReason::DeliveryLimit => "delivery_limit",
+            DeathReason::Expired => "expired",
         }
     }
 }
@@ -458,9 +464,16 @@ impl DeadLetterTarget {
     /// stored it (also when it routes nowhere: RabbitMQ drops such a copy).
     async fn publish_copy(&self, original: &Message, reason: DeathReason, seq: u64) -> bool {
         let (exchange, rk, raw) = original.parts();
-        let props = decode_properties(raw).unwrap_or_default();
+        let mut props = decode_properties(raw).unwrap_or_default();
         let new_rk = self.dlrk.clone().unwrap_or_else(|| rk.to_owned());
-        let props = with_x_death(props, &self.source.name, reason.as_str(), exchange, rk);
+        // An expired copy loses its `expiration`, kept in its x-death (RabbitMQ's
+        // `original-expiration`), so that it does not expire again where it lands.
+        let mut original_expiration = None;
+        if reason == DeathReason::Expired {
+            original_expiration = props.expiration().clone();
+            props = without_expiration(props);
+        }
+        let props = with_x_death(props, &self.source.name, reason.as_str(), exchange, rk, original_expiration.as_ref().map(|e| e.as_str()));
         let copy = Message::new(&self.dlx, &new_rk, &encode_properties(&props), original.body.clone(), original.persistent());
         let mut route = self.env.route(&self.source.vhost, &self.dlx, &new_rk, props.headers().as_ref());
         if let Some(h) = props.headers() {
@@ -511,12 +524,33 @@ pub fn is_cycle(headers: &FieldTable, target: &str) -> bool {
     false
 }
 
+/// `props` without their `expiration` (amq-protocol has no setter that clears a field).
+pub fn without_expiration(p: AMQPProperties) -> AMQPProperties {
+    let mut n = AMQPProperties::default();
+    macro_rules! keep {
+        ($($get:ident => $set:ident),*) => {$( if let Some(v) = p.$get().clone() { n = n.$set(v); } )*};
+    }
+    keep!(content_type => with_content_type, content_encoding => with_content_encoding, headers => with_headers,
+        delivery_mode => with_delivery_mode, priority => with_priority, correlation_id => with_correlation_id,
+        reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
+        user_id => with_user_id, app_id => with_app_id, cluster_id => with_cluster_id);
+    n
+}
+
 /// Adds or updates the `x-death` header as RabbitMQ writes it: an array of tables, most
 /// recent first, one per (queue, reason), with `count`, `reason`, `queue`, `time`
-/// (seconds), `exchange` and `routing-keys`; plus `x-first-death-{reason,queue,exchange}`
+/// (seconds), `exchange`, `routing-keys` and, for a message that expired by its own
+/// `expiration`, `original-expiration`; plus `x-first-death-{reason,queue,exchange}`
 /// once and `x-last-death-{reason,queue,exchange}` every time (RabbitMQ docs, "Dead Letter
 /// Exchanges", "Dead-Lettered Messages").
-pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: &str, routing_key: &str) -> AMQPProperties {
+pub fn with_x_death(
+    props: AMQPProperties,
+    queue: &str,
+    reason: &str,
+    exchange: &str,
+    routing_key: &str,
+    original_expiration: Option<&str>,
+) -> AMQPProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut deaths: Vec<AMQPValue> = match headers.inner().get("x-death") {
@@ -551,6 +585,9 @@ pub fn with_x_death(props: AMQPProperties, queue: &str, reason: &str, exchange: 
     let mut keys = FieldArray::default();
     keys.push(AMQPValue::LongString(LongString::from(routing_key)));
     t.insert("routing-keys".into(), AMQPValue::FieldArray(keys));
+    if let Some(e) = original_expiration {
+        t.insert("original-expiration".into(), AMQPValue::LongString(LongString::from(e)));
+    }
     deaths.insert(0, AMQPValue::FieldTable(t));
     headers.insert("x-death".into(), AMQPValue::FieldArray(FieldArray::from(deaths)));
     for (k, v) in [("x-first-death-reason", reason), ("x-first-death-queue", queue), ("x-first-death-exchange", exchange)] {
@@ -572,15 +609,15 @@ mod tests {
 
     #[test]
     fn x_death_counts_per_queue_and_reason() {
-        let p = with_x_death(AMQPProperties::default(), "src", "rejected", "", "src");
-        let p = with_x_death(p, "src", "rejected", "", "src");
+        let p = with_x_death(AMQPProperties::default(), "src", "rejected", "", "src", None);
+        let p = with_x_death(p, "src", "rejected", "", "src", None);
         let h = p.headers().clone().unwrap();
         let AMQPValue::FieldArray(a) = h.inner().get("x-death").unwrap() else { panic!() };
         assert_eq!(a.as_slice().len(), 1);
         let AMQPValue::FieldTable(t) = &a.as_slice()[0] else { panic!() };
         assert_eq!(t.inner().get("count"), Some(&AMQPValue::LongLongInt(2)));
         assert_eq!(h.inner().get("x-first-death-queue"), Some(&AMQPValue::LongString("src".into())));
-        let p = with_x_death(p, "other", "maxlen", "x", "k");
+        let p = with_x_death(p, "other", "maxlen", "x", "k", None);
         let h = p.headers().clone().unwrap();
         let AMQPValue::FieldArray(a) = h.inner().get("x-death").unwrap() else { panic!() };
         assert_eq!(a.as_slice().len(), 2);
