@@ -130,6 +130,10 @@ pub struct Flags {
     /// typed, anything else is a string (x-queue-type=quorum, x-max-length=1000).
     #[arg(long, value_delimiter = ',')]
     pub queue_args: Vec<String>,
+    /// Message priorities: message k of a producer carries `priority` k mod N (levels
+    /// 0..N-1, for a queue with x-max-priority); 0 = no priority property.
+    #[arg(long, default_value_t = 0)]
+    pub priorities: u8,
     /// Queues (and exchange) already exist: neither declare, purge nor delete them.
     #[arg(long)]
     pub predeclared: bool,
@@ -267,6 +271,8 @@ pub struct Config {
     pub queue_args: FieldTable,
     /// Queue arguments as given, for the report.
     pub queue_args_text: Vec<String>,
+    /// Priority levels cycled through by each producer's messages, 0 = none.
+    pub priorities: u8,
     /// Declare nothing, delete nothing.
     pub predeclared: bool,
     /// Emit a JSON line.
@@ -369,6 +375,7 @@ impl Config {
             messages: f.messages.or(dmsgs),
             queue_args,
             queue_args_text,
+            priorities: f.priorities,
             predeclared: f.predeclared,
             json: f.json,
             drain_timeout_s: f.drain_timeout.unwrap_or(ddrain).max(0.0),

@@ -118,6 +118,7 @@ fn setup_json(cfg: &Config, j: &mut Map<String, Value>) {
     j.insert("exchange".into(), json!(cfg.exchange.name));
     j.insert("exchange_type".into(), json!(cfg.exchange.kind.name()));
     j.insert("queue_args".into(), json!(cfg.queue_args_text));
+    j.insert("priorities".into(), json!(cfg.priorities));
 }
 
 fn setup_human(cfg: &Config) -> String {

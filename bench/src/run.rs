@@ -577,7 +577,11 @@ async fn producer(
             };
             let mut body = template.clone();
             body::encode(&mut body, Tag { run: env.run_id, producer: index, seq: sent as u32 }, intended);
-            let mut fut = publish(&ch, ex.clone(), rk.clone(), opts, body, props.clone());
+            let props = match cfg.priorities {
+                0 => props.clone(),
+                n => props.clone().with_priority((sent % u64::from(n)) as u8),
+            };
+            let mut fut = publish(&ch, ex.clone(), rk.clone(), opts, body, props);
             sent += 1;
             Stats::bump(&stats.sent, 1);
             match fut.as_mut().poll(cx) {
