@@ -100,6 +100,11 @@ impl Levels {
         self.order.len()
     }
 
+    /// No offset is ready.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
     /// A ready offset at `priority` (clamped to the maximum); `fresh` when never delivered.
     pub fn insert(&mut self, offset: u64, priority: u8, fresh: bool, stored_at: Option<Instant>) {
         let p = priority.min(self.max);
