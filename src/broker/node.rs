@@ -414,9 +414,14 @@ impl Node {
         for (from, to, why) in &report.dropped {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
         }
-        let body_lens = if def.arguments.inner().contains_key("x-max-length-bytes") { body_lens(&shard).await? } else { Vec::new() };
+        let want = super::queue::RecordScan {
+            body_lens: def.arguments.inner().contains_key("x-max-length-bytes"),
+            priorities: super::queue::priority::max_priority(&def.arguments).is_some(),
+        };
+        let (body_lens, priorities) =
+            if want.body_lens || want.priorities { super::queue::scan_records(&shard, want).await? } else { Default::default() };
         if !qref.durable {
-            return Ok((shard, None, Recovered { body_lens, ..Recovered::default() }));
+            return Ok((shard, None, Recovered { body_lens, priorities, ..Recovered::default() }));
         }
         let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
@@ -424,7 +429,7 @@ impl Node {
         let (vhost, name) = (&qref.key.vhost, &qref.key.name);
         let (cursor, reserved, tail) =
             self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.tail(vhost, name)));
-        Ok((shard, Some(index), Recovered { cursor, held, reserved, tail, body_lens }))
+        Ok((shard, Some(index), Recovered { cursor, held, reserved, tail, body_lens, priorities }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
@@ -798,18 +803,4 @@ impl QueueEnv for Node {
         let (reply, _rx) = super::reply_channel();
         self.send(&qref, QueueOp::Delete { if_unused: true, if_empty: false, reply });
     }
-}
-
-/// (offset, body bytes) of every live record of `shard`, read through its sequential reader:
-/// what `x-max-length-bytes` counts when a queue opens (`queue::limits`).
-///
-/// # Errors
-/// The store's read errors.
-async fn body_lens(shard: &ringmq_shards::Shard) -> Result<Vec<(u64, u32)>, ringmq_shards::StoreError> {
-    let mut reader = shard.reader(shard.start_offset());
-    let mut out = Vec::new();
-    while let Some(r) = reader.next().await? {
-        out.push((r.offset, u32::try_from(r.body.len()).unwrap_or(u32::MAX)));
-    }
-    Ok(out)
 }

@@ -233,6 +233,22 @@ fn rabbit_type(v: &amq_protocol::types::AMQPValue) -> &'static str {
     }
 }
 
+/// `x-max-priority` (`broker::queue::priority`): an integer 0–255, refused otherwise with
+/// 406 in RabbitMQ's words (its `check_max_priority_arg`, as 3.10 to 4.x answer).
+fn check_max_priority(def: &QueueDef) -> Result<(), AmqpError> {
+    let Some(v) = def.arguments.inner().get("x-max-priority") else { return Ok(()) };
+    let why = match crate::broker::router::int_arg(&def.arguments, "x-max-priority") {
+        Some(n) if n < 0 => format!("{{value_negative,{n}}}"),
+        Some(n) if n > crate::broker::queue::priority::MAX_SUPPORTED => format!("{{max_value_exceeded,{n}}}"),
+        Some(_) => return Ok(()),
+        None => {
+            let ty = rabbit_type(v);
+            format!("\"expected integer, got {ty}\"")
+        }
+    };
+    Err(AmqpError::precondition_failed(format!("invalid arg 'x-max-priority' for queue '{}' in vhost '{}': {why}", def.name, def.vhost)))
+}
+
 /// Rejects queue arguments of the wrong type (406, as RabbitMQ does for the x- arguments
 /// it knows).
 fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
@@ -262,7 +278,6 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
         ("x-expires", 1),
         ("x-max-length", 0),
         ("x-max-length-bytes", 0),
-        ("x-max-priority", 0),
         ("x-delivery-limit", -1),
         ("x-quorum-initial-group-size", 1),
     ] {
@@ -273,6 +288,7 @@ fn validate_arguments(def: &QueueDef) -> Result<(), AmqpError> {
             )));
         }
     }
+    check_max_priority(def)?;
     if args.inner().contains_key("x-single-active-consumer") && bool_arg(args, "x-single-active-consumer").is_none() {
         return Err(AmqpError::precondition_failed(format!(
             "invalid arg 'x-single-active-consumer' for queue '{}' in vhost '{}': expected a boolean",

@@ -149,7 +149,7 @@ impl CopyStore for QueueStore<'_> {
                 self.0.env.disk_full();
             }
         })?;
-        self.0.ready.push(at, m.body.len(), None);
+        self.0.ready.push_message(at, &m.header, m.body.len(), None);
         self.0.dirty = true;
         Ok(())
     }

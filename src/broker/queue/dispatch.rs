@@ -359,11 +359,14 @@ impl Queue {
     }
 
     /// The cursor moves past a delivered offset; a commit task carries it to the metadata.
+    /// A priority queue's cursor moves only to its ready set's floor, below which everything
+    /// was delivered (`ready.rs`, "Priorities and the cursor").
     fn passed(&mut self, offset: u64) {
-        if self.index.is_none() || offset < self.cursor.target {
+        let next = self.ready.delivered_floor().unwrap_or(offset + 1);
+        if self.index.is_none() || next <= self.cursor.target {
             return;
         }
-        self.cursor.target = offset + 1;
+        self.cursor.target = next;
         if !self.cursor.committing {
             self.cursor.committing = true;
             glommio::spawn_local(commit_cursor(self.me.clone())).detach();

@@ -16,6 +16,7 @@
 //! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
 //! - [`delivery_limit`]: `x-delivery-limit` (poison-message handling);
 //! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
+//! - [`priority`]: `x-max-priority`, the levels of a priority queue's ready set;
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
 //!
 //! # Invariants
@@ -34,6 +35,7 @@ pub mod durability;
 pub mod expiry;
 pub mod index;
 pub mod limits;
+pub mod priority;
 pub mod ready;
 pub mod replica;
 pub mod settle;
@@ -96,12 +98,15 @@ pub trait QueueEnv: Mesh {
 
 /// A durable queue's shared cursor: every offset below `committed` has been delivered at
 /// least once (or, after a replicated queue moved, may have been: `replica.rs`, step 5), and
-/// the Raft metadata says so (committed by compare-and-set).
+/// the Raft metadata says so (committed by compare-and-set). A priority queue hands higher
+/// offsets out before lower ones: its target is its ready set's floor, not the highest
+/// delivery (`ready.rs`, "Priorities and the cursor").
 #[derive(Debug, Default)]
 pub struct Cursor {
     /// Value stored in the metadata.
     pub committed: u64,
-    /// Highest delivered offset + 1 (what the next commit proposes).
+    /// Highest delivered offset + 1, for a priority queue its floor (what the next commit
+    /// proposes).
     pub target: u64,
     /// A commit task is running.
     pub committing: bool,
@@ -125,6 +130,40 @@ pub struct Recovered {
     /// (offset, body bytes) of every live message, read only for a queue with
     /// `x-max-length-bytes` ([`limits`]); empty otherwise.
     pub body_lens: Vec<(u64, u32)>,
+    /// (offset, `priority` property) of every live message, read only for a queue with
+    /// `x-max-priority` ([`priority`]); empty otherwise.
+    pub priorities: Vec<(u64, u8)>,
+}
+
+/// What a queue that opens needs read from each of its live records.
+#[derive(Clone, Copy)]
+pub struct RecordScan {
+    /// Body lengths, for `x-max-length-bytes` ([`limits`]).
+    pub body_lens: bool,
+    /// `priority` properties, for `x-max-priority` ([`priority`]).
+    pub priorities: bool,
+}
+
+/// ((offset, body bytes), (offset, priority)) of every live record of `shard`, each list
+/// only when `want` asks for it, read in one pass through the shard's sequential reader.
+///
+/// # Errors
+/// The store's read errors.
+pub async fn scan_records(
+    shard: &ringmq_shards::Shard,
+    want: RecordScan,
+) -> Result<(Vec<(u64, u32)>, Vec<(u64, u8)>), ringmq_shards::StoreError> {
+    let mut reader = shard.reader(shard.start_offset());
+    let (mut lens, mut prios) = (Vec::new(), Vec::new());
+    while let Some(r) = reader.next().await? {
+        if want.body_lens {
+            lens.push((r.offset, u32::try_from(r.body.len()).unwrap_or(u32::MAX)));
+        }
+        if want.priorities {
+            prios.push((r.offset, priority::of_header(&r.header)));
+        }
+    }
+    Ok((lens, prios))
 }
 
 /// A queue's state. See the module doc.
@@ -227,6 +266,9 @@ impl Queue {
         let delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&def.arguments, quorum);
         if limits.is_some_and(|l| l.counts_bytes()) {
             ready.count_bytes(recovered.body_lens.iter().copied().filter(|(o, _)| shard.is_live(*o)));
+        }
+        if let Some(max) = priority::max_priority(&def.arguments) {
+            ready.prioritise(max, recovered.priorities.iter().copied());
         }
         // The scanner (rule 7): records of a dead boot epoch are requeued at once — their
         // messages are ready again, flagged; the records stay as theirs until the messages are
@@ -434,7 +476,7 @@ impl Queue {
         match self.shard.append_shared(message.flags, &message.header, &message.body) {
             Ok(offset) => {
                 let now = published.map(|_| Instant::now());
-                self.ready.push(offset, message.body.len(), now);
+                self.ready.push_message(offset, &message.header, message.body.len(), now);
                 if needs_sync {
                     if let Some(c) = confirm {
                         self.pending_confirms.push((c, published));

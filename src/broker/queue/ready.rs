@@ -15,11 +15,29 @@
 //! - `bytes` (kept only for a queue with `x-max-length-bytes`: `limits.rs`) holds the body
 //!   length of every live offset, ready or claimed, and `bytes.ready` is the sum over the
 //!   ready ones.
+//! - `prio` (kept only for a queue with `x-max-priority`: `priority.rs`) holds every ready
+//!   offset then, and `ready`, `requeued` and `ready_at` stay empty: the order is the
+//!   levels' (highest first, offset order within one, so a requeue returns to its place in
+//!   its level). An ordinary queue pays one `Option` test per operation.
+//!
+//! # Priorities and the cursor
+//! The shared cursor (`mod.rs`, [`super::Cursor`]) says "every offset below it was delivered
+//! at least once", and a restart flags every live offset below it redelivered (rule 7). A
+//! priority queue hands a high offset out before lower ones, so its cursor may not follow the
+//! highest delivery: it moves to [`ReadySet::delivered_floor`], the lowest offset still ready
+//! and never claimed (or one past the highest claimed). Whatever was delivered above that
+//! floor is flagged after a crash the way every tracked delivery is, by its unacked-index
+//! record (rule 2); an auto-ack delivery above it whose delete was not yet synced comes
+//! back unflagged, the slack an ordinary queue has between a delivery and its cursor commit,
+//! for longer. The cursor never passes a message that was never claimed (a message claimed
+//! and put back undelivered, e.g. for a consumer gone meanwhile, is the known slack of both).
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::priority::{self, Levels};
 
 /// See the module doc. Memory: 8 bytes per ready offset (`VecDeque<u64>`), more for the
 /// requeued (B-tree) and flagged (hash set) ones.
@@ -30,6 +48,7 @@ pub struct ReadySet {
     requeued: BTreeSet<u64>,
     redelivered: FxHashSet<u64>,
     bytes: Option<Box<BodyBytes>>,
+    prio: Option<Box<Levels>>,
 }
 
 /// Body lengths of a queue's live messages (see the module doc), for `x-max-length-bytes`.
@@ -66,6 +85,32 @@ impl ReadySet {
         ReadySet { ready, redelivered, ..Default::default() }
     }
 
+    /// Makes this the ready set of a priority queue of levels 0..=`max` (`priority.rs`):
+    /// every offset ready now moves to its level, from `levels` (offset, message priority;
+    /// an offset missing there is at 0). Called once, when the queue opens.
+    pub fn prioritise(&mut self, max: u8, levels: impl IntoIterator<Item = (u64, u8)>) {
+        let levels: FxHashMap<u64, u8> = levels.into_iter().collect();
+        let mut l = Levels::new(max);
+        let offs: Vec<u64> = self.ready.drain(..).chain(std::mem::take(&mut self.requeued)).collect();
+        self.ready_at.clear();
+        for o in offs {
+            l.insert(o, levels.get(&o).copied().unwrap_or(0), !self.redelivered.contains(&o), None);
+        }
+        self.prio = Some(Box::new(l));
+    }
+
+    /// Whether this is a priority queue's ready set ([`ReadySet::prioritise`]).
+    pub fn is_prioritised(&self) -> bool {
+        self.prio.is_some()
+    }
+
+    /// For a priority queue: an offset below which every live message was claimed at least
+    /// once (see the module doc); `None` for an ordinary queue, whose deliveries go in offset
+    /// order.
+    pub fn delivered_floor(&self) -> Option<u64> {
+        self.prio.as_ref().map(|p| p.delivered_floor())
+    }
+
     /// Starts counting body bytes (`x-max-length-bytes`), with the body lengths of the
     /// offsets live now, (offset, body bytes): every one of them is ready (a queue that opens
     /// has delivered nothing yet). Offsets pushed later bring their length with them.
@@ -85,7 +130,7 @@ impl ReadySet {
 
     /// Messages ready for delivery.
     pub fn len(&self) -> usize {
-        self.ready.len() + self.requeued.len()
+        self.ready.len() + self.requeued.len() + self.prio.as_ref().map_or(0, |p| p.len())
     }
 
     /// No message is ready.
@@ -95,24 +140,45 @@ impl ReadySet {
 
     /// A new message of `body_len` body bytes was appended at `offset` (higher than any
     /// before); `stored_at` when its stored→delivered time is sampled.
+    /// A priority queue places it at level 0 ([`ReadySet::push_message`] reads the level).
     pub fn push(&mut self, offset: u64, body_len: usize, stored_at: Option<Instant>) {
-        self.ready.push_back(offset);
+        self.push_at(offset, 0, body_len, stored_at);
+    }
+
+    /// [`ReadySet::push`] for a message stored with `header` (`message.rs` layout): a priority
+    /// queue places it at the level of its `priority` property; an ordinary queue never reads
+    /// the header.
+    pub fn push_message(&mut self, offset: u64, header: &[u8], body_len: usize, stored_at: Option<Instant>) {
+        let level = if self.prio.is_some() { priority::of_header(header) } else { 0 };
+        self.push_at(offset, level, body_len, stored_at);
+    }
+
+    fn push_at(&mut self, offset: u64, level: u8, body_len: usize, stored_at: Option<Instant>) {
+        if let Some(p) = &mut self.prio {
+            p.insert(offset, level, true, stored_at);
+        } else {
+            self.ready.push_back(offset);
+            if let Some(at) = stored_at {
+                self.ready_at.push_back((offset, at));
+            }
+        }
         if let Some(b) = &mut self.bytes {
             let len = u32::try_from(body_len).unwrap_or(u32::MAX);
             b.of.insert(offset, (len, true));
             b.ready += u64::from(len);
         }
-        if let Some(at) = stored_at {
-            self.ready_at.push_back((offset, at));
-        }
     }
 
     /// The offset [`ReadySet::take_next`] would claim, left in place.
     pub fn peek_next(&self) -> Option<u64> {
+        if let Some(p) = &self.prio {
+            return p.peek();
+        }
         self.requeued.first().or(self.ready.front()).copied()
     }
 
-    /// Claims the lowest ready offset; with it, when it was sampled and is delivered for
+    /// Claims the lowest ready offset (a priority queue: the lowest of the highest level);
+    /// with it, when it was sampled and is delivered for
     /// the first time, the instant it was stored.
     pub fn take_next(&mut self) -> Option<(u64, Option<Instant>)> {
         let taken = self.take_next_unsized();
@@ -123,6 +189,9 @@ impl ReadySet {
     }
 
     fn take_next_unsized(&mut self) -> Option<(u64, Option<Instant>)> {
+        if let Some(p) = &mut self.prio {
+            return p.take();
+        }
         if let Some(o) = self.requeued.pop_first() {
             return Some((o, None));
         }
@@ -146,6 +215,9 @@ impl ReadySet {
         if let Some(b) = &mut self.bytes {
             b.set_ready(offset, true);
         }
+        if let Some(p) = &mut self.prio {
+            return p.give_back(offset, !self.redelivered.contains(&offset));
+        }
         if self.ready.front().is_none_or(|f| offset < *f) {
             self.requeued.insert(offset);
         } else {
@@ -160,6 +232,9 @@ impl ReadySet {
             b.set_ready(offset, true);
         }
         self.redelivered.insert(offset);
+        if let Some(p) = &mut self.prio {
+            return p.give_back(offset, false);
+        }
         self.requeued.insert(offset);
     }
 
@@ -179,6 +254,9 @@ impl ReadySet {
             b.set_ready(offset, false);
             b.of.remove(&offset);
         }
+        if let Some(p) = &mut self.prio {
+            p.forget(offset);
+        }
         self.redelivered.remove(&offset);
     }
 
@@ -188,6 +266,9 @@ impl ReadySet {
         let mut offs: Vec<u64> = self.ready.drain(..).collect();
         self.ready_at.clear();
         offs.extend(std::mem::take(&mut self.requeued));
+        if let Some(p) = &mut self.prio {
+            offs.extend(p.drain());
+        }
         for o in &offs {
             self.redelivered.remove(o);
         }
@@ -281,6 +362,116 @@ mod tests {
                 prop_assert_eq!(s.len(), model.len());
                 let want_bytes: u64 = if sized { model.keys().map(|o| len_of(*o)).sum() } else { 0 };
                 prop_assert_eq!(s.ready_bytes(), want_bytes);
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum PrioOp {
+        /// Publish at this priority (clamped to the maximum).
+        Push(u8),
+        Take,
+        GiveBack(usize, bool),
+        Ack(usize),
+        Purge,
+    }
+
+    fn prio_op() -> impl Strategy<Value = PrioOp> {
+        prop_oneof![
+            3 => (0u8..14).prop_map(PrioOp::Push),
+            3 => Just(PrioOp::Take),
+            2 => (any::<usize>(), any::<bool>()).prop_map(|(i, r)| PrioOp::GiveBack(i, r)),
+            1 => any::<usize>().prop_map(PrioOp::Ack),
+            1 => Just(PrioOp::Purge),
+        ]
+    }
+
+    proptest! {
+        /// A priority queue's ready set (`priority.rs`) against a reference model — a map
+        /// keyed (level descending, offset) — whatever the publishes, claims, requeues, acks
+        /// and purges: the next message is the model's first (highest level, then original
+        /// position), flags follow requeues, the queue opened again from its live offsets
+        /// (restart) keeps the same order, and every live offset below the cursor floor was
+        /// claimed at least once.
+        #[test]
+        fn highest_level_first_then_original_position(
+            ops in proptest::collection::vec(prio_op(), 1..200),
+            max in 1u8..12,
+            reopen_at in any::<usize>(),
+        ) {
+            use std::cmp::Reverse;
+            let mut s = ReadySet::default();
+            s.prioritise(max, []);
+            let mut next = 0u64;
+            let mut level: BTreeMap<u64, u8> = BTreeMap::new();
+            // Model: (level descending, offset) → delivered before; the claimed offsets; the
+            // offsets ever claimed.
+            let mut model: BTreeMap<(Reverse<u8>, u64), bool> = BTreeMap::new();
+            let mut claimed: Vec<(u64, bool)> = Vec::new();
+            let mut ever: std::collections::BTreeSet<u64> = Default::default();
+            let reopen_at = reopen_at % ops.len();
+            for (i, op) in ops.into_iter().enumerate() {
+                if i == reopen_at {
+                    // A restart: claimed offsets come back flagged, everything in the store
+                    // takes its level again.
+                    for (o, _) in claimed.drain(..) {
+                        model.insert((Reverse(level[&o]), o), true);
+                    }
+                    let live: Vec<u64> = model.keys().map(|k| k.1).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+                    let flagged: Vec<u64> = model.iter().filter(|(_, d)| **d).map(|(k, _)| k.1).collect();
+                    s = ReadySet::recovered(live.clone(), flagged);
+                    s.prioritise(max, live.iter().map(|o| (*o, level[o])));
+                    ever.clear();
+                }
+                match op {
+                    PrioOp::Push(p) => {
+                        let props = amq_protocol::protocol::basic::AMQPProperties::default().with_priority(p);
+                        let m = crate::broker::message::Message::new("", "q", &crate::broker::message::encode_properties(&props), bytes::Bytes::new(), false);
+                        s.push_message(next, &m.header, 0, None);
+                        level.insert(next, p.min(max));
+                        model.insert((Reverse(p.min(max)), next), false);
+                        next += 1;
+                    }
+                    PrioOp::Take => {
+                        let got = s.take_next().map(|(o, _)| o);
+                        let want = model.keys().next().map(|k| k.1);
+                        prop_assert_eq!(got, want);
+                        if let Some(o) = got {
+                            let d = model.remove(&(Reverse(level[&o]), o)).unwrap();
+                            prop_assert_eq!(s.is_redelivered(o), d);
+                            claimed.push((o, d));
+                            ever.insert(o);
+                        }
+                    }
+                    PrioOp::GiveBack(i, delivered) if !claimed.is_empty() => {
+                        let (o, flagged) = claimed.remove(i % claimed.len());
+                        if delivered { s.requeue(o) } else { s.unclaim(o) }
+                        model.insert((Reverse(level[&o]), o), delivered || flagged);
+                    }
+                    PrioOp::Ack(i) if !claimed.is_empty() => {
+                        let (o, _) = claimed.remove(i % claimed.len());
+                        s.forget(o);
+                        level.remove(&o);
+                    }
+                    PrioOp::Purge => {
+                        let mut got = s.drain();
+                        got.sort_unstable();
+                        let mut want: Vec<u64> = model.keys().map(|k| k.1).collect();
+                        want.sort_unstable();
+                        prop_assert_eq!(got, want);
+                        for k in std::mem::take(&mut model).into_keys() {
+                            level.remove(&k.1);
+                        }
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(s.len(), model.len());
+                let floor = s.delivered_floor().expect("a priority queue has a floor");
+                for (k, delivered) in &model {
+                    if k.1 < floor {
+                        prop_assert!(*delivered || ever.contains(&k.1), "offset {} below the floor {} was never claimed", k.1, floor);
+                    }
+                }
             }
         }
     }

@@ -252,7 +252,7 @@ impl Queue {
                 }
                 match q.shard.append_shared(flags, &header, &body) {
                     Ok(at) if at == offset => {
-                        q.ready.push(at, body.len(), None);
+                        q.ready.push_message(at, &header, body.len(), None);
                         let below = q.repl.as_ref().map_or(0, |r| r.delivered_below);
                         if at < q.cursor.committed.max(below) {
                             // Stored again by a replay (this copy's shard had lost its unsynced
@@ -272,7 +272,7 @@ impl Queue {
                     }
                     Ok(at) => {
                         tracing::error!(queue = %q.qref.key.name, offset, at, "replica stored a message at another offset");
-                        q.ready.push(at, body.len(), None);
+                        q.ready.push_message(at, &header, body.len(), None);
                     }
                     Err(e) => {
                         if e.is_disk_full() {
