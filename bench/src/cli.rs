@@ -38,6 +38,11 @@ pub enum Command {
     ConnectionChurn(Flags),
     /// Declare a queue, delete it; repeat (--producers workers in parallel).
     QueueChurn(Flags),
+    /// A queue with a message TTL and a dead-letter exchange (x-message-ttl=60000,
+    /// x-dead-letter-exchange=amq.fanout unless --queue-args says otherwise) under 1 KiB,
+    /// confirm window 100, prefetch 100, basic.ack per message, unlimited rate: what the TTL
+    /// path costs when nothing expires.
+    TtlDlx(Flags),
     /// Median of each figure of two files of --json lines (A and B) and the ratio A/B.
     Report(ReportArgs),
 }
@@ -204,6 +209,8 @@ pub enum Scenario {
     ConnectionChurn,
     /// See [`Command::QueueChurn`].
     QueueChurn,
+    /// See [`Command::TtlDlx`].
+    TtlDlx,
 }
 
 impl Scenario {
@@ -218,6 +225,7 @@ impl Scenario {
             Scenario::Backlog => "backlog",
             Scenario::ConnectionChurn => "connection-churn",
             Scenario::QueueChurn => "queue-churn",
+            Scenario::TtlDlx => "ttl-dlx",
         }
     }
 }
@@ -317,6 +325,7 @@ impl Config {
             ManyQueues => (1000, 1000, 1000, 16, 10.0, 0, false, 0, 10.0, None, 10.0),
             Backlog => (1, 1, 1, 16, 0.0, 0, false, 0, 600.0, Some(1_000_000), 600.0),
             ConnectionChurn | QueueChurn => (1, 0, 1, 16, 0.0, 0, false, 0, 10.0, None, 5.0),
+            TtlDlx => (1, 1, 1, 1024, 0.0, 100, true, 100, 10.0, None, 10.0),
         };
         let fanout_queues = f.fanout_queues.or((scenario == Fanout).then_some(dq));
         let kind = match (f.exchange_type, fanout_queues) {
@@ -359,7 +368,9 @@ impl Config {
         if !(duration_s > 0.0 && duration_s.is_finite()) {
             return usage("--duration must be > 0".into());
         }
-        let (queue_args, queue_args_text) = parse_queue_args(&f.queue_args)?;
+        let ttl_dlx = ["x-message-ttl=60000".to_string(), "x-dead-letter-exchange=amq.fanout".to_string()];
+        let queue_args = if scenario == TtlDlx && f.queue_args.is_empty() { &ttl_dlx[..] } else { &f.queue_args[..] };
+        let (queue_args, queue_args_text) = parse_queue_args(queue_args)?;
         Ok(Config {
             scenario,
             uri: f.uri,
@@ -480,6 +491,16 @@ mod tests {
         let c = Config::resolve(Scenario::Latency, flags(&["--auto-ack", "--rate", "5"])).unwrap();
         assert!(c.auto_ack);
         assert_eq!(c.rate, 5.0);
+    }
+
+    #[test]
+    fn ttl_dlx_preset_declares_a_ttl_queue_with_a_dlx_unless_told_otherwise() {
+        let c = Config::resolve(Scenario::TtlDlx, flags(&[])).unwrap();
+        assert!(!c.auto_ack);
+        assert_eq!((c.confirm, c.prefetch, c.size, c.rate), (100, 100, 1024, 0.0));
+        assert_eq!(c.queue_args_text, ["x-message-ttl=60000", "x-dead-letter-exchange=amq.fanout"]);
+        let c = Config::resolve(Scenario::TtlDlx, flags(&["--queue-args", "x-message-ttl=5"])).unwrap();
+        assert_eq!(c.queue_args_text, ["x-message-ttl=5"]);
     }
 
     #[test]

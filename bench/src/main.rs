@@ -66,6 +66,7 @@ fn main() {
         Command::Backlog(f) => (Scenario::Backlog, f),
         Command::ConnectionChurn(f) => (Scenario::ConnectionChurn, f),
         Command::QueueChurn(f) => (Scenario::QueueChurn, f),
+        Command::TtlDlx(f) => (Scenario::TtlDlx, f),
     };
     let cfg = match Config::resolve(scenario, flags) {
         Ok(c) => c,
