@@ -52,6 +52,7 @@ impl Session {
                         // requeued) and the exclusive queues are gone.
                         self.release().await;
                         self.send_method(0, &AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})));
+                        self.st.borrow_mut().linger = true;
                         self.finish();
                         Ok(())
                     }
