@@ -94,6 +94,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
             cancel_notify: tuned.cancel_notify,
             closing: None,
             finish: false,
+            linger: false,
             exclusive_queues: Vec::new(),
             confirms_ready: Vec::new(),
             blocked_notify: tuned.blocked_notify,

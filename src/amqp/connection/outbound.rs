@@ -110,6 +110,10 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, 
                 glommio::timer::sleep(CLOSE_WAIT),
             )
             .await;
+            if s.st.borrow().linger {
+                // The reader ends the connection at the client's EOF; this bounds the wait.
+                glommio::timer::sleep(CLOSE_WAIT).await;
+            }
             let _ = w.close().await;
             return;
         }

@@ -55,6 +55,10 @@ pub struct ConnState {
     pub closing: Option<Instant>,
     /// The writer should flush what it has and end the connection.
     pub finish: bool,
+    /// The client closed the connection (connection.close, answered close-ok): as RabbitMQ,
+    /// the socket is left for the client to close first (the reader reads to its EOF), for
+    /// at most [`CLOSE_WAIT`], so a client does not read EOF where it waits for close-ok.
+    pub linger: bool,
     /// Exclusive queues declared by this connection.
     pub exclusive_queues: Vec<QueueRef>,
     /// Completed publisher confirms to send: (channel, seq, ok).
@@ -113,6 +117,16 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             }
         }
         if s.st.borrow().finish {
+            if s.st.borrow().linger {
+                // After close-ok: what the client still sends is dropped until it closes the
+                // socket (then the connection ends) or the writer's linger runs out.
+                loop {
+                    match r.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            }
             // The writer flushes and ends the connection.
             std::future::pending::<()>().await;
         }
@@ -210,15 +224,22 @@ impl Session {
     }
 
     /// Closes every channel (requeueing what they hold) and deletes the connection's
-    /// exclusive queues; returns the replies of those deletions.
-    fn close_all(&self) -> Vec<flume::Receiver<Result<u32, crate::broker::QueueError>>> {
+    /// exclusive queues; returns the replies of those deletions and the queues the channels
+    /// touched (each told `ChannelClosed`).
+    fn close_all(&self) -> (Vec<flume::Receiver<Result<u32, crate::broker::QueueError>>>, Vec<QueueRef>) {
         let mut st = self.st.borrow_mut();
         let channels: Vec<Channel> = st.channels.drain().map(|(_, c)| c).collect();
         let exclusive = std::mem::take(&mut st.exclusive_queues);
         drop(st);
+        let mut touched: Vec<QueueRef> = Vec::new();
         for mut c in channels {
             if c.state == ChannelState::Open {
                 let effects = close_effects(&mut c);
+                for q in &effects.queues {
+                    if !touched.iter().any(|t| t.key == q.key) {
+                        touched.push(q.clone());
+                    }
+                }
                 self.apply_close_effects(effects);
             }
         }
@@ -228,19 +249,74 @@ impl Session {
             self.queue_send(&q, QueueOp::Delete { if_unused: false, if_empty: false, reply });
             replies.push(rx);
         }
-        replies
+        (replies, touched)
     }
 
-    /// [`Session::close_all`], waiting (at most 2 s) until the exclusive queues are deleted.
+    /// [`Session::close_all`], waiting (at most 2 s in all) until the exclusive queues are
+    /// deleted and every touched queue has carried out its `ChannelClosed` (a `Stats` sent
+    /// after it is answered): by connection.close-ok, as in RabbitMQ, the deliveries are
+    /// requeued and an auto-delete queue that lost its last consumer is going, so a client
+    /// that redeclares it next finds it gone rather than about to go.
     pub(super) async fn release(&self) {
         let deadline = Instant::now() + Duration::from_secs(2);
-        for rx in self.close_all() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let _ = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
-                glommio::timer::sleep(left).await;
-                None
-            })
-            .await;
+        let (deleted, touched) = self.close_all();
+        for rx in deleted {
+            bounded_wait(deadline, rx.recv_async()).await;
+        }
+        self.await_queues(&touched, deadline).await;
+    }
+
+    /// [`Session::apply_close_effects`] for a channel the client closed, then waits (at most
+    /// 2 s) until each queue has carried out its `ChannelClosed`: as RabbitMQ, by
+    /// channel.close-ok the channel's unacknowledged deliveries are requeued, so a basic.get
+    /// on another channel right after finds them (aio-pika's `test_no_ack_redelivery`).
+    pub async fn apply_close_effects_and_wait(&self, effects: CloseEffects) {
+        let queues = effects.queues.clone();
+        self.apply_close_effects(effects);
+        self.await_queues(&queues, Instant::now() + Duration::from_secs(2)).await;
+    }
+
+    /// Waits until `deadline` at the latest for each queue to carry out what this connection
+    /// sent it before, and for a queue that then deleted itself (auto-delete, its last
+    /// consumer gone) to leave the metadata. Two rounds of `Stats`: a queue answers in the
+    /// order it takes operations from this core, and the delete it sends itself on the way
+    /// (through its core's inbox) is taken before the second round (through that inbox too),
+    /// which it answers 404 (RabbitMQ deletes such a queue,
+    /// and an auto-delete exchange that loses its last binding with it, before close-ok).
+    async fn await_queues(&self, queues: &[QueueRef], deadline: Instant) {
+        let mut going = Vec::new();
+        for round in 0..2 {
+            let answers: Vec<_> = queues
+                .iter()
+                .map(|q| {
+                    let (reply, rx) = crate::broker::reply_channel();
+                    if round == 0 {
+                        self.queue_send(q, QueueOp::Stats { reply });
+                    } else {
+                        // Through the owner core's inbox even when it is this core: behind
+                        // the delete the queue sent itself there.
+                        crate::broker::Mesh::send(&*self.core, q, QueueOp::Stats { reply });
+                    }
+                    rx
+                })
+                .collect();
+            for (q, rx) in queues.iter().zip(answers) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let answer = futures_lite::future::or(async { rx.recv_async().await.ok() }, async {
+                    glommio::timer::sleep(left).await;
+                    None
+                })
+                .await;
+                if round == 1 && matches!(answer, Some(Err(crate::broker::QueueError::NotFound(_)))) {
+                    going.push(q);
+                }
+            }
+        }
+        for q in going {
+            let (vhost, name) = (q.key.vhost.to_string(), q.key.name.to_string());
+            while self.core.router().queue_ref(&vhost, &name).is_some() && Instant::now() < deadline {
+                glommio::timer::sleep(Duration::from_millis(2)).await;
+            }
         }
     }
 
@@ -310,4 +386,14 @@ pub fn close_effects(c: &mut Channel) -> CloseEffects {
     c.consumers.clear();
     let _ = c.ledger.drain();
     CloseEffects { uid: c.uid, queues: c.touched.drain().collect(), reply_token: c.reply_to.take().map(|r| r.token) }
+}
+
+/// Awaits `f` until `deadline` at the latest.
+async fn bounded_wait<T>(deadline: Instant, f: impl std::future::Future<Output = T>) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = futures_lite::future::or(async { Some(f.await) }, async {
+        glommio::timer::sleep(left).await;
+        None
+    })
+    .await;
 }

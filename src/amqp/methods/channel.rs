@@ -38,7 +38,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: chan::AMQPMethod) -> Resul
                 st.channels.remove(&channel).map(|mut c| close_effects(&mut c))
             };
             if let Some(e) = effects {
-                s.apply_close_effects(e);
+                s.apply_close_effects_and_wait(e).await;
             }
             s.send_method(channel, &AMQPClass::Channel(chan::AMQPMethod::CloseOk(chan::CloseOk {})));
             Ok(())

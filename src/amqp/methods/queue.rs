@@ -22,17 +22,17 @@ use crate::meta::state::{Command, DestKind, Outcome, QueueDef};
 /// exclusive queue (spec 1.7.2.1, rule "exclusive"); 506 when the barrier finds no quorum.
 pub async fn lookup(s: &Session, name: &str) -> Result<(QueueRef, QueueDef), AmqpError> {
     let vhost = s.vhost();
-    let def = find_synced(s, |r| r.topology.queue(&vhost, name).cloned())
+    // The definition and the reference from one router: the metadata thread can publish a
+    // topology without the queue between two `router()` calls (a delete on another core).
+    let (def, qref) = find_synced(s, |r| Some((r.topology.queue(&vhost, name)?.clone(), r.queue_ref(&vhost, name)?)))
         .await?
         .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
-    let router = s.core.router();
     // Connection ids are per node: an exclusive queue belongs to a connection of its own node.
     if def.exclusive_owner.is_some_and(|o| o != s.id.0 || def.owner_node != s.core.shared.meta.node_id()) {
         return Err(AmqpError::resource_locked(format!(
             "cannot obtain exclusive access to locked queue '{name}' in vhost '{vhost}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
         )));
     }
-    let qref = router.queue_ref(&vhost, name).expect("queue exists");
     Ok((qref, def))
 }
 
@@ -59,10 +59,83 @@ fn check_equivalent(old: &QueueDef, new: &QueueDef) -> Result<(), AmqpError> {
     Ok(())
 }
 
+/// How long a queue.declare waits for a queue being deleted to go ([`wait_gone`]).
+const GONE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 async fn stats(s: &Session, q: &QueueRef) -> Result<(u32, u32), AmqpError> {
     let (reply, rx) = reply_channel();
     s.queue_send(q, QueueOp::Stats { reply });
     Ok(rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??)
+}
+
+/// One attempt at a non-passive queue.declare of `def`: the existing queue's counts (after
+/// the equivalence check), or the new queue's (0, 0) once its store is open. `durable` and
+/// `exclusive` are the method's flags.
+///
+/// # Errors
+/// 404 when the queue exists in the metadata but its owner no longer serves it (it is being
+/// deleted); 406 for an inequivalent redeclare; 405 for another connection's exclusive queue;
+/// 506 when file descriptors run out; the metadata's and the store's errors.
+async fn declare_once(s: &Session, def: &QueueDef, durable: bool, exclusive: bool) -> Result<(u32, u32), AmqpError> {
+    let (vhost, name) = (def.vhost.as_str(), def.name.as_str());
+    let meta = &s.core.shared.meta;
+    let existing = s.core.router().topology.queue(vhost, name).cloned();
+    if existing.is_none() {
+        // Descriptors for the new queue's files (one per shard segment: its messages,
+        // and for a durable queue its unacked index), within the headroom.
+        if let Err((open, max)) = s.core.shared.alarms.reserve_fds(if durable { 2 } else { 1 }) {
+            return Err(AmqpError::resource_error(format!(
+                "cannot declare queue '{name}' in vhost '{vhost}': file descriptor limit nearly reached ({open} of {max} open)"
+            )));
+        }
+    }
+    let counts = match existing {
+        Some(old) => {
+            let (q, _) = lookup(s, name).await?;
+            check_equivalent(&old, def)?;
+            stats(s, &q).await?
+        }
+        None => match meta.propose(Command::DeclareQueue(def.clone())).await.map_err(meta_error)? {
+            Outcome::QueueExists(old) => {
+                let (q, _) = lookup(s, name).await?;
+                check_equivalent(&old, def)?;
+                stats(s, &q).await?
+            }
+            _ => {
+                // Open its store now: declare-ok means the queue can take messages.
+                // Deleted meanwhile (another connection's queue.delete): 404, and declared anew
+                // by the caller's retry.
+                let q = s
+                    .core
+                    .router()
+                    .queue_ref(vhost, name)
+                    .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
+                if let Err(e) = stats(s, &q).await {
+                    s.core.undeclare(def).await;
+                    return Err(e);
+                }
+                if exclusive {
+                    s.st.borrow_mut().exclusive_queues.push(q);
+                }
+                if !def.replicas.is_empty() {
+                    tracing::info!(queue = %name, vhost = %vhost, replicas = ?def.replicas, "declared a replicated queue");
+                }
+                (0, 0)
+            }
+        },
+    };
+    Ok(counts)
+}
+
+/// Waits until the queue `vhost`/`name` has left this node's topology (its delete committed)
+/// and 2 ms more (its owner removes its files next), polling every 2 ms, until `deadline` at
+/// the latest.
+async fn wait_gone(s: &Session, vhost: &str, name: &str, deadline: std::time::Instant) {
+    let step = std::time::Duration::from_millis(2);
+    while s.core.router().topology.queue(vhost, name).is_some() && std::time::Instant::now() < deadline {
+        glommio::timer::sleep(step).await;
+    }
+    glommio::timer::sleep(step).await;
 }
 
 /// Dispatches a queue method.
@@ -105,44 +178,20 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             };
             validate_arguments(&def)?;
             def.replicas = crate::broker::replicas::replica_set_for(&s.core.shared, &def);
-            let existing = s.core.router().topology.queue(&vhost, &name).cloned();
-            if existing.is_none() {
-                // Descriptors for the new queue's files (one per shard segment: its messages,
-                // and for a durable queue its unacked index), within the headroom.
-                if let Err((open, max)) = s.core.shared.alarms.reserve_fds(if d.durable { 2 } else { 1 }) {
-                    return Err(AmqpError::resource_error(format!(
-                        "cannot declare queue '{name}' in vhost '{vhost}': file descriptor limit nearly reached ({open} of {max} open)"
-                    )));
-                }
-            }
-            let (messages, consumers) = match existing {
-                Some(old) => {
-                    let (q, _) = lookup(s, &name).await?;
-                    check_equivalent(&old, &def)?;
-                    stats(s, &q).await?
-                }
-                None => match meta.propose(Command::DeclareQueue(def.clone())).await.map_err(meta_error)? {
-                    Outcome::QueueExists(old) => {
-                        let (q, _) = lookup(s, &name).await?;
-                        check_equivalent(&old, &def)?;
-                        stats(s, &q).await?
+            // A queue that is going (auto-delete after its last consumer, or x-expires) is
+            // still in the metadata until its delete commits, and its owner answers 404 until
+            // its files are gone. Then wait for it to go and declare it anew, as RabbitMQ,
+            // whose deletion is done by the time the last consumer's connection.close-ok is
+            // sent (amqp091-go's ExampleConnection_reconnect redeclares an auto-delete queue
+            // at once). Bounded by GONE_WAIT.
+            let deadline = std::time::Instant::now() + GONE_WAIT;
+            let (messages, consumers) = loop {
+                match declare_once(s, &def, d.durable, d.exclusive).await {
+                    Err(e) if e.code == crate::amqp::error::code::NOT_FOUND && std::time::Instant::now() < deadline => {
+                        wait_gone(s, &vhost, &name, deadline).await;
                     }
-                    _ => {
-                        // Open its store now: declare-ok means the queue can take messages.
-                        let q = s.core.router().queue_ref(&vhost, &name).expect("just declared");
-                        if let Err(e) = stats(s, &q).await {
-                            s.core.undeclare(&def).await;
-                            return Err(e);
-                        }
-                        if d.exclusive {
-                            s.st.borrow_mut().exclusive_queues.push(q);
-                        }
-                        if !def.replicas.is_empty() {
-                            tracing::info!(queue = %name, vhost = %vhost, replicas = ?def.replicas, "declared a replicated queue");
-                        }
-                        (0, 0)
-                    }
-                },
+                    r => break r?,
+                }
             };
             if !d.nowait {
                 declare_ok(s, channel, &name, messages, consumers);
