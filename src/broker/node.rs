@@ -442,7 +442,7 @@ impl Node {
                     Err(e) => drop(reply.send(Err(e))),
                     Ok(n) => {
                         let key = cell.borrow().qref.key.clone();
-                        let (shard, index) = cell.borrow_mut().tear_down();
+                        let ((shard, index), cancels) = cell.borrow_mut().tear_down_quietly();
                         let dir = queue_dir(&self.shared.config, &cell.borrow().def);
                         self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
                         let me = self.clone();
@@ -455,6 +455,7 @@ impl Node {
                             remove_dir(dir).await;
                             me.queues.borrow_mut().remove(&key);
                             me.opened_this_run.borrow_mut().remove(&key);
+                            cancels.into_iter().for_each(crate::broker::queue::CancelNotice::send);
                             let _ = reply.send(Ok(n));
                         })
                         .detach();

@@ -112,16 +112,9 @@ pub fn delivery_count(headers: &FieldTable) -> Option<i64> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::limits::tests::args;
     use super::*;
     use amq_protocol::protocol::basic::AMQPProperties;
-
-    fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
-        let mut t = FieldTable::default();
-        for (k, v) in pairs {
-            t.insert((*k).into(), v.clone());
-        }
-        t
-    }
 
     #[test]
     fn which_queues_have_a_limit() {

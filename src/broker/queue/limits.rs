@@ -177,11 +177,12 @@ impl Queue {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use amq_protocol::types::{AMQPValue, LongString};
 
-    fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+    /// A queue's arguments from (key, value) pairs (shared by the queue modules' tests).
+    pub(in crate::broker::queue) fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
         let mut t = FieldTable::default();
         for (k, v) in pairs {
             t.insert((*k).into(), v.clone());

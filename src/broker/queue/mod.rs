@@ -231,6 +231,23 @@ pub struct Queue {
     env: Rc<dyn QueueEnv>,
 }
 
+/// A queue's shards: its messages and, for a durable queue, its unacked index.
+pub type Shards = (Rc<Shard>, Option<Rc<Shard>>);
+
+/// A basic.cancel owed to a consumer of a queue taken out of service
+/// ([`Queue::tear_down_quietly`]).
+pub struct CancelNotice {
+    tx: super::ClientTx,
+    event: ClientEvent,
+}
+
+impl CancelNotice {
+    /// Sends it to the consumer's connection (gone connections are ignored).
+    pub fn send(self) {
+        let _ = self.tx.send(self.event);
+    }
+}
+
 /// Shared handle to a queue on its owner core.
 pub type QueueCell = Rc<RefCell<Queue>>;
 
@@ -547,17 +564,31 @@ impl Queue {
     /// announced consumer_cancel_notify). Returns the shards (messages, unacked index) for
     /// the caller to destroy.
     pub fn tear_down(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
+        let (shards, cancels) = self.tear_down_quietly();
+        cancels.into_iter().for_each(CancelNotice::send);
+        shards
+    }
+
+    /// [`Queue::tear_down`], the basic.cancel notices left for the caller to send: queue.delete
+    /// sends them once the delete is committed, right before its delete-ok, so a client that
+    /// deletes a queue it consumes from sees the cancel and the delete-ok together (amqplib's
+    /// "cancelled consumer" test closes the channel on the cancel, and RabbitMQ's delete-ok
+    /// is there by then).
+    pub fn tear_down_quietly(&mut self) -> (Shards, Vec<CancelNotice>) {
         // RabbitMQ confirms what was routed to a queue deleted meanwhile.
         self.out_of_service(true)
     }
 
-    /// Marks the queue deleted, cancels its consumers, answers waiting confirms with `ok`,
-    /// wakes its tasks (they stop); returns its shards.
-    fn out_of_service(&mut self, confirms_ok: bool) -> (Rc<Shard>, Option<Rc<Shard>>) {
+    /// Marks the queue deleted, drops its consumers (returning the basic.cancel owed to those
+    /// that announced consumer_cancel_notify), answers waiting confirms with `ok`, wakes its
+    /// tasks (they stop); returns its shards.
+    fn out_of_service(&mut self, confirms_ok: bool) -> (Shards, Vec<CancelNotice>) {
         self.deleted = true;
+        let mut cancels = Vec::new();
         for c in self.consumers.drain() {
             if c.spec.cancel_notify {
-                let _ = c.spec.tx.send(ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
+                let event = ClientEvent::Cancelled { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() };
+                cancels.push(CancelNotice { tx: c.spec.tx.clone(), event });
             }
         }
         for (c, _) in self.pending_confirms.drain(..) {
@@ -567,7 +598,7 @@ impl Queue {
             r.refuse_waiting();
         }
         self.wake();
-        (self.shard.clone(), self.index.clone())
+        ((self.shard.clone(), self.index.clone()), cancels)
     }
 
     /// Why this queue's store stopped taking writes, if it did (a write or fdatasync of its
@@ -585,7 +616,9 @@ impl Queue {
     /// deliveries outstanding now come back redelivered (rules 5 and 7). Returns the shards
     /// for the caller to close.
     pub fn retire(&mut self) -> (Rc<Shard>, Option<Rc<Shard>>) {
-        self.out_of_service(false)
+        let (shards, cancels) = self.out_of_service(false);
+        cancels.into_iter().for_each(CancelNotice::send);
+        shards
     }
 
     fn maybe_auto_delete(&self) {
