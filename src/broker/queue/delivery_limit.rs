@@ -101,20 +101,20 @@ pub fn with_delivery_count(message: Message, count: u32) -> Message {
     }
 }
 
-/// The `x-delivery-count` of a delivered message's headers, if any (for tests and tools).
-pub fn delivery_count(headers: &FieldTable) -> Option<i64> {
-    match headers.inner().get("x-delivery-count")? {
-        AMQPValue::LongLongInt(n) => Some(*n),
-        AMQPValue::LongInt(n) => Some(i64::from(*n)),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::limits::tests::args;
     use super::*;
     use amq_protocol::protocol::basic::AMQPProperties;
+
+    /// The `x-delivery-count` of a delivered message's headers, if any.
+    fn delivery_count(headers: &FieldTable) -> Option<i64> {
+        match headers.inner().get("x-delivery-count")? {
+            AMQPValue::LongLongInt(n) => Some(*n),
+            AMQPValue::LongInt(n) => Some(i64::from(*n)),
+            _ => None,
+        }
+    }
 
     #[test]
     fn which_queues_have_a_limit() {
