@@ -315,3 +315,62 @@ fn a_delivery_limit_counts_the_returns_of_a_client_on_another_node() {
         assert_eq!(counts(&n3, &q).await.unwrap(), (0, 0), "gone from the source queue");
     });
 }
+
+/// basic.get with manual ack on a fresh channel of `conn`, retried (bounded) while a failover
+/// makes the queue unanswerable: (delivery, the channel to settle it on).
+async fn get_when_served(conn: &Connection, queue: &str, limit: Duration) -> (lapin::message::BasicGetMessage, Channel) {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        let ch = channel(conn).await;
+        let r = tokio::time::timeout(Duration::from_secs(3), ch.basic_get(queue.into(), BasicGetOptions::default())).await;
+        if let Ok(Ok(Some(m))) = r {
+            return (m, ch);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("no message from {queue} within {limit:?}");
+}
+
+/// The return counts of a replicated queue are in the metadata log (`Return`), stored by
+/// every member of its set: when its server is killed with SIGKILL, the node that takes the
+/// queue over counts on from them, and the limit holds across the failover.
+#[test]
+fn return_counts_survive_the_failover_of_a_replicated_queue() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let (q, dlq) = (uniq("poison-failover"), uniq("poison-failover-dlq"));
+        durable_queue(&n1, &dlq).await;
+        let mut args = FieldTable::default();
+        for (k, v) in [("x-queue-type", "quorum"), ("x-dead-letter-exchange", ""), ("x-dead-letter-routing-key", dlq.as_str())] {
+            args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+        }
+        args.insert("x-delivery-limit".into(), lapin::types::AMQPValue::LongLongInt(2));
+        declare_queue(&channel(&n1).await, &q, QueueDeclareOptions::durable(), args).await;
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let p2 = confirming(&n2).await;
+        publish_all(&p2, &q, "p", 1).await;
+        let count_of = |m: &lapin::message::BasicGetMessage| {
+            m.delivery.properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count").cloned())
+        };
+        for returns in 0..2 {
+            let (m, _ch) = get_when_served(&n2, &q, Duration::from_secs(10)).await;
+            let want = (returns > 0).then_some(lapin::types::AMQPValue::LongLongInt(returns));
+            assert_eq!(count_of(&m), want, "x-delivery-count before the kill");
+            t("basic.nack", m.delivery.nack(BasicNackOptions { multiple: false, requeue: true })).await.unwrap();
+        }
+        // A confirmed publish after the nacks: node 2 forwards both on one ordered link and the
+        // server hands the counts to the log before this publish, so its confirm means they
+        // are committed.
+        publish_all(&p2, &q, "barrier", 1).await;
+        c.kill9(0);
+        let (m, _ch) = get_when_served(&n2, &q, Duration::from_secs(30)).await;
+        assert_eq!(String::from_utf8_lossy(&m.delivery.data), "p-0");
+        assert_eq!(count_of(&m), Some(lapin::types::AMQPValue::LongLongInt(2)), "the two returns, counted by the new server");
+        t("basic.nack", m.delivery.nack(BasicNackOptions { multiple: false, requeue: true })).await.unwrap();
+        let n3 = connect_uri(&c.amqp_uri(2)).await;
+        let ch3 = channel(&n3).await;
+        assert_eq!(wait_ready(&ch3, &dlq, 1, Duration::from_secs(10)).await, 1, "the third return is over the limit of 2");
+        assert_eq!(drain(&ch3, &dlq, 10).await, [b"p-0".to_vec()]);
+    });
+}

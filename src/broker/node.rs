@@ -425,11 +425,11 @@ impl Node {
         }
         let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
-        let held = read_index(&index).await?;
+        let super::queue::index::IndexContents { held, returns } = read_index(&index).await?;
         let (vhost, name) = (&qref.key.vhost, &qref.key.name);
         let (cursor, reserved, tail) =
             self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.tail(vhost, name)));
-        Ok((shard, Some(index), Recovered { cursor, held, reserved, tail, body_lens, priorities }))
+        Ok((shard, Some(index), Recovered { cursor, held, returns, reserved, tail, body_lens, priorities }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {

@@ -192,6 +192,10 @@ impl super::node::Node {
                 tracing::warn!(error = %e, "replica sync failed; the metadata log keeps its entries");
                 ok = false;
             }
+            if let Err(e) = super::queue::sync_return_counts(&cell).await {
+                tracing::warn!(error = %e, "replica return counts not synced; the metadata log keeps their entries");
+                ok = false;
+            }
         }
         let _ = done.send(ok);
     }

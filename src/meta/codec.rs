@@ -70,6 +70,7 @@ const TAG_RESERVE: u8 = 15;
 const TAG_GROW_REPLICA_SET: u8 = 16;
 const TAG_COPY_MESSAGES: u8 = 17;
 const TAG_JOIN_REPLICA_SET: u8 = 18;
+const TAG_RETURN: u8 = 19;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     match cmd {
@@ -174,6 +175,16 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, offsets.len() as u64);
             for o in offsets {
                 put_varint(out, *o);
+            }
+        }
+        Command::Return { vhost, queue, counts } => {
+            out.push(TAG_RETURN);
+            put_str(out, vhost);
+            put_str(out, queue);
+            put_varint(out, counts.len() as u64);
+            for (o, n) in counts {
+                put_varint(out, *o);
+                put_varint(out, u64::from(*n));
             }
         }
         Command::MoveQueue { vhost, queue, from, to, to_epoch } => {
@@ -317,6 +328,20 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             }
             let offsets = (0..n).map(|_| r.varint()).collect::<Result<Vec<u64>, _>>()?;
             Command::Settle { vhost, queue, offsets }
+        }
+        TAG_RETURN => {
+            let (vhost, queue) = (r.string()?, r.string()?);
+            let n = r.varint()?;
+            if n > r.buf.len() as u64 {
+                return Err(r.err("count larger than the entry"));
+            }
+            let mut counts = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let offset = r.varint()?;
+                let count = u32::try_from(r.varint()?).map_err(|_| r.err("return count out of range"))?;
+                counts.push((offset, count));
+            }
+            Command::Return { vhost, queue, counts }
         }
         TAG_MOVE_QUEUE => {
             Command::MoveQueue { vhost: r.string()?, queue: r.string()?, from: r.varint()?, to: r.varint()?, to_epoch: r.varint()? }

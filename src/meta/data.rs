@@ -75,6 +75,16 @@ pub enum DataOp {
         /// Queue offsets.
         offsets: Vec<u64>,
     },
+    /// Raise the return counts of these offsets of the queue to the ones given (`Return`
+    /// applied; an offset no longer stored is skipped).
+    Returned {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// (queue offset, returns counted so far).
+        counts: Vec<(u64, u32)>,
+    },
     /// Another node serves the queue from this point of the log on (`MoveQueue` applied):
     /// the old server hands out nothing more (invariant 5), before it applies what follows.
     Moved {
@@ -132,6 +142,7 @@ impl DataOp {
         match self {
             DataOp::Enqueue { vhost, queue, .. }
             | DataOp::Settle { vhost, queue, .. }
+            | DataOp::Returned { vhost, queue, .. }
             | DataOp::Moved { vhost, queue, .. }
             | DataOp::Copy { vhost, queue, .. }
             | DataOp::Joined { vhost, queue, .. }
@@ -494,6 +505,7 @@ mod tests {
         let cmds = vec![
             enqueue("a", b"body bytes \x00\xff"),
             Command::Settle { vhost: "/".into(), queue: "a".into(), offsets: vec![0, 5, 1 << 40] },
+            Command::Return { vhost: "/".into(), queue: "a".into(), counts: vec![(0, 1), (1 << 40, u32::MAX)] },
             Command::MoveQueue { vhost: "v".into(), queue: "q".into(), from: 1, to: 3, to_epoch: 9 },
             Command::LeaveReplicaSet { vhost: "v".into(), queue: "q".into(), node: 2 },
             Command::Reserve { vhost: "v".into(), queue: "q".into(), node: 3, until: 1 << 33 },

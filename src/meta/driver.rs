@@ -773,6 +773,7 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::NodeBoot { .. } => 12,
         Command::Enqueue { vhost, queue, header, body, .. } => 16 + vhost.len() + queue.len() + header.len() + body.len(),
         Command::Settle { vhost, queue, offsets } => 8 + vhost.len() + queue.len() + 5 * offsets.len(),
+        Command::Return { vhost, queue, counts } => 8 + vhost.len() + queue.len() + 8 * counts.len(),
         Command::MoveQueue { vhost, queue, .. }
         | Command::LeaveReplicaSet { vhost, queue, .. }
         | Command::Reserve { vhost, queue, .. }

@@ -129,6 +129,7 @@ pub(super) fn stored_by(st: &MetaState, cmd: &super::state::Command, node: NodeI
     let (vhost, queue) = match cmd {
         Command::Enqueue { vhost, queue, .. }
         | Command::Settle { vhost, queue, .. }
+        | Command::Return { vhost, queue, .. }
         | Command::CopyMessages { vhost, queue, .. }
         | Command::JoinReplicaSet { vhost, queue, .. } => (vhost, queue),
         _ => return true,
@@ -137,7 +138,7 @@ pub(super) fn stored_by(st: &MetaState, cmd: &super::state::Command, node: NodeI
     let copying = || st.growing_to(vhost, queue, node);
     match cmd {
         Command::Enqueue { .. } => member(),
-        Command::Settle { .. } => member() || copying(),
+        Command::Settle { .. } | Command::Return { .. } => member() || copying(),
         _ => copying(),
     }
 }

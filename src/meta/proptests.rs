@@ -91,7 +91,9 @@ fn command() -> impl Strategy<Value = Command> {
             to,
             messages: Vec::new()
         }),
-        1 => (vhost, name(), 0u64..3, 0u64..3).prop_map(|(vhost, queue, id, tail)| Command::JoinReplicaSet { vhost, queue, id, tail }),
+        1 => (vhost.clone(), name(), 0u64..3, 0u64..3).prop_map(|(vhost, queue, id, tail)| Command::JoinReplicaSet { vhost, queue, id, tail }),
+        1 => (vhost, name(), proptest::collection::vec((0u64..8, any::<u32>()), 0..3))
+            .prop_map(|(vhost, queue, counts)| Command::Return { vhost, queue, counts }),
     ]
 }
 

@@ -325,6 +325,9 @@ fn data_ops(cmds: &[Command], outcomes: &[Outcome], stored: &[bool], dropped_cor
             (Command::Settle { vhost, queue, offsets }, Outcome::Settled) if *here => {
                 ops.push(DataOp::Settle { vhost: vhost.clone(), queue: queue.clone(), offsets: offsets.clone() })
             }
+            (Command::Return { vhost, queue, counts }, Outcome::Settled) if *here => {
+                ops.push(DataOp::Returned { vhost: vhost.clone(), queue: queue.clone(), counts: counts.clone() })
+            }
             (Command::MoveQueue { vhost, queue, to, .. }, Outcome::Moved) => {
                 ops.push(DataOp::Moved { vhost: vhost.clone(), queue: queue.clone(), to: *to })
             }

@@ -159,6 +159,16 @@ pub enum Command {
         /// Queue offsets.
         offsets: Vec<u64>,
     },
+    /// Return counts of a replicated queue's messages (`broker/queue/delivery_limit.rs`):
+    /// each member raises its count of each offset to the one given → `Settled` | `NotFound`.
+    Return {
+        /// Vhost name.
+        vhost: String,
+        /// Queue name.
+        queue: String,
+        /// (queue offset, returns counted so far).
+        counts: Vec<(u64, u32)>,
+    },
     /// Takes `node` out of a queue's replica set: its copy missed messages (it was sent a
     /// snapshot, `data.rs`, invariant 4) → `Moved` | `Existed` (not in the set, the set's only
     /// node, or the queue's server) | `NotFound`.
@@ -272,7 +282,7 @@ pub enum Outcome {
         /// Queue offset.
         offset: u64,
     },
-    /// `Settle` applied.
+    /// `Settle` or `Return` applied.
     Settled,
     /// `MoveQueue` applied.
     Moved,
@@ -296,6 +306,7 @@ impl Command {
             Command::CursorCas { .. }
             | Command::Enqueue { .. }
             | Command::Settle { .. }
+            | Command::Return { .. }
             | Command::Reserve { .. }
             | Command::CopyMessages { .. } => false,
             Command::NodeBoot { .. } => true,
@@ -458,7 +469,7 @@ impl MetaState {
                 Outcome::Epoch(epoch)
             }
             Command::Enqueue { vhost, queue, .. } => super::data::enqueue(self, vhost, queue),
-            Command::Settle { vhost, queue, .. } => {
+            Command::Settle { vhost, queue, .. } | Command::Return { vhost, queue, .. } => {
                 if topo.queues.contains_key(&(vhost.clone(), queue.clone())) {
                     Outcome::Settled
                 } else {

@@ -134,6 +134,12 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
         if let (Some(index), Some(proof)) = (&index, &proof) {
             release_index_records(index, &trash, proof);
         }
+        if let (true, Some(cell)) = (full, weak.upgrade()) {
+            // Return counts (`delivery_limit.rs`, behaviour 5): durable with the full sync.
+            if let Err(e) = super::delivery_limit::sync_return_counts(&cell).await {
+                tracing::error!(error = %e, "unacked index sync failed; return counts may be lost at a restart");
+            }
+        }
         let now = Instant::now();
         for (c, published) in batch {
             if let Some(p) = published {

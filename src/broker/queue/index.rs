@@ -11,6 +11,16 @@
 //!
 //! `offset` is the message's offset in the queue's message shard, `time_ms` the delivery
 //! time in ms since the Unix epoch, `epoch` the boot epoch of `node` at delivery.
+//!
+//! The same shard holds a second kind of record for a queue with a delivery limit
+//! (`delivery_limit.rs`): how many times a live message came back to the queue.
+//!
+//! ```text
+//! version:u8 (2) offset:u64 count:u32                (big-endian integers)
+//! ```
+//!
+//! A later record for the same message supersedes an earlier one (the highest count wins
+//! at open); one is deleted with its message, as a delivery record is.
 
 use bytes::{Buf, BufMut};
 
@@ -36,6 +46,39 @@ pub struct IndexRecord {
 }
 
 const VERSION: u8 = 1;
+
+/// The first byte of a [`ReturnCount`] record.
+const RETURN_COUNT: u8 = 2;
+
+/// How many times the message at `offset` came back to its queue (a return-count record).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReturnCount {
+    /// Message offset in the queue's shard.
+    pub offset: u64,
+    /// Returns counted so far (`delivery_limit.rs`, behaviour 1).
+    pub count: u32,
+}
+
+impl ReturnCount {
+    /// Encodes the record (13 bytes; see the module doc).
+    pub fn encode(&self) -> [u8; 13] {
+        let mut b = [0u8; 13];
+        b[0] = RETURN_COUNT;
+        b[1..9].copy_from_slice(&self.offset.to_be_bytes());
+        b[9..].copy_from_slice(&self.count.to_be_bytes());
+        b
+    }
+
+    /// Decodes a record; `None` for a record of another kind or a damaged one.
+    pub fn decode(b: &[u8]) -> Option<ReturnCount> {
+        if b.len() != 13 || b[0] != RETURN_COUNT {
+            return None;
+        }
+        let offset = u64::from_be_bytes(b[1..9].try_into().ok()?);
+        let count = u32::from_be_bytes(b[9..].try_into().ok()?);
+        Some(ReturnCount { offset, count })
+    }
+}
 
 impl IndexRecord {
     /// Encodes the record (see the module doc).
@@ -78,17 +121,29 @@ pub fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
-/// Reads every live unacked-index record of a queue (at open, before any delivery).
+/// The live records of a queue's unacked index, by kind, each with its index offset.
+#[derive(Debug, Default)]
+pub struct IndexContents {
+    /// Deliveries of earlier runs: (index offset, record).
+    pub held: Vec<(u64, IndexRecord)>,
+    /// Return counts: (index offset, record).
+    pub returns: Vec<(u64, ReturnCount)>,
+}
+
+/// Reads every live record of a queue's unacked index (at open, before any delivery).
 ///
 /// # Errors
 /// The store's error when a record cannot be read.
-pub async fn read_index(index: &ringmq_shards::Shard) -> Result<Vec<(u64, IndexRecord)>, ringmq_shards::StoreError> {
-    let mut out = Vec::new();
+pub async fn read_index(index: &ringmq_shards::Shard) -> Result<IndexContents, ringmq_shards::StoreError> {
+    let mut out = IndexContents::default();
     for i in index.live_offsets() {
         if let Some(r) = index.read(i).await? {
-            match IndexRecord::decode(&r.header) {
-                Some(rec) => out.push((i, rec)),
-                None => tracing::warn!(index_offset = i, "undecodable unacked-index record skipped"),
+            if let Some(rec) = IndexRecord::decode(&r.header) {
+                out.held.push((i, rec));
+            } else if let Some(rec) = ReturnCount::decode(&r.header) {
+                out.returns.push((i, rec));
+            } else {
+                tracing::warn!(index_offset = i, "undecodable unacked-index record skipped");
             }
         }
     }
@@ -109,9 +164,20 @@ mod tests {
         }
     }
 
+    proptest! {
+        #[test]
+        fn return_count_round_trip(offset in any::<u64>(), count in any::<u32>()) {
+            let r = ReturnCount { offset, count };
+            prop_assert_eq!(ReturnCount::decode(&r.encode()), Some(r));
+            prop_assert_eq!(IndexRecord::decode(&r.encode()), None, "a return count is no delivery record");
+        }
+    }
+
     #[test]
     fn rejects_garbage() {
         assert_eq!(IndexRecord::decode(&[2; 60]), None);
         assert_eq!(IndexRecord::decode(&[1; 10]), None);
+        assert_eq!(ReturnCount::decode(&[2; 12]), None);
+        assert_eq!(ReturnCount::decode(&[1; 13]), None);
     }
 }

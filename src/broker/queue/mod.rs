@@ -54,6 +54,7 @@ use super::{ClientEvent, ConfirmTo, ConsumerId, Delivery, Mesh, QueueError, Queu
 use crate::meta::state::QueueDef;
 use crate::meta::MetaHandle;
 use consumer::Consumers;
+pub use delivery_limit::sync_return_counts;
 pub use index::read_index;
 use index::IndexRecord;
 use limits::Limits;
@@ -119,6 +120,8 @@ pub struct Recovered {
     pub cursor: u64,
     /// Unacked-index records left by earlier runs: (index offset, record).
     pub held: Vec<(u64, IndexRecord)>,
+    /// Return counts left by earlier runs (`delivery_limit.rs`): (index offset, record).
+    pub returns: Vec<(u64, index::ReturnCount)>,
     /// A replicated queue's delivery reservation from the metadata (`replica.rs`, step 5).
     pub reserved: u64,
     /// A replicated queue's tail in the metadata (its next offset) when it opens. The
@@ -280,7 +283,7 @@ impl Queue {
         let mut ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
         let quorum = string_arg(&def.arguments, "x-queue-type") == Some("quorum");
         let limits = Limits::from_arguments(&def.arguments, quorum);
-        let delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&def.arguments, quorum);
+        let mut delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&def.arguments, quorum);
         if limits.is_some_and(|l| l.counts_bytes()) {
             ready.count_bytes(recovered.body_lens.iter().copied().filter(|(o, _)| shard.is_live(*o)));
         }
@@ -299,6 +302,11 @@ impl Queue {
             if !recovered.held.is_empty() {
                 tracing::info!(queue = %qref.key.name, records = recovered.held.len(), "requeued deliveries of a dead boot epoch");
             }
+        }
+        // Return counts of an earlier run (`delivery_limit.rs`, behaviour 5).
+        match &mut delivery_limit {
+            Some(d) => stale.extend(d.recover(&recovered.returns, |o| shard.is_live(o))),
+            None => stale.extend(recovered.returns.iter().map(|(i, _)| *i)),
         }
         if let (Some(index), false) = (&index, stale.is_empty()) {
             if let Err(e) = index.delete_by_offsets(&stale) {

@@ -98,6 +98,9 @@ pub struct Replication {
     batches_in_flight: usize,
     /// Offsets settled here, waiting to be proposed.
     settles: Vec<u64>,
+    /// Return counts (offset, count) waiting to be proposed (`delivery_limit.rs`,
+    /// behaviour 5); they go with the settles, by the same task.
+    returns: Vec<(u64, u32)>,
     settling: bool,
     /// Step 5: messages below this offset may be handed out (this node's reservation, as
     /// the log applied it here).
@@ -232,6 +235,18 @@ impl Queue {
         }
     }
 
+    /// Proposes a return count of this serving member (`delivery_limit.rs`, behaviour 5),
+    /// with the next settles.
+    pub(super) fn propose_return(&mut self, offset: u64, count: u32) {
+        let me = self.me.clone();
+        let Some(repl) = self.repl.as_mut().filter(|r| r.serving) else { return };
+        repl.returns.push((offset, count));
+        if !repl.settling {
+            repl.settling = true;
+            glommio::spawn_local(settler(me)).detach();
+        }
+    }
+
     /// Step 2: applies what the log brought, in log order.
     pub fn apply_replicated(cell: &QueueCell, op: DataOp) {
         let mut q = cell.borrow_mut();
@@ -294,6 +309,7 @@ impl Queue {
                 q.delete_local(&live);
                 q.wake();
             }
+            DataOp::Returned { counts, .. } => q.apply_returned(&counts),
             DataOp::Moved { to, .. } => {
                 let me = q.env.meta().node_id();
                 if let Some(repl) = q.repl.as_mut().filter(|r| r.serving) {
@@ -558,27 +574,32 @@ async fn reserver(weak: Weak<std::cell::RefCell<Queue>>) {
 }
 
 /// Proposes the offsets the serving member settled (step 3), all waiting ones in one
-/// command.
+/// command, and the return counts waiting (`delivery_limit.rs`) in another.
 async fn settler(weak: Weak<std::cell::RefCell<Queue>>) {
     futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
-        let (cmd, meta) = {
+        let (settle, returns, meta) = {
             let mut q = cell.borrow_mut();
             let (vhost, queue) = (q.qref.key.vhost.to_string(), q.qref.key.name.to_string());
             let meta = q.env.meta().clone();
             let Some(repl) = &mut q.repl else { return };
-            if repl.settles.is_empty() {
+            if repl.settles.is_empty() && repl.returns.is_empty() {
                 repl.settling = false;
                 return;
             }
             let offsets = std::mem::take(&mut repl.settles);
-            (Command::Settle { vhost, queue, offsets }, meta)
+            let counts = std::mem::take(&mut repl.returns);
+            let settle = (!offsets.is_empty()).then(|| Command::Settle { vhost: vhost.clone(), queue: queue.clone(), offsets });
+            let returns = (!counts.is_empty()).then_some(Command::Return { vhost, queue, counts });
+            (settle, returns, meta)
         };
         drop(cell);
-        if let Err(e) = meta.propose(cmd).await {
-            if once_a_second(&SETTLE_FAILURE_LOGGED) {
-                tracing::warn!(error = %e, "replicated settle not committed; the other members keep those messages");
+        for cmd in [settle, returns].into_iter().flatten() {
+            if let Err(e) = meta.propose(cmd).await {
+                if once_a_second(&SETTLE_FAILURE_LOGGED) {
+                    tracing::warn!(error = %e, "replicated settle or return count not committed; the other members keep those messages and counts");
+                }
             }
         }
     }

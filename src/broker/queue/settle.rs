@@ -214,8 +214,8 @@ impl Queue {
         }
         for &off in offsets {
             self.ready.forget(off);
-            if let Some(d) = &mut self.delivery_limit {
-                d.forget(off);
+            if let Some(i) = self.delivery_limit.as_mut().and_then(|d| d.forget(off)) {
+                self.index_trash.push(i);
             }
             if let Some(t) = &mut self.ttl {
                 t.forget(off);
@@ -243,7 +243,7 @@ impl Queue {
         let mut over_limit = Vec::new();
         for (off, o) in settled {
             self.release(&o);
-            if self.delivery_limit.as_mut().is_some_and(|d| d.returned(off)) {
+            if self.count_return(off) {
                 over_limit.push(off);
                 continue;
             }
