@@ -52,7 +52,11 @@ pub struct Cli {
     /// Most channels per connection [default: 2047]
     #[arg(long, value_name = "N")]
     pub channel_max: Option<u16>,
-    /// Delivery acknowledgement timeout, in ms (per queue: x-consumer-timeout) [default: 1800000]
+    /// Largest message body accepted, in bytes; a larger publish closes its channel with 406
+    /// (RabbitMQ's max_message_size) [default: 134217728, at most 536870912]
+    #[arg(long, value_name = "BYTES")]
+    pub max_message_size: Option<u64>,
+    /// Delivery acknowledgement timeout, in ms; 0 turns it off (per queue: x-consumer-timeout, 0 off there too) [default: 1800000]
     #[arg(long, value_name = "MS")]
     pub consumer_timeout_ms: Option<u64>,
     /// Queue segment file size, in bytes [default: 67108864]
@@ -106,6 +110,12 @@ pub const DEFAULT_DISK_FREE_LIMIT: u64 = 50_000_000;
 /// size is the cluster size; 3 keeps a majority through one loss at the cost of three copies).
 pub const DEFAULT_REPLICAS: u32 = 3;
 
+/// Default largest message body, bytes (RabbitMQ's default max_message_size, 128 MiB).
+pub const DEFAULT_MAX_MESSAGE_SIZE: u64 = 128 << 20;
+
+/// Highest max_message_size accepted, bytes (RabbitMQ's cap, 512 MiB).
+pub const MAX_MESSAGE_SIZE_CAP: u64 = 512 << 20;
+
 /// A user allowed to log in.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 pub struct User {
@@ -150,6 +160,7 @@ struct FileConfig {
     heartbeat: Option<u16>,
     frame_max: Option<u32>,
     channel_max: Option<u16>,
+    max_message_size: Option<u64>,
     consumer_timeout_ms: Option<u64>,
     segment_bytes: Option<u64>,
     spin_before_park_us: Option<u64>,
@@ -184,6 +195,8 @@ pub struct Config {
     pub frame_max: u32,
     /// channel_max offered.
     pub channel_max: u16,
+    /// Largest message body accepted, bytes (1..=[`MAX_MESSAGE_SIZE_CAP`]).
+    pub max_message_size: u64,
     /// Default delivery acknowledgement timeout, ms.
     pub consumer_timeout_ms: u64,
     /// Segment size, bytes.
@@ -283,6 +296,7 @@ impl Config {
             heartbeat: cli.heartbeat.or(file.heartbeat).unwrap_or(60),
             frame_max: cli.frame_max.or(file.frame_max).unwrap_or(131_072),
             channel_max: cli.channel_max.or(file.channel_max).unwrap_or(2047),
+            max_message_size: cli.max_message_size.or(file.max_message_size).unwrap_or(DEFAULT_MAX_MESSAGE_SIZE),
             consumer_timeout_ms: cli.consumer_timeout_ms.or(file.consumer_timeout_ms).unwrap_or(30 * 60 * 1000),
             segment_bytes: cli.segment_bytes.or(file.segment_bytes).unwrap_or(64 << 20),
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
@@ -305,6 +319,12 @@ impl Config {
         }
         if c.channel_max == 0 {
             return Err(ConfigError::Invalid("channel_max must be at least 1".into()));
+        }
+        if c.max_message_size == 0 || c.max_message_size > MAX_MESSAGE_SIZE_CAP {
+            return Err(ConfigError::Invalid(format!(
+                "max_message_size must be 1..={MAX_MESSAGE_SIZE_CAP} bytes, got {}",
+                c.max_message_size
+            )));
         }
         if c.segment_bytes < (1 << 20) {
             return Err(ConfigError::Invalid(format!("segment_bytes must be at least 1 MiB, got {}", c.segment_bytes)));

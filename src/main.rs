@@ -40,33 +40,55 @@ fn main() {
 }
 
 fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
-    std::fs::create_dir_all(&config.data_dir)?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    if config.cores > cpus {
+        // Each core is a pinned executor that expects a CPU of its own: more of them than
+        // CPUs share CPUs and take turns, which costs latency and buys nothing.
+        tracing::warn!(cores = config.cores, cpus, "--cores is above the CPUs this process may use; cores will share CPUs");
+    }
+    let data = config.data_dir.clone();
+    at(&data, "creating the data directory", std::fs::create_dir_all(&data))?;
     // Absolute from here on: glommio opens directories relative to no directory at all.
-    config.data_dir = std::fs::canonicalize(&config.data_dir)?;
+    config.data_dir = at(&data, "resolving the data directory", std::fs::canonicalize(&data))?;
     let _lock = lock_data_dir(&config.data_dir)?;
     // Non-durable queues do not survive a restart: their shards go with the old run.
     let transient = config.transient_dir();
     if transient.exists() {
-        std::fs::remove_dir_all(&transient)?;
+        at(&transient, "emptying", std::fs::remove_dir_all(&transient))?;
     }
-    std::fs::create_dir_all(&transient)?;
-    std::fs::create_dir_all(config.durable_dir())?;
+    at(&transient, "creating", std::fs::create_dir_all(&transient))?;
+    let durable = config.durable_dir();
+    at(&durable, "creating", std::fs::create_dir_all(&durable))?;
     let (meta, cluster) = ringmq::server::start_meta(&config)?;
     for vhost in &config.vhosts {
         if !meta.topology().vhosts.contains(vhost) {
             futures_lite::future::block_on(meta.propose(Command::DeclareVhost { name: vhost.clone() }))?;
         }
     }
-    remove_orphan_shards(&config, &meta)?;
+    at(&durable, "removing shards of deleted queues in", remove_orphan_shards(&config, &meta))?;
     let (stop_tx, stop_rx) = flume::bounded(1);
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])?;
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])?;
     std::thread::Builder::new().name("ringmq-signals".into()).spawn(move || {
-        if signals.forever().next().is_some() {
+        for signal in signals.forever() {
+            if signal == SIGHUP {
+                // Log rotation tools send it; the log goes to standard error, which the
+                // service manager owns: nothing to reopen, and no reason to stop.
+                tracing::info!("SIGHUP ignored: ringmq logs to standard error and has no file to reopen");
+                continue;
+            }
             let _ = stop_tx.send(());
+            break;
         }
     })?;
     ringmq::server::start(Arc::new(config), meta, cluster, stop_rx)?;
     Ok(())
+}
+
+/// `r` with its error naming what was being done to which path ("creating /srv/ringmq:
+/// Read-only file system (os error 30)"): an operator sees which directory to fix.
+fn at<T>(path: &std::path::Path, doing: &str, r: std::io::Result<T>) -> Result<T, String> {
+    r.map_err(|e| format!("{doing} {}: {e}", path.display()))
 }
 
 /// Takes an exclusive lock on `<data>/LOCK` for the life of the process: two brokers on one
@@ -76,7 +98,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
 /// When another process holds the lock, or the file cannot be opened.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, Box<dyn std::error::Error>> {
     let path = dir.join("LOCK");
-    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
+    let f = at(&path, "opening", std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path))?;
     // flock(LOCK_EX | LOCK_NB) through std: released when the process ends, however it ends.
     match f.try_lock() {
         Ok(()) => Ok(f),

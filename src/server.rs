@@ -179,10 +179,16 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         let inboxes = shared.inboxes.clone();
         alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;
     }
-    {
+    let metrics = {
         let shared = shared.clone();
-        observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text()));
-    }
+        match observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text())) {
+            Ok(addr) => format!("metrics on http://{addr}/metrics"),
+            Err(e) => {
+                tracing::warn!(addr = %config.metrics_listen, error = %e, "metrics endpoint off: cannot listen");
+                format!("metrics off ({}: {e})", config.metrics_listen)
+            }
+        }
+    };
     // Each core takes its own inbox and accept channel out of these once.
     let mut per_core = Vec::new();
     for (i, rx) in receivers.into_iter().enumerate() {
@@ -206,12 +212,11 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         })?
     };
     tracing::info!(
-        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, metrics on http://{}/metrics",
+        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, {metrics}",
         listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "),
         cores,
         if cores == 1 { "" } else { "s" },
         config.data_dir.display(),
-        config.metrics_listen
     );
     let _ = shutdown.recv();
     tracing::info!("shutting down");

@@ -50,8 +50,6 @@ use session::reader;
 pub const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// Limit for the whole handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Largest message body accepted, bytes (RabbitMQ's default max_message_size, 128 MiB).
-pub const MAX_MESSAGE_BYTES: u64 = 128 << 20;
 
 /// Serves one accepted socket until it closes.
 pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {

@@ -351,15 +351,14 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send +
 pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serves `GET /metrics` on `addr` from a background thread, answering each scrape with
-/// `render()`. A bind failure is logged and metrics stay off (the broker still runs).
-pub fn serve_metrics(addr: SocketAddr, render: RenderFn) {
-    let listener = match TcpListener::bind(addr) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!(%addr, error = %e, "metrics endpoint disabled: cannot bind");
-            return;
-        }
-    };
+/// `render()`. Returns the address bound (port 0 becomes the one the kernel chose).
+///
+/// # Errors
+/// The bind error (the port is taken, the address is not this host's): the caller keeps
+/// running with metrics off and says so in its ready line.
+pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let bound = listener.local_addr()?;
     let busy = Arc::new(AtomicU64::new(0));
     let spawned = std::thread::Builder::new().name("ringmq-metrics".into()).spawn(move || {
         for stream in listener.incoming() {
@@ -380,9 +379,8 @@ pub fn serve_metrics(addr: SocketAddr, render: RenderFn) {
             }
         }
     });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "metrics thread did not start");
-    }
+    spawned?;
+    Ok(bound)
 }
 
 #[cfg(test)]

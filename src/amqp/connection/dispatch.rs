@@ -7,7 +7,7 @@
 //!
 //! Content assembly (spec 4.2.6): basic.publish, then one content header of class 60,
 //! then body frames until the declared size; a body larger than declared is 501
-//! FRAME_ERROR, a declared size above [`MAX_MESSAGE_BYTES`] is 406 on the channel.
+//! FRAME_ERROR, a declared size above `--max-message-size` is 406 on the channel.
 //!
 //! Invariant: an error carries the class and method it answers (filled in here when the
 //! handler left it empty) and goes to the scope the spec gives it: a channel error
@@ -17,7 +17,7 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{channel as chan, connection as conn, AMQPClass};
 
-use super::{Session, MAX_MESSAGE_BYTES};
+use super::Session;
 use crate::amqp::channel::ChannelState;
 use crate::amqp::codec::Frame;
 use crate::amqp::error::{AmqpError, Scope};
@@ -95,13 +95,15 @@ impl Session {
                 p.body_size = Some(body_size);
                 p.properties = Some(properties);
                 p.raw_properties = raw_properties;
-                if body_size > MAX_MESSAGE_BYTES {
+                let max = self.core.shared.config.max_message_size;
+                if body_size > max {
                     c.publish = None;
                     drop(st);
                     // Later body frames of this message land on a closing channel and are dropped.
+                    // RabbitMQ's words (rabbit_channel's check_msg_size).
                     self.fail_channel(
                         channel,
-                        AmqpError::precondition_failed(format!("message size {body_size} is larger than the maximum {MAX_MESSAGE_BYTES}"))
+                        AmqpError::precondition_failed(format!("message size {body_size} is larger than configured max size {max}"))
                             .on_method(60, 40),
                         None,
                     );

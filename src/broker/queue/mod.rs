@@ -214,7 +214,7 @@ pub struct Queue {
     wake: flume::Sender<()>,
     /// Set once the queue is deleted; tasks holding a reference stop.
     pub deleted: bool,
-    /// Delivery acknowledgement timeout in ms (x-consumer-timeout or the default).
+    /// Delivery acknowledgement timeout in ms (x-consumer-timeout or the default); 0: none.
     pub consumer_timeout_ms: u64,
     /// x-expires: the queue's lease (`expiry.rs`); `None` without the argument.
     pub expiry: Option<expiry::Expiry>,
@@ -314,7 +314,7 @@ impl Queue {
             }
         }
         let consumer_timeout_ms =
-            int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
+            int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v >= 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
         let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
         let expiry = expiry::Expiry::from_arg(int_arg(&def.arguments, "x-expires"));
         let single_active = super::router::bool_arg(&def.arguments, "x-single-active-consumer").unwrap_or(false);

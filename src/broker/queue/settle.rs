@@ -334,7 +334,11 @@ impl Queue {
     /// at `now`, each channel incarnation once. The core tells each one's connection, which
     /// closes the channel with 406 (and so requeues through [`Queue::channel_closed`]),
     /// unless [`Queue::cancel_timed_out`] handled it.
+    /// A timeout of 0 is none: no holder ever times out.
     pub fn timed_out_holders(&self, now: Instant) -> Vec<Holder> {
+        if self.consumer_timeout_ms == 0 {
+            return Vec::new();
+        }
         self.held.timed_out(now, std::time::Duration::from_millis(self.consumer_timeout_ms))
     }
 
