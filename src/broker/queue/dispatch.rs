@@ -191,6 +191,7 @@ impl Queue {
     /// stored→delivered time when it was sampled.
     pub(super) fn take_next(&mut self) -> Option<u64> {
         let (offset, stored_at) = self.ready.take_next()?;
+        self.counters.delivered += 1;
         if let Some(t) = &self.ttl {
             // The head changed (`ttl.rs`, rule 3).
             t.notify();

@@ -111,6 +111,26 @@ impl Held {
         self.map.is_empty()
     }
 
+    /// Every outstanding delivery (oldest first) for the management API, its consumer's tag
+    /// from `tag_of` (none for a basic.get, or a consumer gone since).
+    pub fn listing(&self, tag_of: impl Fn(ConsumerId) -> Option<crate::broker::ConsumerTag>) -> Vec<crate::broker::UnackedInfo> {
+        let now = Instant::now();
+        let mut v: Vec<crate::broker::UnackedInfo> = self
+            .map
+            .iter()
+            .map(|(&offset, o)| crate::broker::UnackedInfo {
+                offset,
+                conn: o.holder.conn,
+                channel: o.holder.channel,
+                chan_uid: o.holder.chan_uid,
+                consumer_tag: o.consumer.and_then(&tag_of),
+                age_ms: now.duration_since(o.since).as_millis() as u64,
+            })
+            .collect();
+        v.sort_by(|a, b| b.age_ms.cmp(&a.age_ms).then(a.offset.cmp(&b.offset)));
+        v
+    }
+
     /// The holder of `offset`, if it is outstanding.
     pub fn get(&self, offset: u64) -> Option<&Outstanding> {
         self.map.get(&offset)
@@ -289,6 +309,7 @@ impl Queue {
         for (_, o) in &ack {
             q.env.stats().delivered_to_acked.record(now.duration_since(o.since));
         }
+        q.counters.acked += ack.len() as u64;
         // Rule 4: acked and dropped messages are deleted.
         let deleted: Vec<u64> = ack.iter().chain(&dropped).map(|(off, _)| *off).collect();
         q.delete(&deleted);
