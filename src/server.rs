@@ -179,10 +179,28 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         let inboxes = shared.inboxes.clone();
         alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;
     }
-    {
+    let metrics = {
         let shared = shared.clone();
-        observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text()));
-    }
+        match observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text())) {
+            Some(addr) => format!("metrics on http://{addr}/metrics"),
+            None => format!("metrics off (cannot bind {})", config.metrics_listen),
+        }
+    };
+    // The management API: users from the configuration today; a store backed by the
+    // metadata's users plugs in here (`broker::auth::UserStore`).
+    let management = match config.management_listen {
+        None => "management API off".to_owned(),
+        Some(addr) => {
+            let users = Arc::new(crate::broker::auth::ConfigUsers(config.users.clone()));
+            match crate::mgmt::serve(addr, shared.clone(), users) {
+                Ok(bound) => format!("management API on http://{bound}/api/"),
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "management API disabled: cannot bind");
+                    format!("management API off (cannot bind {addr}: {e})")
+                }
+            }
+        }
+    };
     // Each core takes its own inbox and accept channel out of these once.
     let mut per_core = Vec::new();
     for (i, rx) in receivers.into_iter().enumerate() {
@@ -206,12 +224,11 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         })?
     };
     tracing::info!(
-        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, metrics on http://{}/metrics",
+        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, {metrics}, {management}",
         listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "),
         cores,
         if cores == 1 { "" } else { "s" },
         config.data_dir.display(),
-        config.metrics_listen
     );
     let _ = shutdown.recv();
     tracing::info!("shutting down");

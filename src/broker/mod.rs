@@ -14,6 +14,7 @@
 //!   on them (on the blocking thread).
 //! - [`topology`]: declare, delete, purge, bind and unbind as the domain does them, for the
 //!   AMQP methods and the management API alike.
+//! - [`clients`]: this node's connections, for the management API.
 //! - [`auth`]: who may log in, and with which tags (the seam user stores plug into).
 //! - [`alarms`]: disk and file-descriptor alarms.
 //! - [`error`]: [`QueueError`], mapped to reply codes by `amqp`.
@@ -27,6 +28,7 @@
 
 pub mod alarms;
 pub mod auth;
+pub mod clients;
 pub mod error;
 pub mod exchange;
 pub mod grow;
@@ -154,6 +156,11 @@ pub enum ClientEvent {
     /// The disk alarm was raised (true) or cleared: a connection that publishes is blocked
     /// (connection.blocked, not read) or unblocked.
     DiskAlarm(bool),
+    /// Describe the connection's channels (the management API, `clients.rs`).
+    Describe(Reply<clients::ConnDescription>),
+    /// Close the connection with 320 CONNECTION_FORCED and this text (the management API's
+    /// `DELETE /api/connections/{name}`).
+    Close(String),
 }
 
 /// A message handed to a consumer.
@@ -434,6 +441,8 @@ pub struct UnackedInfo {
     pub chan_uid: u64,
     /// The consumer's tag (none for a basic.get).
     pub consumer_tag: Option<ConsumerTag>,
+    /// Delivered with redelivered=true.
+    pub redelivered: bool,
     /// Time since it was delivered, ms.
     pub age_ms: u64,
 }

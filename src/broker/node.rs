@@ -60,6 +60,8 @@ pub struct Shared {
     pub remote: Option<Arc<super::remote::Remote>>,
     /// This node's direct reply-to consumers (`broker::reply_to`).
     pub reply_to: Arc<super::reply_to::ReplyConsumers>,
+    /// This node's open connections, for the management API (`broker::clients`).
+    pub clients: super::clients::Clients,
 }
 
 /// Reports (peer id, link up) for every other member of the cluster.
@@ -81,6 +83,7 @@ impl Shared {
             peer_links: None,
             remote: None,
             reply_to: Default::default(),
+            clients: Default::default(),
         }
     }
 

@@ -211,7 +211,7 @@ pub fn json_to_properties(v: Option<&Value>) -> Result<AMQPProperties, ApiError>
         p = p.with_timestamp(int_field(&obj, "timestamp", 0)?.max(0) as u64);
     }
     if let Some(v) = text("type")? {
-        p = p.with_kind(v);
+        p = p.with_type(v);
     }
     if let Some(v) = text("user_id")? {
         p = p.with_user_id(v);

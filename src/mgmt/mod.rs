@@ -337,9 +337,7 @@ impl Api {
             // Objects of RabbitMQ's API this node does not keep yet: empty lists to read
             // (users come from the user store; the rest from the metadata once it has them).
             (["users"], true) => Ok(Reply::ok(self.users_json())),
-            (["permissions"] | ["policies"] | ["policies", _] | ["parameters"] | ["global-parameters"], true) => {
-                Ok(Reply::ok(json!([])))
-            }
+            (["permissions"] | ["policies"] | ["policies", _] | ["parameters"] | ["global-parameters"], true) => Ok(Reply::ok(json!([]))),
             (["operator-policies"] | ["vhost-limits"] | ["feature-flags"] | ["extensions"], true) => Ok(Reply::ok(json!([]))),
             (_, true) => Err(ApiError::not_found()),
             (_, false) if known_path(&p) => Err(ApiError::method_not_allowed()),

@@ -66,6 +66,8 @@ pub struct Outstanding {
     pub since: Instant,
     /// The holder channel's shared prefetch window (consumer deliveries only).
     pub credit: Option<std::sync::Arc<ChannelCredit>>,
+    /// It was delivered with redelivered=true (for the management API's listing).
+    pub redelivered: bool,
 }
 
 /// Settled offsets with their former holders, by what happens to them next.
@@ -124,6 +126,7 @@ impl Held {
                 channel: o.holder.channel,
                 chan_uid: o.holder.chan_uid,
                 consumer_tag: o.consumer.and_then(&tag_of),
+                redelivered: o.redelivered,
                 age_ms: now.duration_since(o.since).as_millis() as u64,
             })
             .collect();
@@ -654,7 +657,7 @@ mod tests {
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
         let holder =
             Holder { conn: crate::broker::ConnId(1), channel: crate::broker::ChannelId(chan_uid as u16), chan_uid, tx: tx.clone() };
-        Outstanding { consumer: None, holder, since: Instant::now(), credit: None }
+        Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered: false }
     }
 
     #[derive(Clone, Debug)]
