@@ -2,7 +2,7 @@
 //!
 //! Defaults are what a RabbitMQ user expects of a fresh node: AMQP on 127.0.0.1:5672,
 //! data in ./data, user guest/guest allowed from loopback only, vhost `/`, metrics on
-//! 127.0.0.1:15692/metrics.
+//! 127.0.0.1:15692/metrics, the management API on 127.0.0.1:15672 (`off` turns it off).
 //!
 //! # Cluster
 //! `--peers` (TOML: a `[peers]` table) lists every node of the cluster as `id=ADDR:PORT`, the
@@ -13,7 +13,7 @@
 //! # Invariants
 //! A loaded [`Config`] with peers names its own node in them, has no two nodes on one id or one
 //! address, and its `cluster_listen` is `Some`, on this node's port in `peers`, and on neither
-//! the AMQP nor the metrics address. Without peers, `cluster_listen` is `None`.
+//! the AMQP, the metrics nor the management address. Without peers, `cluster_listen` is `None`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};

@@ -87,3 +87,20 @@ pub fn get_json(port: u16, path: &str) -> serde_json::Value {
     assert_eq!(r.status, 200, "GET {path}: {r:?}");
     r.json()
 }
+
+/// `GET path` on 127.0.0.1:port with `Connection: close`; the response (headers and body), or
+/// why not. Connect, write and read are each bounded to 5 s.
+pub fn http_get(port: u16, path: &str) -> Result<String, String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes())
+        .map_err(|e| format!("write request: {e}"))?;
+    let mut out = Vec::new();
+    let r = s.read_to_end(&mut out);
+    if out.is_empty() {
+        return Err(format!("no response from {addr}{path}: {r:?}"));
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}

@@ -27,6 +27,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 pub mod cluster;
 pub mod http;
+pub use http::http_get;
 pub mod python;
 pub mod raw;
 pub mod script;
@@ -769,24 +770,6 @@ impl Drop for OwnBroker {
         }
         let _ = std::fs::remove_file(&self.log_path);
     }
-}
-
-/// `GET path` on 127.0.0.1:port with `Connection: close`; the response (headers and body), or
-/// why not. Connect, write and read are each bounded to 5 s.
-pub fn http_get(port: u16, path: &str) -> Result<String, String> {
-    use std::io::Write;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("connect {addr}: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes())
-        .map_err(|e| format!("write request: {e}"))?;
-    let mut out = Vec::new();
-    let r = s.read_to_end(&mut out);
-    if out.is_empty() {
-        return Err(format!("no response from {addr}{path}: {r:?}"));
-    }
-    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The value of an unlabelled Prometheus series (`name value`) in a metrics text, if present.
