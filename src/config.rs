@@ -518,6 +518,19 @@ mod tests {
     }
 
     #[test]
+    fn management_listen_defaults_takes_an_address_or_off() {
+        assert_eq!(load(&[], "").unwrap().management_listen, Some(addr("127.0.0.1:15672")));
+        assert_eq!(load(&["--management-listen", "0.0.0.0:15000"], "").unwrap().management_listen, Some(addr("0.0.0.0:15000")));
+        assert_eq!(load(&["--management-listen", "off"], "").unwrap().management_listen, None);
+        assert_eq!(load(&[], "management_listen = \"off\"").unwrap().management_listen, None);
+        assert_eq!(
+            load(&["--management-listen", "127.0.0.1:1"], "management_listen = \"off\"").unwrap().management_listen,
+            Some(addr("127.0.0.1:1"))
+        );
+        assert!(refused(&["--management-listen", "nowhere"], "").contains("neither ADDR:PORT nor"));
+    }
+
+    #[test]
     fn amqp_listens_on_loopback_in_both_families_unless_told_otherwise() {
         let c = load(&[], "").unwrap();
         assert_eq!((c.listen.clone(), c.listen_is_default), (vec![addr("127.0.0.1:5672"), addr("[::1]:5672")], true));

@@ -448,6 +448,17 @@ fn any_cluster_node_lists_every_queue_with_its_depth() {
         assert_eq!(info["messages_ready"], 5);
         let list = tokio::task::spawn_blocking(move || get_json(port, "/api/queues")).await.unwrap();
         assert!(list.as_array().unwrap().iter().any(|x| x["name"] == q.as_str() && x["messages"] == 5), "{list}");
+        // A get through node 3's API takes from the queue node 1 serves.
+        let get_path = format!("/api/queues/{V}/{q}/get");
+        let got = tokio::task::spawn_blocking(move || {
+            request(port, "POST", &get_path, Some(r#"{"count":2,"ackmode":"ack_requeue_false","encoding":"auto"}"#), GUEST).json()
+        })
+        .await
+        .unwrap();
+        assert_eq!(got.as_array().map(Vec::len), Some(2), "{got}");
+        let path = format!("/api/queues/{V}/{q}");
+        let after = tokio::task::spawn_blocking(move || wait_json(port, &path, |v| v["messages"] == 3)).await.unwrap();
+        assert_eq!(after["messages"], 3, "two taken for good: {after}");
         let nodes = tokio::task::spawn_blocking(move || get_json(port, "/api/nodes")).await.unwrap();
         assert_eq!(nodes.as_array().unwrap().len(), 3, "{nodes}");
         assert!(nodes.as_array().unwrap().iter().all(|n| n["running"] == true), "{nodes}");

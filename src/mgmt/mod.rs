@@ -57,6 +57,9 @@ const MAX_BODY: u64 = 64 << 20;
 /// How long a request waits for the cores' answer.
 const CORE_WAIT: Duration = Duration::from_secs(30);
 
+/// Rate samples kept before those not asked for in 10 minutes are dropped.
+const MAX_RATE_SAMPLES: usize = 16_384;
+
 /// The RabbitMQ version whose management API this one follows (reported as
 /// `rabbitmq_version` / `management_version`, which tools read to pick features).
 pub const RABBITMQ_COMPAT_VERSION: &str = "3.13.7";
@@ -376,6 +379,10 @@ impl Api {
     pub(crate) fn rate(&self, name: String, value: u64) -> f64 {
         let now = Instant::now();
         let mut rates = self.rates.lock().unwrap_or_else(|e| e.into_inner());
+        if rates.len() > MAX_RATE_SAMPLES {
+            // Counters of deleted queues: forgotten once nobody asked for them for 10 min.
+            rates.retain(|_, (at, _, _)| now.duration_since(*at) < Duration::from_secs(600));
+        }
         let entry = rates.entry(name).or_insert((now, value, 0.0));
         let dt = now.duration_since(entry.0).as_secs_f64();
         if dt >= 1.0 {
