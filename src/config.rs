@@ -2,7 +2,7 @@
 //!
 //! Defaults are what a RabbitMQ user expects of a fresh node: AMQP on 127.0.0.1:5672,
 //! data in ./data, user guest/guest allowed from loopback only, vhost `/`, metrics on
-//! 127.0.0.1:15692/metrics.
+//! 127.0.0.1:15692/metrics, the management API on 127.0.0.1:15672 (`off` turns it off).
 //!
 //! # Cluster
 //! `--peers` (TOML: a `[peers]` table) lists every node of the cluster as `id=ADDR:PORT`, the
@@ -13,7 +13,7 @@
 //! # Invariants
 //! A loaded [`Config`] with peers names its own node in them, has no two nodes on one id or one
 //! address, and its `cluster_listen` is `Some`, on this node's port in `peers`, and on neither
-//! the AMQP nor the metrics address. Without peers, `cluster_listen` is `None`.
+//! the AMQP, the metrics nor the management address. Without peers, `cluster_listen` is `None`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -40,6 +40,10 @@ pub struct Cli {
     /// Prometheus metrics listen address, serving /metrics [default: 127.0.0.1:15692]
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Management HTTP API listen address (RabbitMQ-compatible, /api/…), or `off`
+    /// [default: 127.0.0.1:15672]
+    #[arg(long, value_name = "ADDR:PORT|off")]
+    pub management_listen: Option<String>,
     /// TOML configuration file
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -157,6 +161,7 @@ struct FileConfig {
     data_dir: Option<PathBuf>,
     cores: Option<u32>,
     metrics_listen: Option<SocketAddr>,
+    management_listen: Option<String>,
     heartbeat: Option<u16>,
     frame_max: Option<u32>,
     channel_max: Option<u16>,
@@ -189,6 +194,8 @@ pub struct Config {
     pub cores: u32,
     /// Metrics listen address.
     pub metrics_listen: SocketAddr,
+    /// Management API listen address; `None` when turned off (`--management-listen off`).
+    pub management_listen: Option<SocketAddr>,
     /// Heartbeat offered, seconds.
     pub heartbeat: u16,
     /// frame_max offered, bytes (≥ 4096).
@@ -227,6 +234,23 @@ pub struct Config {
     pub join: bool,
     /// The one-shot `--forget-node ID` request instead of a broker (command line only).
     pub forget_node: Option<u64>,
+}
+
+/// The management API's default listen address (RabbitMQ's management port, loopback).
+pub const DEFAULT_MANAGEMENT_LISTEN: &str = "127.0.0.1:15672";
+
+/// `--management-listen`: an address, or `off` (`None`); the default when not given.
+///
+/// # Errors
+/// [`ConfigError::Invalid`] for anything else.
+fn parse_management_listen(v: Option<&str>) -> Result<Option<SocketAddr>, ConfigError> {
+    match v {
+        None => Ok(Some(DEFAULT_MANAGEMENT_LISTEN.parse().expect("literal"))),
+        Some("off") => Ok(None),
+        Some(a) => {
+            a.parse().map(Some).map_err(|_| ConfigError::Invalid(format!("management_listen {a:?} is neither ADDR:PORT nor \"off\"")))
+        }
+    }
 }
 
 /// Configuration errors.
@@ -293,6 +317,7 @@ impl Config {
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
+            management_listen: parse_management_listen(cli.management_listen.or(file.management_listen).as_deref())?,
             heartbeat: cli.heartbeat.or(file.heartbeat).unwrap_or(60),
             frame_max: cli.frame_max.or(file.frame_max).unwrap_or(131_072),
             channel_max: cli.channel_max.or(file.channel_max).unwrap_or(2047),
@@ -372,6 +397,9 @@ impl Config {
         };
         if let Some(amqp) = self.listen.iter().find(|a| same_socket(cluster, **a)) {
             return invalid(format!("the cluster address {cluster} is also the AMQP listen address {amqp}"));
+        }
+        if self.management_listen.is_some_and(|m| same_socket(cluster, m)) {
+            return invalid(format!("the cluster address {cluster} is also the management listen address"));
         }
         if same_socket(cluster, self.metrics_listen) {
             return invalid(format!("the cluster address {cluster} is also the metrics listen address {}", self.metrics_listen));
@@ -507,6 +535,19 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn management_listen_defaults_takes_an_address_or_off() {
+        assert_eq!(load(&[], "").unwrap().management_listen, Some(addr("127.0.0.1:15672")));
+        assert_eq!(load(&["--management-listen", "0.0.0.0:15000"], "").unwrap().management_listen, Some(addr("0.0.0.0:15000")));
+        assert_eq!(load(&["--management-listen", "off"], "").unwrap().management_listen, None);
+        assert_eq!(load(&[], "management_listen = \"off\"").unwrap().management_listen, None);
+        assert_eq!(
+            load(&["--management-listen", "127.0.0.1:1"], "management_listen = \"off\"").unwrap().management_listen,
+            Some(addr("127.0.0.1:1"))
+        );
+        assert!(refused(&["--management-listen", "nowhere"], "").contains("neither ADDR:PORT nor"));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Raft group. Existing AMQP clients connect to it as they would to RabbitMQ.
 //!
 //! # Layout (arrows point down only)
-//! `main.rs → server → amqp → broker → {meta, cluster, observe, core, shards, config}`
+//! `main.rs → server → {amqp, mgmt} → broker → {meta, cluster, observe, core, shards, config}`
 //! - [`server`]: the wiring — puts [`broker::node::Node`] and [`amqp::connection::serve`] on
 //!   the runtime; the only module naming every layer. [`membership`] beside it: `--join`
 //!   and `--forget-node`, admin requests on the cluster transport turned into metadata
@@ -26,6 +26,9 @@
 //! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the
 //!   crate): raft-rs messages, snapshots, and the data lane of `broker::remote`.
 //! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
+//! - [`mgmt`]: the RabbitMQ-compatible management HTTP API (plain threads beside the cores):
+//!   reads the metadata and asks queues and connections by message passing; writes through
+//!   `broker::topology`, the code the AMQP methods use. Only `server` starts it.
 //! - [`config`]: flags, TOML file, defaults.
 //!
 //! # Publish → deliver → ack, step by step
@@ -84,5 +87,6 @@ pub mod config;
 pub mod core;
 pub mod membership;
 pub mod meta;
+pub mod mgmt;
 pub mod observe;
 pub mod server;

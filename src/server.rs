@@ -182,10 +182,22 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     let metrics = {
         let shared = shared.clone();
         match observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text())) {
-            Ok(addr) => format!("metrics on http://{addr}/metrics"),
-            Err(e) => {
-                tracing::warn!(addr = %config.metrics_listen, error = %e, "metrics endpoint off: cannot listen");
-                format!("metrics off ({}: {e})", config.metrics_listen)
+            Some(addr) => format!("metrics on http://{addr}/metrics"),
+            None => format!("metrics off (cannot bind {})", config.metrics_listen),
+        }
+    };
+    // The management API: users from the configuration today; a store backed by the
+    // metadata's users plugs in here (`broker::auth::UserStore`).
+    let management = match config.management_listen {
+        None => "management API off".to_owned(),
+        Some(addr) => {
+            let users = Arc::new(crate::broker::auth::ConfigUsers(config.users.clone()));
+            match crate::mgmt::serve(addr, shared.clone(), users) {
+                Ok(bound) => format!("management API on http://{bound}/api/"),
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "management API disabled: cannot bind");
+                    format!("management API off (cannot bind {addr}: {e})")
+                }
             }
         }
     };
@@ -212,7 +224,7 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
         })?
     };
     tracing::info!(
-        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, {metrics}",
+        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, {metrics}, {management}",
         listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "),
         cores,
         if cores == 1 { "" } else { "s" },

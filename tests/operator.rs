@@ -96,7 +96,7 @@ async fn a_taken_metrics_port_is_reported_off_not_advertised() {
     let (b, port) = Raw::start(&["--metrics-listen", &addr]);
     let log = b.log();
     let ready = log.lines().find(|l| l.contains("ringmq ready:")).expect("ready line").to_string();
-    assert!(ready.contains(&format!("metrics off ({addr}")), "{ready}");
+    assert!(ready.contains("metrics off") && ready.contains(&addr), "{ready}");
     assert!(!ready.contains(&format!("http://{addr}")), "the ready line advertises another process's port: {ready}");
     // The broker itself runs.
     let c = connect_uri(&Raw::uri(port)).await;

@@ -55,6 +55,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok();
+    let local = stream.local_addr().ok();
     Stats::add(&core.stats().connections_opened, 1);
     // One deadline for the whole handshake (a client dribbling bytes must not hold a
     // connection open forever).
@@ -74,6 +75,20 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     let (tx, rx) = flume::unbounded();
     core.conns.borrow_mut().insert(id, tx.clone());
     let hb = tuned.heartbeat;
+    let connected_at_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    core.shared.clients.opened(crate::broker::clients::ClientInfo {
+        id,
+        core: core.id,
+        peer,
+        local,
+        user: tuned.user.clone(),
+        vhost: tuned.vhost.clone(),
+        connected_at_ms,
+        heartbeat: hb,
+        frame_max: tuned.frame_max,
+        channel_max: tuned.channel_max,
+        tx: tx.clone(),
+    });
     let _ = stream.set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
     let (unblocked_tx, unblocked_rx) = flume::bounded(1);
     let session = Rc::new(Session {
@@ -107,6 +122,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     futures_lite::future::or(reader(session.clone(), r, tuned.leftover), writer(session.clone(), rx, w)).await;
     session.teardown();
     core.conns.borrow_mut().remove(&id);
+    core.shared.clients.closed(id);
     if let Some(remote) = &core.shared.remote {
         remote.connection_closed(id);
     }

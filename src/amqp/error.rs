@@ -154,6 +154,19 @@ impl fmt::Display for AmqpError {
 
 impl std::error::Error for AmqpError {}
 
+impl From<crate::broker::topology::TopologyError> for AmqpError {
+    /// A queue refusal's code as above; 405 RESOURCE_LOCKED (channel scope) and 503
+    /// COMMAND_INVALID (connection scope) for the two only topology methods give.
+    fn from(e: crate::broker::topology::TopologyError) -> Self {
+        use crate::broker::topology::TopologyError as T;
+        match e {
+            T::Queue(q) => q.into(),
+            T::ResourceLocked(d) => AmqpError::resource_locked(d),
+            T::CommandInvalid(d) => AmqpError::command_invalid(d),
+        }
+    }
+}
+
 impl From<crate::broker::QueueError> for AmqpError {
     /// The reply code and scope of each refusal (spec 1.2 "Constants"): 404, 403 and 406
     /// close the channel; 506 and 541 the connection.

@@ -44,6 +44,11 @@ impl Ledger {
         self.map.insert(tag, u);
     }
 
+    /// Every outstanding delivery, by tag.
+    pub fn iter(&self) -> impl Iterator<Item = (&DeliveryTag, &Unacked)> + '_ {
+        self.map.iter()
+    }
+
     /// Outstanding deliveries.
     pub fn len(&self) -> usize {
         self.map.len()

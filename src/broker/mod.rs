@@ -10,6 +10,12 @@
 //! - [`message`]: the stored form of a message and its property codec.
 //! - [`node`]: each core's share of the broker (queue registry and lifecycle, routing-table
 //!   copy, connections, the 1 s tick) and the state all cores share.
+//! - [`store_files`]: a queue's directory, its incarnation marker and the filesystem calls
+//!   on them (on the blocking thread).
+//! - [`topology`]: declare, delete, purge, bind and unbind as the domain does them, for the
+//!   AMQP methods and the management API alike.
+//! - [`clients`]: this node's connections, for the management API.
+//! - [`auth`]: who may log in, and with which tags (the seam user stores plug into).
 //! - [`alarms`]: disk and file-descriptor alarms.
 //! - [`error`]: [`QueueError`], mapped to reply codes by `amqp`.
 //!
@@ -21,6 +27,8 @@
 //!   cancel-ok follows its last.
 
 pub mod alarms;
+pub mod auth;
+pub mod clients;
 pub mod error;
 pub mod exchange;
 pub mod grow;
@@ -32,6 +40,8 @@ pub mod remote;
 pub mod replicas;
 pub mod reply_to;
 pub mod router;
+pub mod store_files;
+pub mod topology;
 
 use std::sync::Arc;
 
@@ -146,6 +156,11 @@ pub enum ClientEvent {
     /// The disk alarm was raised (true) or cleared: a connection that publishes is blocked
     /// (connection.blocked, not read) or unblocked.
     DiskAlarm(bool),
+    /// Describe the connection's channels (the management API, `clients.rs`).
+    Describe(Reply<clients::ConnDescription>),
+    /// Close the connection with 320 CONNECTION_FORCED and this text (the management API's
+    /// `DELETE /api/connections/{name}`).
+    Close(String),
 }
 
 /// A message handed to a consumer.
@@ -350,6 +365,16 @@ pub enum QueueOp {
         /// (message_count, consumer_count)
         reply: Reply<Result<(u32, u32), QueueError>>,
     },
+    /// The queue's figures for the management API: counts, consumers, message counters and,
+    /// with `with_unacked`, its outstanding deliveries. Unlike [`QueueOp::Stats`] it renews
+    /// no x-expires lease (looking at a queue is not using it). Served on the queue's own
+    /// node only (a peer's queue is asked [`QueueOp::Stats`]).
+    Info {
+        /// List every outstanding delivery too.
+        with_unacked: bool,
+        /// The answer.
+        reply: Reply<QueueInfo>,
+    },
     /// queue.purge: drop every ready message.
     Purge {
         /// Messages purged.
@@ -367,6 +392,59 @@ pub enum QueueOp {
     /// Replicated data the metadata group applied (`meta::data`): every member's store of a
     /// replicated queue takes it, whichever node serves the queue (never forwarded).
     Replicated(crate::meta::data::DataOp),
+}
+
+/// A queue's figures at one moment ([`QueueOp::Info`]).
+#[derive(Clone, Debug, Default)]
+pub struct QueueInfo {
+    /// Messages ready for delivery.
+    pub messages_ready: u64,
+    /// Messages delivered and not yet settled.
+    pub messages_unacked: u64,
+    /// Its consumers, in attach order.
+    pub consumers: Vec<ConsumerInfo>,
+    /// Messages through it since it opened in this run.
+    pub counters: queue::Counters,
+    /// Its outstanding deliveries, oldest first (only when asked).
+    pub unacked: Vec<UnackedInfo>,
+}
+
+/// A consumer as [`QueueInfo`] lists it.
+#[derive(Clone, Debug)]
+pub struct ConsumerInfo {
+    /// Consumer tag.
+    pub tag: ConsumerTag,
+    /// Its connection (an id of the queue's node).
+    pub conn: ConnId,
+    /// Its channel.
+    pub channel: ChannelId,
+    /// Automatic acknowledgement.
+    pub no_ack: bool,
+    /// Exclusive consumer.
+    pub exclusive: bool,
+    /// prefetch_count in force (0 = unlimited).
+    pub prefetch: u32,
+    /// Consumer priority (`x-priority`).
+    pub priority: i32,
+}
+
+/// One outstanding delivery as [`QueueInfo`] lists it (item 4 of the management issue).
+#[derive(Clone, Debug)]
+pub struct UnackedInfo {
+    /// Offset of the message in the queue's shard.
+    pub offset: u64,
+    /// The holding connection.
+    pub conn: ConnId,
+    /// The holding channel.
+    pub channel: ChannelId,
+    /// That channel's incarnation ([`Holder::chan_uid`]).
+    pub chan_uid: u64,
+    /// The consumer's tag (none for a basic.get).
+    pub consumer_tag: Option<ConsumerTag>,
+    /// Delivered with redelivered=true.
+    pub redelivered: bool,
+    /// Time since it was delivered, ms.
+    pub age_ms: u64,
 }
 
 /// How the domain reaches queues on any core. Implemented by [`node::Node`] over the

@@ -168,8 +168,8 @@ impl super::node::Node {
         self.set_deleting(&key);
         let me = self.clone();
         glommio::spawn_local(async move {
-            super::node::destroy_shards(shard, index).await;
-            super::node::remove_replica_files(me.shared.config.queue_dir(&key.vhost, &key.name, true)).await;
+            super::store_files::destroy_shards(shard, index).await;
+            super::store_files::remove_replica_files(me.shared.config.queue_dir(&key.vhost, &key.name, true)).await;
             me.forget_slot(&key);
         })
         .detach();

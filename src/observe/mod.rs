@@ -351,14 +351,17 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send +
 pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serves `GET /metrics` on `addr` from a background thread, answering each scrape with
-/// `render()`. Returns the address bound (port 0 becomes the one the kernel chose).
-///
-/// # Errors
-/// The bind error (the port is taken, the address is not this host's): the caller keeps
-/// running with metrics off and says so in its ready line.
-pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> std::io::Result<SocketAddr> {
-    let listener = TcpListener::bind(addr)?;
-    let bound = listener.local_addr()?;
+/// `render()`. Returns the address it listens on; `None` when it could not bind (logged:
+/// metrics stay off, the broker still runs, and its ready line says so).
+pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> Option<SocketAddr> {
+    let listener = match TcpListener::bind(addr) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "metrics endpoint disabled: cannot bind");
+            return None;
+        }
+    };
+    let bound = listener.local_addr().unwrap_or(addr);
     let busy = Arc::new(AtomicU64::new(0));
     let spawned = std::thread::Builder::new().name("ringmq-metrics".into()).spawn(move || {
         for stream in listener.incoming() {
@@ -379,8 +382,13 @@ pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> std::io::Result<Sock
             }
         }
     });
-    spawned?;
-    Ok(bound)
+    match spawned {
+        Ok(_) => Some(bound),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics thread did not start");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //!
 //! [`Cluster::start`] runs `n` `ringmq` processes, node index `i` (0-based) being node id
 //! `i + 1`, each with its own temp dir (data in `<tmp>/data`, stdout and stderr in
-//! `<tmp>/node.log`), its own free loopback ports for AMQP, metrics and the cluster transport,
+//! `<tmp>/node.log`), its own free loopback ports for AMQP, metrics, the management API and
+//! the cluster transport,
 //! `--cores 1` (the test machine has 2 cores for 3 brokers and the test), and one `--peers`
 //! list naming every node. It returns once every node is ready: its AMQP port answers the
 //! protocol header with a frame and its `/metrics` answers 200 (a free loopback port can
@@ -48,6 +49,8 @@ struct Node {
     amqp: SocketAddr,
     /// Metrics listen address.
     metrics: SocketAddr,
+    /// Management API listen address.
+    management: SocketAddr,
     /// Cluster (Raft transport) listen address, as listed in `--peers`.
     cluster: SocketAddr,
     /// Holds `data/` and `node.log`; removed on drop.
@@ -66,6 +69,7 @@ impl Node {
             id: i as u64 + 1,
             amqp: loopback(free_port()),
             metrics: loopback(free_port()),
+            management: loopback(free_port()),
             cluster: loopback(free_port()),
             dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
             child: None,
@@ -130,6 +134,11 @@ impl Cluster {
     /// The `--peers` list of every node, this cluster's and those added since.
     pub fn all_peers(&self) -> String {
         self.nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",")
+    }
+
+    /// Node `i`'s management API port.
+    pub fn management_port(&self, i: usize) -> u16 {
+        self.nodes[i].management.port()
     }
 
     /// Number of nodes (running or not).
@@ -317,6 +326,8 @@ impl Cluster {
             .arg(node.amqp.to_string())
             .arg("--metrics-listen")
             .arg(node.metrics.to_string())
+            .arg("--management-listen")
+            .arg(node.management.to_string())
             .arg("--cluster-listen")
             .arg(node.cluster.to_string())
             .arg("--peers")

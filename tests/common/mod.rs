@@ -1,7 +1,8 @@
 //! Shared harness for ringmq's black-box integration tests.
 //!
 //! [`Broker::start`] runs the real `ringmq` binary on a free loopback port with a fresh temp data
-//! dir (`--listen 127.0.0.1:PORT --data-dir DIR --metrics-listen 127.0.0.1:PORT2 --cores 2`),
+//! dir (`--listen 127.0.0.1:PORT --data-dir DIR --metrics-listen 127.0.0.1:PORT2
+//! --management-listen 127.0.0.1:PORT3 --cores 2`),
 //! waits (at most 10 s) until the AMQP port accepts, and kills the process by its PID on drop.
 //! The broker's stderr goes to a file that is printed when the owning test panics.
 //!
@@ -25,6 +26,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use lapin::{Channel, Connection, ConnectionProperties};
 
 pub mod cluster;
+pub mod http;
+pub use http::http_get;
 pub mod python;
 pub mod raw;
 pub mod script;
@@ -110,6 +113,7 @@ pub fn accepts(addr: SocketAddr) -> bool {
 pub struct Broker {
     addr: SocketAddr,
     metrics_port: u16,
+    management_port: u16,
     child: Option<Child>,
     data_dir: Option<tempfile::TempDir>,
     log_path: Option<PathBuf>,
@@ -133,13 +137,23 @@ impl Broker {
                 .ok()
                 .and_then(|mut a| a.next())
                 .unwrap_or_else(|| panic!("RINGMQ_TEST_BROKER={ext:?} is not host:port"));
-            return Broker { addr, metrics_port: 0, child: None, data_dir: None, log_path: None, external: true, extra_args: Vec::new() };
+            return Broker {
+                addr,
+                metrics_port: 0,
+                management_port: 0,
+                child: None,
+                data_dir: None,
+                log_path: None,
+                external: true,
+                extra_args: Vec::new(),
+            };
         }
         let data_dir = tempfile::Builder::new().prefix("ringmq-test-").tempdir().expect("temp data dir");
         let port = free_port();
         let mut b = Broker {
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             metrics_port: free_port(),
+            management_port: free_port(),
             child: None,
             log_path: Some(data_dir.path().with_extension("stderr.log")),
             data_dir: Some(data_dir),
@@ -172,6 +186,11 @@ impl Broker {
         self.metrics_port
     }
 
+    /// Management API port (ringmq only; 0 for an external broker).
+    pub fn management_port(&self) -> u16 {
+        self.management_port
+    }
+
     /// The broker's data directory (ringmq only).
     pub fn data_dir(&self) -> Option<&std::path::Path> {
         self.data_dir.as_ref().map(|d| d.path())
@@ -199,6 +218,12 @@ impl Broker {
             .arg(&dir)
             .arg("--metrics-listen")
             .arg(format!("127.0.0.1:{}", self.metrics_port))
+            .args(
+                (!self.extra_args.iter().any(|a| a == "--management-listen"))
+                    .then(|| ["--management-listen".to_owned(), format!("127.0.0.1:{}", self.management_port)])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg("--cores")
             .arg("2")
             .args(self.extra_args.iter().map(|a| a.replace("{port}", &self.addr.port().to_string())))
@@ -745,24 +770,6 @@ impl Drop for OwnBroker {
         }
         let _ = std::fs::remove_file(&self.log_path);
     }
-}
-
-/// `GET path` on 127.0.0.1:port with `Connection: close`; the response (headers and body), or
-/// why not. Connect, write and read are each bounded to 5 s.
-pub fn http_get(port: u16, path: &str) -> Result<String, String> {
-    use std::io::Write;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("connect {addr}: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").as_bytes())
-        .map_err(|e| format!("write request: {e}"))?;
-    let mut out = Vec::new();
-    let r = s.read_to_end(&mut out);
-    if out.is_empty() {
-        return Err(format!("no response from {addr}{path}: {r:?}"));
-    }
-    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The value of an unlabelled Prometheus series (`name value`) in a metrics text, if present.

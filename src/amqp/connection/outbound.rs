@@ -217,8 +217,12 @@ impl Session {
                     );
                 }
             }
-            ClientEvent::Shutdown => {
-                let e = AmqpError::connection_forced("broker shutdown");
+            ClientEvent::Describe(reply) => drop(reply.send(self.describe())),
+            ClientEvent::Shutdown | ClientEvent::Close(_) => {
+                let e = match ev {
+                    ClientEvent::Close(reason) => AmqpError::connection_forced(reason),
+                    _ => AmqpError::connection_forced("broker shutdown"),
+                };
                 let mut st = self.st.borrow_mut();
                 if st.closing.is_none() && !st.finish {
                     st.closing = Some(Instant::now() + CLOSE_WAIT);
@@ -230,6 +234,25 @@ impl Session {
             }
             ClientEvent::DiskAlarm(raised) => self.set_blocked(raised, Some(out)),
         }
+    }
+
+    /// This connection's channels for the management API ([`ClientEvent::Describe`]).
+    fn describe(&self) -> crate::broker::clients::ConnDescription {
+        let st = self.st.borrow();
+        let mut channels: Vec<_> = st
+            .channels
+            .values()
+            .map(|c| crate::broker::clients::ChannelDescription {
+                number: c.id,
+                confirm: c.confirms.enabled,
+                transactional: c.tx.is_some(),
+                prefetch: c.prefetch,
+                consumers: c.consumers.iter().map(|(tag, cc)| (tag.to_string(), cc.queue.key.clone())).collect(),
+                unacked: c.ledger.iter().map(|(tag, u)| (tag.0, u.queue.key.clone(), u.offset.0)).collect(),
+            })
+            .collect();
+        channels.sort_by_key(|c| c.number);
+        crate::broker::clients::ConnDescription { channels }
     }
 
     fn channel_open(&self, channel: u16) -> bool {

@@ -13,49 +13,6 @@ pub mod exchange;
 pub mod queue;
 pub mod tx;
 
-use amq_protocol::types::FieldTable;
-
-use super::error::AmqpError;
-use crate::meta::MetaError;
-
-/// Maps a metadata failure to a reply code: 506 RESOURCE_ERROR (a channel error: the
-/// request may succeed later) when the metadata log has no disk space or the cluster has no
-/// quorum (a minority side, or an election under way), else 541 INTERNAL_ERROR.
-pub fn meta_error(e: MetaError) -> AmqpError {
-    match e {
-        MetaError::DiskFull { .. } | MetaError::NoQuorum { .. } | MetaError::NotLeader { .. } => {
-            AmqpError::resource_error(format!("metadata store: {e}"))
-        }
-        e => AmqpError::internal_error(format!("metadata store: {e}")),
-    }
-}
-
-/// Looks a name up in the core's routing copy with `find`; on a miss in a cluster, waits for
-/// a metadata read barrier and looks again, so a name declared on another node a moment ago
-/// (declare-ok already sent there) is found here too. A hit costs nothing extra.
-///
-/// # Errors
-/// 506 RESOURCE_ERROR when the barrier finds no quorum (see [`meta_error`]).
-pub async fn find_synced<T>(
-    s: &crate::amqp::connection::Session,
-    find: impl Fn(&crate::broker::router::Router) -> Option<T>,
-) -> Result<Option<T>, AmqpError> {
-    if let Some(hit) = find(&s.core.router()) {
-        return Ok(Some(hit));
-    }
-    if !s.core.shared.meta.is_cluster() {
-        return Ok(None);
-    }
-    s.core.shared.meta.sync().await.map_err(meta_error)?;
-    Ok(find(&s.core.router()))
-}
-
-/// Whether two argument tables are equivalent for a redeclare (RabbitMQ compares the
-/// tables; key order does not matter, the table is sorted).
-pub fn args_equivalent(a: &FieldTable, b: &FieldTable) -> bool {
-    a == b
-}
-
 /// A short random-looking suffix for server-generated names (`amq.gen-…`, `amq.ctag-…`):
 /// URL-safe base64 of a unique id mixed with the clock; unique within a run.
 pub fn unique_suffix(id: u64) -> String {

@@ -130,7 +130,15 @@ impl Consumers {
         self.next = 0;
         std::mem::take(&mut self.list)
     }
+    /// Every consumer, in attach order.
+    pub fn iter(&self) -> impl Iterator<Item = &Consumer> + '_ {
+        self.list.iter()
+    }
     /// Looks a consumer up by id.
+    pub fn get(&self, id: ConsumerId) -> Option<&Consumer> {
+        self.list.iter().find(|c| c.spec.id == id)
+    }
+    /// Looks a consumer up by id (mutably).
     pub fn get_mut(&mut self, id: ConsumerId) -> Option<&mut Consumer> {
         self.list.iter_mut().find(|c| c.spec.id == id)
     }

@@ -191,6 +191,7 @@ impl Queue {
     /// stored→delivered time when it was sampled.
     pub(super) fn take_next(&mut self) -> Option<u64> {
         let (offset, stored_at) = self.ready.take_next()?;
+        self.counters.delivered += 1;
         if let Some(t) = &self.ttl {
             // The head changed (`ttl.rs`, rule 3).
             t.notify();
@@ -282,7 +283,7 @@ impl Queue {
             let credit = Some(c.spec.channel_credit.clone());
             let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
             index_offset = self.index_delivery(offset, flags, &holder);
-            self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit });
+            self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit, redelivered });
         }
         self.passed(offset);
         // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
@@ -397,7 +398,7 @@ impl Queue {
             if index_offset.is_some() {
                 sync = self.index.clone();
             }
-            self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None });
+            self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered });
         }
         self.passed(offset);
         let r = GetReply {

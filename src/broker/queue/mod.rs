@@ -231,7 +231,21 @@ pub struct Queue {
     /// Message TTL (`ttl.rs`); `None` for a queue without `x-message-ttl` that took no
     /// message with `expiration` in this run.
     ttl: Option<Box<ttl::Ttl>>,
+    /// Messages through this queue since it opened, for the management API.
+    pub counters: Counters,
     env: Rc<dyn QueueEnv>,
+}
+
+/// A queue's message counts since it opened in this run (RabbitMQ's `message_stats`):
+/// plain integers, written by the queue's core only, read through [`QueueOp::Info`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Messages published to it (basic.publish routed here, dead-lettered copies included).
+    pub published: u64,
+    /// Messages handed to a consumer or a basic.get (redeliveries included).
+    pub delivered: u64,
+    /// Deliveries acknowledged.
+    pub acked: u64,
 }
 
 /// A queue's shards: its messages and, for a durable queue, its unacked index.
@@ -353,6 +367,7 @@ impl Queue {
                 limits,
                 delivery_limit,
                 ttl: None,
+                counters: Counters::default(),
                 env,
             })
         });
@@ -393,6 +408,32 @@ impl Queue {
         self.held.len()
     }
 
+    /// The queue's figures for the management API ([`QueueOp::Info`]); with `with_unacked`,
+    /// every outstanding delivery too, oldest first. Touches nothing (no lease renewal).
+    fn info(&self, with_unacked: bool) -> super::QueueInfo {
+        let consumers = self
+            .consumers
+            .iter()
+            .map(|c| super::ConsumerInfo {
+                tag: c.spec.tag.clone(),
+                conn: c.spec.conn,
+                channel: c.spec.channel,
+                no_ack: c.spec.no_ack,
+                exclusive: c.spec.exclusive,
+                prefetch: c.spec.prefetch,
+                priority: c.spec.priority,
+            })
+            .collect();
+        let unacked = if with_unacked { self.held.listing(|id| self.consumers.get(id).map(|c| c.spec.tag.clone())) } else { Vec::new() };
+        super::QueueInfo {
+            messages_ready: u64::from(self.message_count()),
+            messages_unacked: self.held.len() as u64,
+            consumers,
+            counters: self.counters,
+            unacked,
+        }
+    }
+
     fn wake(&self) {
         let _ = self.wake.try_send(());
         if let Some(t) = &self.ttl {
@@ -411,7 +452,10 @@ impl Queue {
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
         match op {
-            QueueOp::Publish { message, confirm, published } => q.publish(cell, message, confirm, published),
+            QueueOp::Publish { message, confirm, published } => {
+                q.counters.published += 1;
+                q.publish(cell, message, confirm, published)
+            }
             QueueOp::Get { no_ack, holder, reply } => {
                 q.renew_lease();
                 drop(q);
@@ -458,6 +502,7 @@ impl Queue {
                 q.expire_head();
                 let _ = reply.send(Ok((q.message_count(), q.consumers.len() as u32)));
             }
+            QueueOp::Info { with_unacked, reply } => drop(reply.send(q.info(with_unacked))),
             QueueOp::Purge { reply } => {
                 let n = q.purge();
                 let _ = reply.send(Ok(n));

@@ -66,6 +66,8 @@ pub struct Outstanding {
     pub since: Instant,
     /// The holder channel's shared prefetch window (consumer deliveries only).
     pub credit: Option<std::sync::Arc<ChannelCredit>>,
+    /// It was delivered with redelivered=true (for the management API's listing).
+    pub redelivered: bool,
 }
 
 /// Settled offsets with their former holders, by what happens to them next.
@@ -109,6 +111,27 @@ impl Held {
     /// Nothing is outstanding.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
+    }
+
+    /// Every outstanding delivery (oldest first) for the management API, its consumer's tag
+    /// from `tag_of` (none for a basic.get, or a consumer gone since).
+    pub fn listing(&self, tag_of: impl Fn(ConsumerId) -> Option<crate::broker::ConsumerTag>) -> Vec<crate::broker::UnackedInfo> {
+        let now = Instant::now();
+        let mut v: Vec<crate::broker::UnackedInfo> = self
+            .map
+            .iter()
+            .map(|(&offset, o)| crate::broker::UnackedInfo {
+                offset,
+                conn: o.holder.conn,
+                channel: o.holder.channel,
+                chan_uid: o.holder.chan_uid,
+                consumer_tag: o.consumer.and_then(&tag_of),
+                redelivered: o.redelivered,
+                age_ms: now.duration_since(o.since).as_millis() as u64,
+            })
+            .collect();
+        v.sort_by(|a, b| b.age_ms.cmp(&a.age_ms).then(a.offset.cmp(&b.offset)));
+        v
     }
 
     /// The holder of `offset`, if it is outstanding.
@@ -289,6 +312,7 @@ impl Queue {
         for (_, o) in &ack {
             q.env.stats().delivered_to_acked.record(now.duration_since(o.since));
         }
+        q.counters.acked += ack.len() as u64;
         // Rule 4: acked and dropped messages are deleted.
         let deleted: Vec<u64> = ack.iter().chain(&dropped).map(|(off, _)| *off).collect();
         q.delete(&deleted);
@@ -637,7 +661,7 @@ mod tests {
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
         let holder =
             Holder { conn: crate::broker::ConnId(1), channel: crate::broker::ChannelId(chan_uid as u16), chan_uid, tx: tx.clone() };
-        Outstanding { consumer: None, holder, since: Instant::now(), credit: None }
+        Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered: false }
     }
 
     #[derive(Clone, Debug)]

@@ -153,7 +153,9 @@ impl Remote {
             // The queue's node keeps its own window for this channel (settlements there give
             // it back); nothing to wake from here.
             // Replicated data goes to this node's own store only.
-            QueueOp::Wake | QueueOp::Replicated(_) => return,
+            // The management API asks a peer's queue `Stats` instead (dropping the reply
+            // tells it so).
+            QueueOp::Wake | QueueOp::Replicated(_) | QueueOp::Info { .. } => return,
             QueueOp::Stats { reply } => {
                 let req = self.next_req();
                 (Request::Stats { req, queue }, Some((req, Waiting::Stats(reply))))

@@ -308,7 +308,11 @@ async fn send_events(remote: Arc<Remote>, to: NodeId, conn: u64, rx: flume::Rece
                 Event::AckTimeout { channel: channel.0, chan_uid: peer_id(chan_uid), timeout_ms }
             }
             // Connection-wide events go to this node's own connections only.
-            ClientEvent::Frames(_) | ClientEvent::Shutdown | ClientEvent::DiskAlarm(_) => continue,
+            ClientEvent::Frames(_)
+            | ClientEvent::Shutdown
+            | ClientEvent::DiskAlarm(_)
+            | ClientEvent::Describe(_)
+            | ClientEvent::Close(_) => continue,
         };
         if let Err(why) = remote.send_frame(to, &Frame::Event { conn, event }) {
             // The link is down: its loss requeues what this connection held.

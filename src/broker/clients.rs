@@ -1,0 +1,122 @@
+//! This node's client connections, as the management API lists them: what is fixed at open
+//! (peer, user, vhost, tuning) in a registry written once at open and once at close, and
+//! what changes (channels, their consumers and outstanding deliveries) asked of the
+//! connection itself by message passing ([`ClientEvent::Describe`]), so nothing on the
+//! message path takes a lock or keeps a second copy.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+
+use super::{ClientEvent, ClientTx, ConnId, QueueKey, Reply};
+
+/// A connection as it was opened.
+#[derive(Clone, Debug)]
+pub struct ClientInfo {
+    /// Its id on this node.
+    pub id: ConnId,
+    /// The core serving it.
+    pub core: u32,
+    /// The client's address.
+    pub peer: Option<SocketAddr>,
+    /// The broker's address it connected to.
+    pub local: Option<SocketAddr>,
+    /// The user it logged in as.
+    pub user: String,
+    /// Its vhost.
+    pub vhost: String,
+    /// When it opened, ms since the Unix epoch.
+    pub connected_at_ms: u64,
+    /// Negotiated heartbeat, s.
+    pub heartbeat: u16,
+    /// Negotiated frame_max, bytes.
+    pub frame_max: u32,
+    /// Negotiated channel_max.
+    pub channel_max: u16,
+    /// Its event channel (to ask it for a [`ConnDescription`] or close it).
+    pub tx: ClientTx,
+}
+
+impl ClientInfo {
+    /// RabbitMQ's connection name: `"<peer> -> <local>"`.
+    pub fn name(&self) -> String {
+        let addr = |a: Option<SocketAddr>| a.map_or_else(|| "unknown".to_owned(), |a| a.to_string());
+        format!("{} -> {}", addr(self.peer), addr(self.local))
+    }
+}
+
+/// One open channel of a connection, as the connection describes it.
+#[derive(Clone, Debug, Default)]
+pub struct ChannelDescription {
+    /// Channel number.
+    pub number: u16,
+    /// Publisher confirms on.
+    pub confirm: bool,
+    /// tx.select received.
+    pub transactional: bool,
+    /// basic.qos prefetch_count for new consumers (0 = unlimited).
+    pub prefetch: u32,
+    /// Its consumers: (consumer tag, queue).
+    pub consumers: Vec<(String, QueueKey)>,
+    /// Its outstanding deliveries: (delivery tag, queue, offset in the queue's shard).
+    pub unacked: Vec<(u64, QueueKey, u64)>,
+}
+
+/// A connection's answer to [`ClientEvent::Describe`].
+#[derive(Clone, Debug, Default)]
+pub struct ConnDescription {
+    /// Its open channels, by number.
+    pub channels: Vec<ChannelDescription>,
+}
+
+/// The registry of this node's open connections.
+#[derive(Debug, Default)]
+pub struct Clients {
+    map: Mutex<BTreeMap<ConnId, ClientInfo>>,
+}
+
+impl Clients {
+    /// Records a connection that completed its handshake.
+    pub fn opened(&self, info: ClientInfo) {
+        self.lock().insert(info.id, info);
+    }
+
+    /// Forgets a connection that closed.
+    pub fn closed(&self, id: ConnId) {
+        self.lock().remove(&id);
+    }
+
+    /// Every open connection, by id.
+    pub fn list(&self) -> Vec<ClientInfo> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// Asks each of `conns` for its channels and waits for the answers (up to 2 s in all);
+    /// a connection that closed meanwhile answers nothing and gets an empty description.
+    pub fn describe(conns: &[ClientInfo]) -> Vec<ConnDescription> {
+        let asked: Vec<_> = conns
+            .iter()
+            .map(|c| {
+                let (reply, rx): (Reply<ConnDescription>, _) = flume::bounded(1);
+                let _ = c.tx.send(ClientEvent::Describe(reply));
+                rx
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        asked.into_iter().map(|rx| rx.recv_deadline(deadline).unwrap_or_default()).collect()
+    }
+
+    /// Closes the connection named `name` ([`ClientInfo::name`]) with 320 CONNECTION_FORCED
+    /// and `reason`. Returns false when there is none.
+    pub fn close(&self, name: &str, reason: &str) -> bool {
+        let found = self.lock().values().find(|c| c.name() == name).cloned();
+        match found {
+            Some(c) => c.tx.send(ClientEvent::Close(reason.to_owned())).is_ok(),
+            None => false,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, ClientInfo>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,433 @@
+//! The management HTTP API, compatible with RabbitMQ's for the fields tools read
+//! (rabbitmqadmin, monitoring agents, Kubernetes probes), on `--management-listen`.
+//!
+//! # Layout
+//! - this file: the server (a few plain threads on `tiny_http`), basic auth, routing, errors;
+//! - [`read`]: the GET endpoints (overview, nodes, vhosts, queues, exchanges, bindings,
+//!   consumers, connections, health checks) and the figures they gather from the cores;
+//! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
+//! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
+//! - [`json`]: AMQP field tables and properties to and from JSON.
+//!
+//! # Threads, reads and writes
+//! The server runs on [`WORKERS`] std threads, never on a core. Reads take the topology from
+//! the metadata (every node has all of it) and ask each queue for its figures by message
+//! passing: a [`QueueOp::Info`] (or, for a queue another node serves, [`QueueOp::Stats`],
+//! forwarded there) into its owner core's inbox, answered on a channel. Writes run the
+//! broker's own code (`broker::topology`, the same the AMQP methods call) on a core, handed
+//! over as a [`NodeMsg::Run`] closure; the thread waits for its answer. No lock of the hot
+//! path is taken.
+//!
+//! # Authentication
+//! HTTP basic auth against a [`UserStore`] (the configured users today, each an
+//! `administrator`): 401 with `WWW-Authenticate` when absent or wrong; a loopback-only user
+//! (guest) from another address is refused as for AMQP. Writes need `administrator`, reads
+//! `administrator` or `monitoring`.
+//!
+//! [`QueueOp::Info`]: crate::broker::QueueOp::Info
+//! [`QueueOp::Stats`]: crate::broker::QueueOp::Stats
+//! [`NodeMsg::Run`]: crate::broker::node::NodeMsg::Run
+
+mod definitions;
+mod json;
+mod read;
+mod write;
+
+use std::collections::HashMap;
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::broker::auth::{AuthError, AuthUser, UserStore};
+use crate::broker::node::{Node, NodeMsg, OnCore, Shared};
+use crate::broker::topology::TopologyError;
+use crate::broker::QueueError;
+
+/// Threads answering requests: each serves one request at a time.
+pub const WORKERS: usize = 4;
+
+/// Largest request body read, bytes (a definitions import of many thousand objects fits).
+const MAX_BODY: u64 = 64 << 20;
+
+/// How long a request waits for the cores' answer.
+const CORE_WAIT: Duration = Duration::from_secs(30);
+
+/// Rate samples kept before those not asked for in 10 minutes are dropped.
+const MAX_RATE_SAMPLES: usize = 16_384;
+
+/// The RabbitMQ version whose management API this one follows (reported as
+/// `rabbitmq_version` / `management_version`, which tools read to pick features).
+pub const RABBITMQ_COMPAT_VERSION: &str = "3.13.7";
+
+/// The API's state, shared by its threads.
+pub struct Api {
+    shared: Arc<Shared>,
+    users: Arc<dyn UserStore>,
+    /// Last sample of each counter a rate is reported for: name → (when, value, rate/s).
+    rates: Mutex<HashMap<String, (Instant, u64, f64)>>,
+    /// Round robin over the cores for the work handed to them.
+    next_core: AtomicUsize,
+    /// When the API started (the node's uptime).
+    started: Instant,
+}
+
+/// Starts the API on `addr` with `users` for logins. Returns the address it listens on.
+///
+/// # Errors
+/// The bind's error (the port is taken, the address is not this host's).
+pub fn serve(addr: SocketAddr, shared: Arc<Shared>, users: Arc<dyn UserStore>) -> std::io::Result<SocketAddr> {
+    let server = tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
+    let local = server.server_addr().to_ip().unwrap_or(addr);
+    let server = Arc::new(server);
+    let api = Arc::new(Api { shared, users, rates: Mutex::new(HashMap::new()), next_core: AtomicUsize::new(0), started: Instant::now() });
+    for i in 0..WORKERS {
+        let (server, api) = (server.clone(), api.clone());
+        std::thread::Builder::new().name(format!("ringmq-mgmt-{i}")).spawn(move || {
+            while let Ok(rq) = server.recv() {
+                api.answer(rq);
+            }
+        })?;
+    }
+    Ok(local)
+}
+
+/// An answer: status, JSON body (none for 204) and extra headers.
+pub(crate) struct Reply {
+    status: u16,
+    body: Option<Value>,
+    headers: Vec<(&'static str, String)>,
+}
+
+impl Reply {
+    /// 200 with `body`.
+    pub(crate) fn ok(body: Value) -> Reply {
+        Reply { status: 200, body: Some(body), headers: Vec::new() }
+    }
+    /// `status` with no body (201 Created, 204 No Content).
+    pub(crate) fn empty(status: u16) -> Reply {
+        Reply { status, body: None, headers: Vec::new() }
+    }
+    /// `status` with `body`.
+    pub(crate) fn with(status: u16, body: Value) -> Reply {
+        Reply { status, body: Some(body), headers: Vec::new() }
+    }
+}
+
+/// A refused request: HTTP status and RabbitMQ's `{"error": …, "reason": …}` body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ApiError {
+    status: u16,
+    error: &'static str,
+    reason: String,
+}
+
+impl ApiError {
+    /// 404 as RabbitMQ answers an unknown object.
+    pub(crate) fn not_found() -> ApiError {
+        ApiError { status: 404, error: "Object Not Found", reason: "Not Found".into() }
+    }
+    /// 400 with `reason`.
+    pub(crate) fn bad_request(reason: impl Into<String>) -> ApiError {
+        ApiError { status: 400, error: "bad_request", reason: reason.into() }
+    }
+    /// 405 for a method this path does not take.
+    pub(crate) fn method_not_allowed() -> ApiError {
+        ApiError { status: 405, error: "Method Not Allowed", reason: "Method Not Allowed".into() }
+    }
+    /// 500 with `reason`.
+    pub(crate) fn internal(reason: impl Into<String>) -> ApiError {
+        ApiError { status: 500, error: "internal_error", reason: reason.into() }
+    }
+    /// 503 with `reason` (shutting down, no quorum).
+    pub(crate) fn unavailable(reason: impl Into<String>) -> ApiError {
+        ApiError { status: 503, error: "service_unavailable", reason: reason.into() }
+    }
+}
+
+impl From<TopologyError> for ApiError {
+    /// RabbitMQ's statuses for the broker's refusals: 404 for a missing object, 400 for a
+    /// precondition (inequivalent arguments, if-unused / if-empty), 403 for a reserved name,
+    /// 503 for a resource (no quorum, no disk), 500 otherwise.
+    fn from(e: TopologyError) -> ApiError {
+        let (status, error) = match &e {
+            TopologyError::Queue(QueueError::NotFound(_)) => (404, "Object Not Found"),
+            TopologyError::Queue(QueueError::AccessRefused(_)) => (403, "access_refused"),
+            TopologyError::Queue(QueueError::PreconditionFailed(_)) => (400, "bad_request"),
+            TopologyError::Queue(QueueError::ResourceError(_)) => (503, "resource_error"),
+            TopologyError::Queue(QueueError::InternalError(_)) => (500, "internal_error"),
+            TopologyError::ResourceLocked(_) => (405, "resource_locked"),
+            TopologyError::CommandInvalid(_) => (400, "bad_request"),
+        };
+        ApiError { status, error, reason: e.to_string() }
+    }
+}
+
+impl From<QueueError> for ApiError {
+    fn from(e: QueueError) -> ApiError {
+        TopologyError::Queue(e).into()
+    }
+}
+
+/// What a handler gets: the method, the decoded path segments after `/api`, the query
+/// string's pairs, the body and the user.
+pub(crate) struct Request<'a> {
+    method: &'a str,
+    path: Vec<String>,
+    query: HashMap<String, String>,
+    body: String,
+    user: AuthUser,
+}
+
+impl Request<'_> {
+    /// The body as JSON (an empty body is `{}`).
+    ///
+    /// # Errors
+    /// 400 when it does not parse.
+    pub(crate) fn json(&self) -> Result<Value, ApiError> {
+        if self.body.trim().is_empty() {
+            return Ok(json!({}));
+        }
+        serde_json::from_str(&self.body).map_err(|e| ApiError::bad_request(format!("body is not valid JSON: {e}")))
+    }
+
+    /// A query flag given as `true`.
+    pub(crate) fn flag(&self, name: &str) -> bool {
+        self.query.get(name).is_some_and(|v| v == "true")
+    }
+}
+
+/// Decodes `%XX` escapes (and `+` as a space only in query strings).
+fn decode(s: &str, plus_is_space: bool) -> String {
+    let s = if plus_is_space { s.replace('+', " ") } else { s.to_owned() };
+    percent_encoding::percent_decode_str(&s).decode_utf8_lossy().into_owned()
+}
+
+impl Api {
+    fn answer(&self, mut rq: tiny_http::Request) {
+        let method = rq.method().as_str().to_owned();
+        let url = rq.url().to_owned();
+        let loopback = rq.remote_addr().is_some_and(|a| a.ip().is_loopback());
+        let auth = rq.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str().to_owned());
+        let mut body = String::new();
+        let read = rq.as_reader().take(MAX_BODY).read_to_string(&mut body);
+        let reply = match read {
+            Err(e) => Err(ApiError::bad_request(format!("cannot read the body: {e}"))),
+            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, body),
+        };
+        let reply = reply.unwrap_or_else(|e| {
+            let mut r = Reply::with(e.status, json!({"error": e.error, "reason": e.reason}));
+            if e.status == 401 {
+                r.headers.push(("WWW-Authenticate", "Basic realm=\"RabbitMQ Management\"".into()));
+            }
+            r
+        });
+        let text = reply.body.as_ref().map(|b| b.to_string()).unwrap_or_default();
+        let mut resp = tiny_http::Response::from_string(text).with_status_code(reply.status);
+        let mut headers = reply.headers;
+        if reply.body.is_some() {
+            headers.push(("Content-Type", "application/json".into()));
+        }
+        headers.push(("Cache-Control", "no-cache".into()));
+        for (name, value) in headers {
+            if let Ok(h) = tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()) {
+                resp = resp.with_header(h);
+            }
+        }
+        let _ = rq.respond(resp);
+    }
+
+    fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, body: String) -> Result<Reply, ApiError> {
+        let (path, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut segments: Vec<String> = path.split('/').skip(1).map(|s| decode(s, false)).collect();
+        if segments.last().is_some_and(String::is_empty) {
+            segments.pop();
+        }
+        if segments.first().map(String::as_str) != Some("api") {
+            return Err(ApiError::not_found());
+        }
+        segments.remove(0);
+        let user = self.login(auth, loopback)?;
+        let writes = !matches!(method, "GET" | "HEAD");
+        // POST .../get reads, but RabbitMQ asks for write access to the queue as well.
+        if (writes && !user.may_write()) || (!writes && !user.may_read() && segments.first().map(String::as_str) != Some("whoami")) {
+            return Err(ApiError { status: 403, error: "not_authorized", reason: "Not management user".into() });
+        }
+        let query = query
+            .split('&')
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let (k, v) = p.split_once('=').unwrap_or((p, ""));
+                (decode(k, true), decode(v, true))
+            })
+            .collect();
+        let rq = Request { method, path: segments, query, body, user };
+        self.route(&rq)
+    }
+
+    /// Checks the `Authorization: Basic …` header against the user store.
+    fn login(&self, auth: Option<&str>, loopback: bool) -> Result<AuthUser, ApiError> {
+        use base64::Engine as _;
+        let refused = |reason: &str| ApiError { status: 401, error: "not_authorized", reason: reason.into() };
+        let Some(b64) = auth.and_then(|a| a.strip_prefix("Basic ").or_else(|| a.strip_prefix("basic "))) else {
+            return Err(refused("Not_Authorized"));
+        };
+        let creds = base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok().and_then(|b| String::from_utf8(b).ok());
+        let Some((name, password)) = creds.as_deref().and_then(|c| c.split_once(':')) else {
+            return Err(refused("Not_Authorized"));
+        };
+        match self.users.authenticate(name, password, loopback) {
+            Ok(u) => Ok(u),
+            Err(e) => {
+                // Logged at the default level, as RabbitMQ's "HTTP access denied" lines.
+                tracing::warn!(user = name, reason = %e, "management API login refused");
+                Err(refused(match e {
+                    AuthError::InvalidCredentials => "Login failed",
+                    AuthError::LoopbackOnly(_) => "User can only log in via localhost",
+                }))
+            }
+        }
+    }
+
+    fn route(&self, rq: &Request<'_>) -> Result<Reply, ApiError> {
+        let p: Vec<&str> = rq.path.iter().map(String::as_str).collect();
+        let m = rq.method;
+        let get = m == "GET" || m == "HEAD";
+        match (p.as_slice(), get) {
+            (["overview"], true) => self.overview(),
+            (["nodes"], true) => self.nodes(),
+            (["nodes", name], true) => self.node(name),
+            (["whoami"], true) => Ok(Reply::ok(json!({"name": rq.user.name, "tags": rq.user.tags}))),
+            (["health", "checks", "alarms"] | ["health", "checks", "local-alarms"], true) => Ok(self.health_alarms()),
+            (["health", "checks", "ready"], true) => Ok(self.health_ready()),
+            (["vhosts"], true) => self.vhosts(None),
+            (["vhosts", v], true) => self.vhosts(Some(v)),
+            (["vhosts", v], false) => self.vhost_write(rq, v),
+            (["queues"], true) => self.queues(None),
+            (["queues", v], true) => self.queues(Some(v)),
+            (["queues", v, q], true) => self.queue(v, q),
+            (["queues", v, q], false) => self.queue_write(rq, v, q),
+            (["queues", v, q, "bindings"], true) => self.bindings_to_queue(v, q),
+            (["queues", v, q, "contents"], false) if m == "DELETE" => self.queue_purge(v, q),
+            (["queues", v, q, "get"], false) if m == "POST" => self.queue_get(rq, v, q),
+            (["queues", v, q, "unacked"], true) => self.queue_unacked(v, q),
+            (["exchanges"], true) => self.exchanges(None),
+            (["exchanges", v], true) => self.exchanges(Some(v)),
+            (["exchanges", v, x], true) => self.exchange(v, x),
+            (["exchanges", v, x], false) => self.exchange_write(rq, v, x),
+            (["exchanges", v, x, "publish"], false) if m == "POST" => self.publish(rq, v, x),
+            (["exchanges", v, x, "bindings", dir @ ("source" | "destination")], true) => self.bindings_of_exchange(v, x, dir),
+            (["bindings"], true) => self.bindings(None),
+            (["bindings", v], true) => self.bindings(Some(v)),
+            (["bindings", v, "e", s, kind @ ("q" | "e"), d], true) => self.bindings_between(v, s, kind, d),
+            (["bindings", v, "e", s, kind @ ("q" | "e"), d], false) if m == "POST" => self.bind(rq, v, s, kind, d),
+            (["bindings", v, "e", s, kind @ ("q" | "e"), d, props], true) => self.binding(v, s, kind, d, props),
+            (["bindings", v, "e", s, kind @ ("q" | "e"), d, props], false) if m == "DELETE" => self.unbind(v, s, kind, d, props),
+            (["connections"], true) => self.connections(),
+            (["connections", name], true) => self.connection(name),
+            (["connections", name], false) if m == "DELETE" => self.close_connection(rq, name),
+            (["channels"], true) => self.channels(),
+            (["consumers"], true) => self.consumers(None),
+            (["consumers", v], true) => self.consumers(Some(v)),
+            (["definitions"], true) => self.definitions(None),
+            (["definitions", v], true) => self.definitions(Some(v)),
+            (["definitions"], false) if m == "POST" => self.import(rq, None),
+            (["definitions", v], false) if m == "POST" => self.import(rq, Some(v)),
+            // Objects of RabbitMQ's API this node does not keep yet: empty lists to read
+            // (users come from the user store; the rest from the metadata once it has them).
+            (["users"], true) => Ok(Reply::ok(self.users_json())),
+            (["permissions"] | ["policies"] | ["policies", _] | ["parameters"] | ["global-parameters"], true) => Ok(Reply::ok(json!([]))),
+            (["operator-policies"] | ["vhost-limits"] | ["feature-flags"] | ["extensions"], true) => Ok(Reply::ok(json!([]))),
+            (_, true) => Err(ApiError::not_found()),
+            (_, false) if known_path(&p) => Err(ApiError::method_not_allowed()),
+            (_, false) => Err(ApiError::not_found()),
+        }
+    }
+
+    /// Runs `f` on a core (round robin) with its [`Node`] and waits for its answer.
+    ///
+    /// # Errors
+    /// 503 while the broker shuts down; 500 when no answer comes within [`CORE_WAIT`].
+    pub(crate) fn on_core<T, F, Fut>(&self, f: F) -> Result<T, ApiError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Rc<Node>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T> + 'static,
+    {
+        let (tx, rx) = flume::bounded(1);
+        let cores = self.shared.cores.max(1) as usize;
+        let core = self.next_core.fetch_add(1, Ordering::Relaxed) % cores;
+        let work = OnCore(Box::new(move |node: &Rc<Node>| {
+            let node = node.clone();
+            glommio::spawn_local(async move {
+                let _ = tx.send(f(node).await);
+            })
+            .detach();
+        }));
+        if self.shared.shutting_down.load(Ordering::Relaxed) || self.shared.inboxes.send(core, NodeMsg::Run(work)).is_err() {
+            return Err(ApiError::unavailable("the broker is shutting down"));
+        }
+        rx.recv_timeout(CORE_WAIT).map_err(|_| ApiError::internal("the broker did not answer in time"))
+    }
+
+    /// The rate per second of counter `name` now at `value`: from the sample taken at least
+    /// 1 s before (the previous rate until a second has passed), 0 at the first call.
+    pub(crate) fn rate(&self, name: String, value: u64) -> f64 {
+        let now = Instant::now();
+        let mut rates = self.rates.lock().unwrap_or_else(|e| e.into_inner());
+        if rates.len() > MAX_RATE_SAMPLES {
+            // Counters of deleted queues: forgotten once nobody asked for them for 10 min.
+            rates.retain(|_, (at, _, _)| now.duration_since(*at) < Duration::from_secs(600));
+        }
+        let entry = rates.entry(name).or_insert((now, value, 0.0));
+        let dt = now.duration_since(entry.0).as_secs_f64();
+        if dt >= 1.0 {
+            let r = value.saturating_sub(entry.1) as f64 / dt;
+            *entry = (now, value, (r * 10.0).round() / 10.0);
+        }
+        entry.2
+    }
+
+    fn users_json(&self) -> Value {
+        Value::Array(
+            self.users
+                .users()
+                .into_iter()
+                .map(|u| json!({"name": u.name, "tags": u.tags, "limits": {}, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256"}))
+                .collect(),
+        )
+    }
+
+    /// This node's name as the API reports it (`ringmq@<node id>`).
+    pub(crate) fn node_name(&self, id: u64) -> String {
+        format!("ringmq@{id}")
+    }
+}
+
+/// True for the paths the API knows (a method it does not take there is 405, not 404).
+fn known_path(p: &[&str]) -> bool {
+    matches!(
+        p.first().copied(),
+        Some(
+            "overview"
+                | "nodes"
+                | "whoami"
+                | "health"
+                | "vhosts"
+                | "queues"
+                | "exchanges"
+                | "bindings"
+                | "connections"
+                | "channels"
+                | "consumers"
+                | "definitions"
+                | "users"
+                | "permissions"
+                | "policies"
+        )
+    )
+}
