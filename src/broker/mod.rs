@@ -405,6 +405,8 @@ pub struct QueueInfo {
     pub consumers: Vec<ConsumerInfo>,
     /// Messages through it since it opened in this run.
     pub counters: queue::Counters,
+    /// Its per-stage latency histograms, in [`crate::observe::STAGE_NAMES`] order.
+    pub stages: [crate::observe::HistogramCounts; 3],
     /// Its outstanding deliveries, oldest first (only when asked).
     pub unacked: Vec<UnackedInfo>,
 }

@@ -7,7 +7,8 @@
 //!   consumers, connections, health checks) and the figures they gather from the cores;
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
 //! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
-//! - [`json`]: AMQP field tables and properties to and from JSON.
+//! - [`json`]: AMQP field tables and properties to and from JSON;
+//! - [`ui`]: the web UI's files at `/` and its live latency endpoint.
 //!
 //! # Threads, reads and writes
 //! The server runs on [`WORKERS`] std threads, never on a core. Reads take the topology from
@@ -31,6 +32,7 @@
 mod definitions;
 mod json;
 mod read;
+mod ui;
 mod write;
 
 use std::collections::HashMap;
@@ -211,8 +213,21 @@ impl Api {
     fn answer(&self, mut rq: tiny_http::Request) {
         let method = rq.method().as_str().to_owned();
         let url = rq.url().to_owned();
+        if method == "GET" {
+            if let Some((content_type, body)) = ui::asset(url.split('?').next().unwrap_or("")) {
+                let mut resp = tiny_http::Response::from_string(body);
+                if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()) {
+                    resp = resp.with_header(h);
+                }
+                let _ = rq.respond(resp);
+                return;
+            }
+        }
         let loopback = rq.remote_addr().is_some_and(|a| a.ip().is_loopback());
         let auth = rq.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str().to_owned());
+        // Scripts (the web UI) mark their requests: a 401 to them carries no Basic challenge,
+        // which would make the browser open its own login dialog over the page's.
+        let script = rq.headers().iter().any(|h| h.field.equiv("X-Requested-With"));
         let mut body = String::new();
         let read = rq.as_reader().take(MAX_BODY).read_to_string(&mut body);
         let reply = match read {
@@ -221,7 +236,7 @@ impl Api {
         };
         let reply = reply.unwrap_or_else(|e| {
             let mut r = Reply::with(e.status, json!({"error": e.error, "reason": e.reason}));
-            if e.status == 401 {
+            if e.status == 401 && !script {
                 r.headers.push(("WWW-Authenticate", "Basic realm=\"RabbitMQ Management\"".into()));
             }
             r
@@ -301,6 +316,8 @@ impl Api {
             (["overview"], true) => self.overview(),
             (["nodes"], true) => self.nodes(),
             (["nodes", name], true) => self.node(name),
+            (["ringmq", "latency"], true) => self.latency_node(),
+            (["ringmq", "latency", v, q], true) => self.latency_queue(v, q),
             (["whoami"], true) => Ok(Reply::ok(json!({"name": rq.user.name, "tags": rq.user.tags}))),
             (["health", "checks", "alarms"] | ["health", "checks", "local-alarms"], true) => Ok(self.health_alarms()),
             (["health", "checks", "ready"], true) => Ok(self.health_ready()),

@@ -41,6 +41,69 @@ impl Histogram {
     }
 }
 
+impl Histogram {
+    /// The counts now (relaxed loads): per bucket, in all, and the sum in ns.
+    pub fn counts(&self) -> HistogramCounts {
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        HistogramCounts { buckets: self.buckets.iter().map(load).collect(), count: load(&self.count), sum_ns: load(&self.sum_ns) }
+    }
+}
+
+/// A [`Histogram`]'s figures at one moment, to send across threads or sum.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HistogramCounts {
+    /// Samples per bucket: `buckets[i]` counts those ≤ 2^i µs and above 2^(i-1) µs (the
+    /// last one also everything larger); [`Histogram::BUCKETS`] entries, or none when empty.
+    pub buckets: Vec<u64>,
+    /// Samples in all.
+    pub count: u64,
+    /// Sum of the samples, ns.
+    pub sum_ns: u64,
+}
+
+impl HistogramCounts {
+    /// Adds `other`'s samples to these.
+    pub fn add(&mut self, other: &HistogramCounts) {
+        if self.buckets.len() < other.buckets.len() {
+            self.buckets.resize(other.buckets.len(), 0);
+        }
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            *a += b;
+        }
+        self.count += other.count;
+        self.sum_ns += other.sum_ns;
+    }
+}
+
+/// The three per-stage latency histograms of one queue (the same stages as [`Stats`]'s,
+/// recorded for the same sampled messages).
+#[derive(Debug, Default)]
+pub struct Stages {
+    /// End of basic.publish → stored.
+    pub publish_to_stored: Histogram,
+    /// Stored → first delivered.
+    pub stored_to_delivered: Histogram,
+    /// Delivered → acknowledged.
+    pub delivered_to_acked: Histogram,
+}
+
+/// The stage names, in flow order, as `ringmq_stage_latency_seconds` labels them.
+pub const STAGE_NAMES: [&str; 3] = ["publish_to_stored", "stored_to_delivered", "delivered_to_acked"];
+
+impl Stages {
+    /// The counts of each stage, in [`STAGE_NAMES`] order.
+    pub fn counts(&self) -> [HistogramCounts; 3] {
+        [self.publish_to_stored.counts(), self.stored_to_delivered.counts(), self.delivered_to_acked.counts()]
+    }
+}
+
+impl Stats {
+    /// The counts of the core-wide stage histograms, in [`STAGE_NAMES`] order.
+    pub fn stage_counts(&self) -> [HistogramCounts; 3] {
+        [self.publish_to_stored.counts(), self.stored_to_delivered.counts(), self.delivered_to_acked.counts()]
+    }
+}
+
 /// Whether this message's stage timings are recorded: one in [`SAMPLE_EVERY`] per thread,
 /// so the hot path reads the clock for few messages.
 pub fn sample() -> bool {

@@ -197,7 +197,9 @@ impl Queue {
             t.notify();
         }
         if let Some(at) = stored_at {
-            self.env.stats().stored_to_delivered.record(at.elapsed());
+            let d = at.elapsed();
+            self.env.stats().stored_to_delivered.record(d);
+            self.stages.stored_to_delivered.record(d);
         }
         Some(offset)
     }

@@ -141,9 +141,13 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
             }
         }
         let now = Instant::now();
+        let queue = weak.upgrade();
         for (c, published) in batch {
             if let Some(p) = published {
                 env.stats().publish_to_stored.record(now.duration_since(p));
+                if let Some(q) = &queue {
+                    q.borrow().stages.publish_to_stored.record(now.duration_since(p));
+                }
             }
             c.answer(ok);
         }

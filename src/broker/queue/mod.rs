@@ -233,6 +233,9 @@ pub struct Queue {
     ttl: Option<Box<ttl::Ttl>>,
     /// Messages through this queue since it opened, for the management API.
     pub counters: Counters,
+    /// Per-stage latency of this queue's sampled messages (the management UI's latency view
+    /// and `/metrics/per-object`).
+    pub stages: crate::observe::Stages,
     env: Rc<dyn QueueEnv>,
 }
 
@@ -368,6 +371,7 @@ impl Queue {
                 delivery_limit,
                 ttl: None,
                 counters: Counters::default(),
+                stages: Default::default(),
                 env,
             })
         });
@@ -430,6 +434,7 @@ impl Queue {
             messages_unacked: self.held.len() as u64,
             consumers,
             counters: self.counters,
+            stages: self.stages.counts(),
             unacked,
         }
     }
@@ -552,12 +557,14 @@ impl Queue {
                         self.pending_confirms.push((c, published));
                     } else if let (Some(p), Some(n)) = (published, now) {
                         self.env.stats().publish_to_stored.record(n.duration_since(p));
+                        self.stages.publish_to_stored.record(n.duration_since(p));
                     }
                     self.dirty = true;
                     self.start_sync(cell);
                 } else {
                     if let (Some(p), Some(n)) = (published, now) {
                         self.env.stats().publish_to_stored.record(n.duration_since(p));
+                        self.stages.publish_to_stored.record(n.duration_since(p));
                     }
                     if let Some(c) = confirm {
                         c.answer(true);

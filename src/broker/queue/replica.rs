@@ -466,6 +466,9 @@ async fn answer_batch(
                 }
                 if let Some(p) = published {
                     env.stats().publish_to_stored.record(now.duration_since(p));
+                    if let Some(q) = weak.upgrade() {
+                        q.borrow().stages.publish_to_stored.record(now.duration_since(p));
+                    }
                 }
                 if let Some(c) = ticket {
                     c.answer(ok);

@@ -311,6 +311,7 @@ impl Queue {
         }
         for (_, o) in &ack {
             q.env.stats().delivered_to_acked.record(now.duration_since(o.since));
+            q.stages.delivered_to_acked.record(now.duration_since(o.since));
         }
         q.counters.acked += ack.len() as u64;
         // Rule 4: acked and dropped messages are deleted.

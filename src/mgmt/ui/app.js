@@ -2,7 +2,7 @@
 // rabbitmqadmin and ringmqctl read). Pages by URL fragment: #/overview, #/queues,
 // #/queue/<vhost>/<name>, #/exchanges, #/connections, #/channels, #/latency.
 // Credentials: a login form (kept in sessionStorage), or a #/login/<user>/<password> link
-// as RabbitMQ's UI takes.
+// as RabbitMQ's UI takes (optionally followed by the page to open, e.g. /queues).
 "use strict";
 
 const POLL_MS = 5000;        // tables and totals
@@ -24,7 +24,7 @@ const num = (n) => (n === undefined || n === null ? "" : Number(n).toLocaleStrin
 const rate = (o, k) => { const d = o && o.message_stats && o.message_stats[k + "_details"]; return d ? d.rate.toFixed(1) : "0.0"; };
 
 async function api(path, opts = {}) {
-  const headers = Object.assign({ "Authorization": "Basic " + auth }, opts.body ? { "Content-Type": "application/json" } : {});
+  const headers = Object.assign({ "Authorization": "Basic " + auth, "X-Requested-With": "XMLHttpRequest" }, opts.body ? { "Content-Type": "application/json" } : {}, opts.headers || {});
   const r = await fetch("/api" + path, Object.assign({}, opts, { headers }));
   if (r.status === 401) { showLogin("Login failed"); throw new Error("401"); }
   const text = await r.text();
@@ -294,7 +294,8 @@ async function latency(vhost, name) {
 function route() {
   const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
   if (parts[0] === "login" && parts.length >= 2) {
-    return { login: [parts[1], parts.slice(2).join("/")] };
+    // #/login/<user>/<password>[/<page>…]: RabbitMQ's login link, then that page.
+    return { login: [parts[1], parts[2] || ""], next: parts.slice(3) };
   }
   const name = parts[0] || "overview";
   document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.dataset.page === name || (name === "queue" && a.dataset.page === "queues")));
@@ -323,7 +324,7 @@ async function navigate() {
   clearInterval(timer);
   const r = route();
   if (r.login) {
-    if (await login(r.login[0], r.login[1])) location.replace("#/overview");
+    if (await login(r.login[0], r.login[1])) location.replace("#/" + (r.next.length ? r.next.map(seg).join("/") : "overview"));
     return;
   }
   if (!auth) { showLogin(""); page = r.f; return; }
