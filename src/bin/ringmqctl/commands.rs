@@ -64,7 +64,7 @@ pub fn run(cli: &Cli, client: &Client) -> Result<String, CtlError> {
             list(client, &Listing { path: format!("/api/consumers/{v}"), defaults, aliases: A }, columns, json)
         }
         Cmd::ListUnacked { queue, columns } => {
-            let defaults = &["delivery_tag", "consumer_tag", "connection", "channel", "redelivered", "age_ms"];
+            let defaults = &["delivery_tag", "consumer_tag", "connection_name", "channel", "redelivered", "age_ms"];
             let l = Listing { path: format!("/api/queues/{v}/{}/unacked", seg(queue)), defaults, aliases: NO_ALIASES };
             list(client, &l, columns, json)
         }
