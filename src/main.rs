@@ -10,7 +10,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::Parser;
 use ringmq::config::{Cli, Config};
-use ringmq::meta::state::Command;
 use ringmq::meta::MetaHandle;
 
 fn main() {
@@ -52,11 +51,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&transient)?;
     std::fs::create_dir_all(config.durable_dir())?;
     let (meta, cluster) = ringmq::server::start_meta(&config)?;
-    for vhost in &config.vhosts {
-        if !meta.topology().vhosts.contains(vhost) {
-            futures_lite::future::block_on(meta.propose(Command::DeclareVhost { name: vhost.clone() }))?;
-        }
-    }
+    seed(&config, &meta)?;
     remove_orphan_shards(&config, &meta)?;
     let (stop_tx, stop_rx) = flume::bounded(1);
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])?;
@@ -66,6 +61,24 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
         }
     })?;
     ringmq::server::start(Arc::new(config), meta, cluster, stop_rx)?;
+    Ok(())
+}
+
+/// Seeds a fresh data directory with the configuration's vhosts, users, permissions and
+/// policies (`broker::access::seed_commands`): only while the metadata has never held a user,
+/// so what was changed at run time is never overwritten by the file. In a cluster, first
+/// catches up with the group (a node joining late must not reset another node's changes).
+fn seed(config: &Config, meta: &MetaHandle) -> Result<(), Box<dyn std::error::Error>> {
+    if meta.is_cluster() {
+        if let Err(e) = futures_lite::future::block_on(meta.sync()) {
+            tracing::warn!(error = %e, "could not catch up with the metadata group before seeding users");
+        }
+    }
+    if !meta.topology().access.initialized {
+        let cmds = ringmq::broker::access::seed_commands(config);
+        tracing::info!(users = config.users.len(), vhosts = config.vhosts.len(), "seeding users, vhosts, permissions and policies");
+        meta.propose_blocking(cmds)?;
+    }
     Ok(())
 }
 

@@ -10,6 +10,8 @@
 //! - [`message`]: the stored form of a message and its property codec.
 //! - [`node`]: each core's share of the broker (queue registry and lifecycle, routing-table
 //!   copy, connections, the 1 s tick) and the state all cores share.
+//! - [`access`]: users, vhosts, permissions: logins, permission checks, the run-time API;
+//!   [`policy`]: policies and operator policies, and the queue arguments they give.
 //! - [`alarms`]: disk and file-descriptor alarms.
 //! - [`error`]: [`QueueError`], mapped to reply codes by `amqp`.
 //!
@@ -20,6 +22,7 @@
 //!   event channel, so a consumer's consume-ok always precedes its first delivery and its
 //!   cancel-ok follows its last.
 
+pub mod access;
 pub mod alarms;
 pub mod error;
 pub mod exchange;

@@ -5,9 +5,10 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{exchange, AMQPClass};
 
-use super::{args_equivalent, find_synced, meta_error};
+use super::{args_equivalent, authorize, find_synced, meta_error};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
+use crate::broker::access::{Perm, Resource};
 use crate::meta::state::{Binding, Command, DestKind, ExchangeDef, ExchangeKind, Outcome};
 
 fn check_name(name: &str) -> Result<(), AmqpError> {
@@ -61,6 +62,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
                     return Err(AmqpError::not_found(format!("no exchange '{name}' in vhost '{vhost}'")));
                 }
             } else {
+                authorize(s, Perm::Configure, Resource::Exchange, name)?;
                 let topo = s.core.router();
                 let kind = ExchangeKind::from_name(d.kind.as_str())
                     .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{}'", d.kind)))?;
@@ -93,6 +95,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Delete(d) => {
             let name = d.exchange.as_str();
             check_name(name)?;
+            authorize(s, Perm::Configure, Resource::Exchange, name)?;
             if find_synced(s, |r| r.exchange(&vhost, name).map(|_| ())).await?.is_some() {
                 let cmd = Command::DeleteExchange { vhost: vhost.to_string(), name: name.to_owned(), if_unused: d.if_unused };
                 if let Outcome::InUse = meta.propose(cmd).await.map_err(meta_error)? {
@@ -107,6 +110,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Bind(b) => {
             let binding =
                 binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            super::queue::authorize_binding(s, &binding)?;
             bind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
@@ -116,6 +120,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Unbind(b) => {
             let binding =
                 binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            super::queue::authorize_binding(s, &binding)?;
             unbind(s, binding).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));

@@ -5,9 +5,10 @@ use std::rc::Rc;
 use amq_protocol::protocol::{queue, AMQPClass};
 
 use super::exchange::{bind, binding, unbind};
-use super::{args_equivalent, find_synced, meta_error, unique_suffix};
+use super::{args_equivalent, authorize, find_synced, meta_error, unique_suffix};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
+use crate::broker::access::{Perm, Resource};
 use crate::broker::{reply_channel, QueueOp, QueueRef};
 use crate::core::placement;
 use crate::meta::state::{Command, DestKind, Outcome, QueueDef};
@@ -162,6 +163,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             } else if name.starts_with("amq.") {
                 return Err(AmqpError::access_refused(format!("queue name '{name}' contains reserved prefix 'amq.*'")));
             }
+            authorize(s, Perm::Configure, Resource::Queue, &name)?;
             let meta = &s.core.shared.meta;
             let mut def = QueueDef {
                 vhost: vhost.to_string(),
@@ -200,6 +202,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Bind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
+            authorize_binding(s, &binding)?;
             lookup(s, &binding.dest).await?;
             bind(s, binding).await?;
             if !b.nowait {
@@ -209,6 +212,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Unbind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
+            authorize_binding(s, &binding)?;
             // A missing queue has no binding to remove: unbind-ok, as RabbitMQ answers (`unbind`);
             // another connection's exclusive queue is still 405.
             match lookup(s, &binding.dest).await {
@@ -220,6 +224,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Purge(p) => {
+            authorize(s, Perm::Read, Resource::Queue, p.queue.as_str())?;
             let (q, _) = lookup(s, p.queue.as_str()).await?;
             let (reply, rx) = reply_channel();
             s.queue_send(&q, QueueOp::Purge { reply });
@@ -230,6 +235,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Delete(d) => {
+            authorize(s, Perm::Configure, Resource::Queue, d.queue.as_str())?;
             let n = match lookup(s, d.queue.as_str()).await {
                 Err(e) if e.code == crate::amqp::error::code::NOT_FOUND => 0,
                 Err(e) => return Err(e),
@@ -248,6 +254,17 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }
+}
+
+/// A bind or unbind needs write on the destination and read on the source exchange
+/// (RabbitMQ's `binding_action`).
+pub fn authorize_binding(s: &Session, b: &crate::meta::Binding) -> Result<(), AmqpError> {
+    let dest_kind = match b.dest_kind {
+        DestKind::Queue => Resource::Queue,
+        DestKind::Exchange => Resource::Exchange,
+    };
+    authorize(s, Perm::Write, dest_kind, &b.dest)?;
+    authorize(s, Perm::Read, Resource::Exchange, &b.source)
 }
 
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {

@@ -1,0 +1,87 @@
+//! Unit tests of `access.rs`: password hashes, logins, the permission model.
+
+use super::*;
+use crate::meta::access::{Access, Permission, UserDef};
+
+fn topology(perm: Option<(&str, &str, &str)>) -> Topology {
+    let mut t = Topology::default();
+    t.vhosts.insert("/".into());
+    let mut access = Access::default();
+    access.users.insert("u".into(), UserDef { name: "u".into(), password_hash: hash_password("pw"), tags: vec!["monitoring".into()] });
+    if let Some((c, w, r)) = perm {
+        let p = Permission { user: "u".into(), vhost: "/".into(), configure: c.into(), write: w.into(), read: r.into() };
+        access.permissions.insert(("u".into(), "/".into()), p);
+    }
+    t.access = access;
+    t
+}
+
+fn config(loopback_only: bool) -> Config {
+    let file = format!("[[users]]\nname = \"u\"\npassword = \"pw\"\nloopback_only = {loopback_only}\n");
+    crate::config::tests::load(&[], &file).unwrap()
+}
+
+#[test]
+fn hashes_are_rabbitmqs_salted_sha256() {
+    // RabbitMQ: base64(<<Salt:4/binary, (crypto:hash(sha256, <<Salt, Password>>))/binary>>).
+    let h = hash_password_with_salt([0x90, 0x8d, 0xc6, 0x0a], "test12");
+    assert_eq!(h, "kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR");
+    assert!(check_password(&h, "test12"));
+    assert!(!check_password(&h, "test13"));
+    assert!(!check_password("", ""), "no password: no login");
+    assert!(!check_password("not base64!", "x"));
+    let (a, b) = (hash_password("same"), hash_password("same"));
+    assert!(check_password(&a, "same") && check_password(&b, "same"));
+}
+
+#[test]
+fn logins_check_the_password_and_loopback() {
+    let t = topology(Some((".*", ".*", ".*")));
+    let u = authenticate(&t, &config(false), "u", "pw", false).unwrap();
+    assert_eq!((u.name.as_str(), u.tags.as_slice()), ("u", &["monitoring".to_string()][..]));
+    assert!(matches!(authenticate(&t, &config(false), "u", "bad", true), Err(AccessError::LoginRefused { .. })));
+    assert!(matches!(authenticate(&t, &config(false), "who", "pw", true), Err(AccessError::LoginRefused { .. })));
+    assert!(matches!(authenticate(&t, &config(true), "u", "pw", false), Err(AccessError::LoopbackOnly { .. })));
+    assert!(authenticate(&t, &config(true), "u", "pw", true).is_ok());
+}
+
+#[test]
+fn vhost_access_needs_a_permission() {
+    assert!(check_vhost_access(&topology(Some(("", "", ""))), "u", "/").is_ok());
+    let e = check_vhost_access(&topology(None), "u", "/").unwrap_err();
+    assert_eq!(e.to_string(), "access to vhost '/' refused for user 'u'");
+    assert!(matches!(check_vhost_access(&topology(None), "u", "v"), Err(AccessError::NotFound(_))));
+}
+
+#[test]
+fn checks_follow_rabbitmqs_model() {
+    let t = topology(Some(("^app\\.", "^(app\\..*|amq\\.default)$", "")));
+    let mut g = Grant::new("u", "/");
+    assert!(g.check(1, &t, Perm::Configure, Resource::Queue, "app.q").is_ok());
+    assert!(g.check(1, &t, Perm::Configure, Resource::Queue, "xapp.q").is_err(), "the user's ^ anchors");
+    assert!(g.check(1, &t, Perm::Write, Resource::Exchange, "").is_ok(), "the default exchange is amq.default");
+    let e = g.check(1, &t, Perm::Read, Resource::Queue, "app.q").unwrap_err();
+    assert_eq!(e.to_string(), "access to queue 'app.q' in vhost '/' refused for user 'u'", "empty matches nothing");
+    // A change of the permission is seen at the next version; the same version is not looked
+    // at again.
+    let open = topology(Some((".*", ".*", ".*")));
+    assert!(g.check(1, &open, Perm::Read, Resource::Queue, "app.q").is_err());
+    assert!(g.check(2, &open, Perm::Read, Resource::Queue, "anything").is_ok());
+    let e = g.check(3, &topology(None), Perm::Write, Resource::Exchange, "x").unwrap_err();
+    assert_eq!(e.to_string(), "access to exchange 'x' in vhost '/' refused for user 'u'");
+}
+
+#[test]
+fn the_seed_gives_every_user_everything_unless_told() {
+    let c = config(true);
+    let cmds = seed_commands(&c);
+    assert!(matches!(&cmds[0], Command::DeclareVhost { name } if name == "/"));
+    let Command::PutUser(u) = &cmds[1] else { panic!("{cmds:?}") };
+    assert!(check_password(&u.password_hash, "pw"));
+    assert!(matches!(&cmds[2], Command::SetPermission(p) if p.configure == ".*" && p.read == ".*"));
+    let told = crate::config::tests::load(&[], "[[users]]\nname = \"u\"\npassword_hash = \"kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR\"\n[[permissions]]\nuser = \"u\"\nconfigure = \"a\"\nwrite = \"b\"\nread = \"c\"\n").unwrap();
+    let cmds = seed_commands(&told);
+    assert!(matches!(&cmds[1], Command::PutUser(u) if check_password(&u.password_hash, "test12")));
+    assert!(matches!(&cmds[2], Command::SetPermission(p) if p.configure == "a" && p.write == "b" && p.read == "c"));
+    assert_eq!(cmds.len(), 3);
+}
