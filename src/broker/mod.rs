@@ -30,6 +30,7 @@ pub mod grow;
 pub mod ids;
 pub mod message;
 pub mod node;
+pub mod policy;
 pub mod queue;
 pub mod remote;
 pub mod replicas;

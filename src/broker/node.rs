@@ -415,7 +415,7 @@ impl Node {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
         }
         let want = super::queue::RecordScan {
-            body_lens: def.arguments.inner().contains_key("x-max-length-bytes"),
+            body_lens: super::policy::counts_bytes(&self.shared.meta.topology(), def),
             priorities: super::queue::priority::max_priority(&def.arguments).is_some(),
         };
         let (body_lens, priorities) =
