@@ -218,8 +218,7 @@ impl Node {
     pub fn router(&self) -> Rc<Router> {
         let v = self.shared.meta.topology_version();
         if self.router.borrow().version != v {
-            let r = Router::new(self.shared.meta.topology(), v, self.shared.cores);
-            *self.router.borrow_mut() = Rc::new(r);
+            *self.router.borrow_mut() = Rc::new(Router::new(self.shared.meta.topology(), v, self.shared.cores));
         }
         self.router.borrow().clone()
     }
@@ -608,6 +607,7 @@ impl Node {
             if topology_seen != Some(version) {
                 topology_seen = Some(version);
                 self.open_expiring_queues();
+                super::policy::reapply_to_open_queues(&self.router().topology, &self.open_queues(), self.shared.config.consumer_timeout_ms);
             }
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();

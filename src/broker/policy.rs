@@ -158,6 +158,31 @@ pub fn effective_queue_arguments(topology: &Topology, def: &QueueDef) -> FieldTa
     merge_queue_arguments(&def.arguments, policy, operator)
 }
 
+/// Applies the current policies to this core's open queues (`queue/reapply.rs` lists the
+/// keys applied live), when the policies changed since this core last looked: called by the
+/// core's tick on every topology change. `default_timeout_ms`: `--consumer-timeout-ms`.
+pub fn reapply_to_open_queues(topology: &Topology, queues: &[super::queue::QueueCell], default_timeout_ms: u64) {
+    thread_local! {
+        /// The policies this core's queues were last given (cores are threads).
+        static SEEN: std::cell::RefCell<Option<Access>> = const { std::cell::RefCell::new(None) };
+    }
+    let changed = SEEN.with(|seen| {
+        let mut seen = seen.borrow_mut();
+        let same = seen.as_ref().is_some_and(|s| s.policies == topology.access.policies);
+        if !same {
+            *seen = Some(Access { policies: topology.access.policies.clone(), ..Access::default() });
+        }
+        !same
+    });
+    if !changed {
+        return;
+    }
+    for cell in queues {
+        let args = effective_queue_arguments(topology, &cell.borrow().def);
+        cell.borrow_mut().reapply_arguments(&args, default_timeout_ms);
+    }
+}
+
 /// True when queue `def`'s effective arguments limit its body bytes (`x-max-length-bytes`):
 /// its opening then reads the body lengths of its stored messages.
 pub fn counts_bytes(topology: &Topology, def: &QueueDef) -> bool {

@@ -13,6 +13,7 @@
 //! - [`settle`]: the ack path — DESIGN.md's rules 1–10, and one function per entry point;
 //! - [`durability`]: everything that waits for an fdatasync, with the proofs that order it;
 //! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
+//! - [`reapply`]: a policy change applied to an open queue.
 //! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
 //! - [`delivery_limit`]: `x-delivery-limit` (poison-message handling);
 //! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
@@ -37,6 +38,7 @@ pub mod index;
 pub mod limits;
 pub mod priority;
 pub mod ready;
+pub mod reapply;
 pub mod replica;
 pub mod settle;
 pub mod ttl;
