@@ -52,6 +52,12 @@ pattern = "^lim\\."
 apply_to = "queues"
 definition = { max-length = 2 }
 
+[[policies]]
+name = "fallback"
+pattern = "^ae\\.in"
+apply_to = "exchanges"
+definition = { alternate-exchange = "ae.fallback" }
+
 [[operator_policies]]
 name = "cap"
 pattern = "^cap\\."
@@ -109,6 +115,13 @@ async fn check_app_permissions(b: &Broker) {
     let e = r.expect_err("declare outside the configure pattern");
     assert_eq!(reply_code(&e), Some(403));
     assert!(reply_text(&e).contains("access to queue 'other.q' in vhost '/' refused for user 'app'"), "{}", reply_text(&e));
+
+    // A dead-letter exchange needs write on it.
+    let ch = channel(&app).await;
+    let mut dlx = FieldTable::default();
+    dlx.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("amq.fanout".into()));
+    let r = t("declare with a DLX outside", ch.queue_declare(named("app.dl").as_str().into(), QueueDeclareOptions::default(), dlx)).await;
+    assert_code(r.map(|_| ()), 403, "x-dead-letter-exchange outside the write pattern");
 
     let ch = channel(&app).await;
     let r = t("get outside", ch.basic_get(foreign.as_str().into(), BasicGetOptions { no_ack: true })).await;
@@ -200,5 +213,23 @@ async fn a_policy_limits_queues_declared_after_start_and_the_operator_policy_cap
     }
     // drop-head: the newest stay.
     assert_eq!(drain(&ch, &cases[0].0, 10).await, [b"m2".to_vec(), b"m3".to_vec()]);
+
+    // A policy's alternate-exchange: what an exchange declared without one cannot route goes
+    // to the policy's exchange.
+    let opts = ExchangeDeclareOptions::default();
+    t("declare fallback", ch.exchange_declare("ae.fallback".into(), lapin::ExchangeKind::Fanout, opts, FieldTable::default()))
+        .await
+        .unwrap();
+    t("declare ae.in", ch.exchange_declare("ae.in".into(), lapin::ExchangeKind::Direct, opts, FieldTable::default())).await.unwrap();
+    let caught = named("caught");
+    t("declare caught", ch.queue_declare(caught.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())).await.unwrap();
+    t(
+        "bind caught",
+        ch.queue_bind(caught.as_str().into(), "ae.fallback".into(), "".into(), QueueBindOptions::default(), FieldTable::default()),
+    )
+    .await
+    .unwrap();
+    publish_confirmed(&ch, "ae.in", "nowhere", b"unroutable", Default::default()).await;
+    assert_eq!(drain(&ch, &caught, 10).await, [b"unroutable".to_vec()]);
     t("close", c.close(200, "bye".into())).await.unwrap();
 }

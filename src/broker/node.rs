@@ -582,7 +582,7 @@ impl Node {
             .filter(|d| {
                 // x-expires leases run from the open; x-message-ttl expires at the head on a
                 // timer (`queue::ttl`, rule 3), so with no client touching the queue too.
-                let timed = ["x-expires", "x-message-ttl"].iter().any(|k| super::router::int_arg(&d.arguments, k).is_some());
+                let timed = super::policy::is_timed(&topo.topology, d);
                 d.owner_node == here && timed
             })
             .filter_map(|d| topo.queue_ref(&d.vhost, &d.name))

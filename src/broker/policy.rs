@@ -183,6 +183,18 @@ pub fn reapply_to_open_queues(topology: &Topology, queues: &[super::queue::Queue
     }
 }
 
+/// True when queue `def`'s effective arguments carry `x-expires` or `x-message-ttl` (a core
+/// opens such queues at start, so they expire with no client: `Node::open_expiring_queues`).
+/// Cheap without policies (no copy of the arguments).
+pub fn is_timed(topology: &Topology, def: &QueueDef) -> bool {
+    let timed = |args: &FieldTable| ["x-expires", "x-message-ttl"].iter().any(|k| int_arg(args, k).is_some());
+    if topology.access.policies.is_empty() {
+        timed(&def.arguments)
+    } else {
+        timed(&effective_queue_arguments(topology, def))
+    }
+}
+
 /// True when queue `def`'s effective arguments limit its body bytes (`x-max-length-bytes`):
 /// its opening then reads the body lengths of its stored messages.
 pub fn counts_bytes(topology: &Topology, def: &QueueDef) -> bool {

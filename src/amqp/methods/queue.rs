@@ -164,6 +164,12 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 return Err(AmqpError::access_refused(format!("queue name '{name}' contains reserved prefix 'amq.*'")));
             }
             authorize(s, Perm::Configure, Resource::Queue, &name)?;
+            // A dead-letter exchange: read on the queue, write on the exchange (RabbitMQ's
+            // `check_dlx_permissions`).
+            if let Some(dlx) = crate::broker::router::string_arg(&d.arguments, "x-dead-letter-exchange") {
+                authorize(s, Perm::Read, Resource::Queue, &name)?;
+                authorize(s, Perm::Write, Resource::Exchange, dlx)?;
+            }
             let meta = &s.core.shared.meta;
             let mut def = QueueDef {
                 vhost: vhost.to_string(),
