@@ -85,3 +85,62 @@ fn the_seed_gives_every_user_everything_unless_told() {
     assert!(matches!(&cmds[2], Command::SetPermission(p) if p.configure == "a" && p.write == "b" && p.read == "c"));
     assert_eq!(cmds.len(), 3);
 }
+
+/// The run-time API over a one-node metadata group, as the management API will call it; the
+/// state survives a restart of the group.
+#[test]
+fn the_run_time_api_changes_the_metadata_durably() {
+    use crate::broker::policy::{self, PolicySpec};
+    use crate::meta::access::ApplyTo;
+    use futures_lite::future::block_on;
+    let dir = tempfile::tempdir().unwrap();
+    let meta = MetaHandle::start(dir.path(), 1).unwrap();
+    let cfg = config(false);
+    block_on(async {
+        assert!(add_vhost(&meta, "/").await.unwrap());
+        assert!(!add_vhost(&meta, "/").await.unwrap(), "existed");
+        add_user(&meta, "u", Password::Clear("pw".into()), vec!["management".into()]).await.unwrap();
+        assert!(matches!(add_user(&meta, "u", Password::None, vec![]).await, Err(AccessError::AlreadyExists(_))));
+        assert!(matches!(put_user(&meta, "h", Password::Hash("short".into()), vec![]).await, Err(AccessError::Invalid(_))));
+        let h = "kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR";
+        assert!(put_user(&meta, "h", Password::Hash(h.into()), vec![]).await.unwrap(), "created");
+        assert!(!put_user(&meta, "h", Password::Hash(h.into()), vec!["monitoring".into()]).await.unwrap(), "replaced");
+        assert!(authenticate(&meta.topology(), &cfg, "h", "test12", true).is_ok(), "an imported hash logs in");
+        change_password(&meta, "u", "new").await.unwrap();
+        assert!(authenticate(&meta.topology(), &cfg, "u", "pw", true).is_err());
+        assert!(authenticate(&meta.topology(), &cfg, "u", "new", true).is_ok());
+        set_user_tags(&meta, "u", vec!["administrator".into()]).await.unwrap();
+        assert_eq!(user(&meta, "u").unwrap().tags, ["administrator"]);
+        assert!(matches!(set_permissions(&meta, "u", "/", "(", ".*", ".*").await, Err(AccessError::Invalid(_))));
+        assert!(matches!(set_permissions(&meta, "u", "nope", ".*", ".*", ".*").await, Err(AccessError::NotFound(_))));
+        set_permissions(&meta, "u", "/", "^u\\.", ".*", "").await.unwrap();
+        assert_eq!(permissions(&meta).len(), 1);
+        let def = serde_json::json!({"max-length": 5});
+        let spec = PolicySpec { vhost: "/", name: "p", pattern: "^q", apply_to: ApplyTo::Queues, priority: 1, definition: &def };
+        policy::set_policy(&meta, &spec).await.unwrap();
+        policy::set_operator_policy(&meta, &PolicySpec { name: "o", ..spec.clone() }).await.unwrap();
+        assert!(matches!(policy::set_policy(&meta, &PolicySpec { vhost: "nope", ..spec.clone() }).await, Err(AccessError::NotFound(_))));
+        assert_eq!((policy::policies(&meta).len(), policy::operator_policies(&meta).len()), (1, 1));
+        clear_password(&meta, "h").await.unwrap();
+        assert!(authenticate(&meta.topology(), &cfg, "h", "test12", true).is_err(), "no password, no login");
+        delete_user(&meta, "h").await.unwrap();
+        assert!(matches!(delete_user(&meta, "h").await, Err(AccessError::NotFound(_))));
+        assert!(add_vhost(&meta, "v").await.unwrap());
+        set_permissions(&meta, "u", "v", ".*", ".*", ".*").await.unwrap();
+        delete_vhost(&meta, "v").await.unwrap();
+        assert_eq!(vhosts(&meta), ["/"]);
+        assert_eq!(permissions(&meta).len(), 1, "the deleted vhost's permission went with it");
+        policy::clear_operator_policy(&meta, "/", "o").await.unwrap();
+        assert!(matches!(policy::clear_policy(&meta, "/", "o").await, Err(AccessError::NotFound(_))));
+    });
+    meta.shutdown();
+    drop(meta);
+    let meta = MetaHandle::start(dir.path(), 1).unwrap();
+    let t = meta.topology();
+    assert_eq!(t.access.users.keys().collect::<Vec<_>>(), ["u"]);
+    assert!(authenticate(&t, &cfg, "u", "new", true).is_ok());
+    assert_eq!(t.access.permission("u", "/").map(|p| p.configure.as_str()), Some("^u\\."));
+    assert_eq!(policy::policies(&meta).len(), 1);
+    assert!(policy::operator_policies(&meta).is_empty());
+    meta.shutdown();
+}
