@@ -123,6 +123,19 @@ async fn check_app_permissions(b: &Broker) {
     let r = t("declare with a DLX outside", ch.queue_declare(named("app.dl").as_str().into(), QueueDeclareOptions::default(), dlx)).await;
     assert_code(r.map(|_| ()), 403, "x-dead-letter-exchange outside the write pattern");
 
+    // So does an alternate exchange.
+    let ch = channel(&app).await;
+    let mut ae = FieldTable::default();
+    ae.insert("alternate-exchange".into(), AMQPValue::LongString("amq.fanout".into()));
+    let opts = ExchangeDeclareOptions::default();
+    let r =
+        t("declare with an AE outside", ch.exchange_declare(named("app.x").as_str().into(), lapin::ExchangeKind::Direct, opts, ae)).await;
+    assert_code(r.map(|_| ()), 403, "alternate-exchange outside the write pattern");
+    let ch = channel(&app).await;
+    t("declare inside", ch.exchange_declare(named("app.x").as_str().into(), lapin::ExchangeKind::Direct, opts, FieldTable::default()))
+        .await
+        .unwrap();
+
     let ch = channel(&app).await;
     let r = t("get outside", ch.basic_get(foreign.as_str().into(), BasicGetOptions { no_ack: true })).await;
     assert_code(r.map(|_| ()), 403, "basic.get outside the read pattern");

@@ -63,6 +63,12 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
                 }
             } else {
                 authorize(s, Perm::Configure, Resource::Exchange, name)?;
+                // An alternate exchange: read on this one, write on that one (as RabbitMQ
+                // checks a declare with one).
+                if let Some(ae) = crate::broker::router::string_arg(&d.arguments, "alternate-exchange") {
+                    authorize(s, Perm::Read, Resource::Exchange, name)?;
+                    authorize(s, Perm::Write, Resource::Exchange, ae)?;
+                }
                 let topo = s.core.router();
                 let kind = ExchangeKind::from_name(d.kind.as_str())
                     .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{}'", d.kind)))?;
