@@ -171,8 +171,7 @@ pub fn check_password(hash: &str, password: &str) -> bool {
 // Authentication and authorization
 
 /// Checks a login against the metadata's users: `user` must exist, `password` match its hash,
-/// and a user configured `loopback_only` (guest by default: RabbitMQ's `loopback_users`)
-/// connect from a loopback address.
+/// and a [`loopback_only`] user connect from a loopback address.
 ///
 /// # Errors
 /// [`AccessError::LoginRefused`] (unknown user, wrong password, no password), or
@@ -183,10 +182,20 @@ pub fn authenticate(topology: &Topology, config: &Config, user: &str, password: 
     if !check_password(&u.password_hash, password) {
         return Err(refused());
     }
-    if !from_loopback && config.users.iter().any(|c| c.name == user && c.loopback_only) {
+    if !from_loopback && loopback_only(config, user) {
         return Err(AccessError::LoopbackOnly { user: user.to_owned() });
     }
     Ok(User { name: u.name.clone(), tags: u.tags.clone() })
+}
+
+/// True when `user` may log in only from a loopback address (RabbitMQ's `loopback_users`):
+/// as the configuration file says of it, and for `guest` when the file does not name it (so a
+/// guest created at run time is no way in from outside either).
+pub fn loopback_only(config: &Config, user: &str) -> bool {
+    match config.users.iter().find(|c| c.name == user) {
+        Some(c) => c.loopback_only,
+        None => user == "guest",
+    }
 }
 
 /// Checks that `user` may open `vhost`: it exists and the user has permissions in it.

@@ -43,6 +43,10 @@ fn logins_check_the_password_and_loopback() {
     assert!(matches!(authenticate(&t, &config(false), "who", "pw", true), Err(AccessError::LoginRefused { .. })));
     assert!(matches!(authenticate(&t, &config(true), "u", "pw", false), Err(AccessError::LoopbackOnly { .. })));
     assert!(authenticate(&t, &config(true), "u", "pw", true).is_ok());
+    // guest is loopback-only unless the file says otherwise of it.
+    assert!(loopback_only(&config(false), "guest") && !loopback_only(&config(false), "u"));
+    let open = crate::config::tests::load(&[], "[[users]]\nname = \"guest\"\npassword = \"guest\"\n").unwrap();
+    assert!(!loopback_only(&open, "guest"));
 }
 
 #[test]
