@@ -75,7 +75,7 @@ fn seed(config: &Config, meta: &MetaHandle) -> Result<(), Box<dyn std::error::Er
         }
     }
     if !meta.topology().access.initialized {
-        let cmds = ringmq::broker::access::seed_commands(config);
+        let cmds = ringmq::broker::access::seed_commands(config)?;
         tracing::info!(users = config.users.len(), vhosts = config.vhosts.len(), "seeding users, vhosts, permissions and policies");
         meta.propose_blocking(cmds)?;
     }

@@ -502,14 +502,20 @@ pub async fn clear_permissions(meta: &MetaHandle, user: &str, vhost: &str) -> Re
 /// them once, while the metadata has never held a user): vhosts, users (passwords hashed
 /// here), permissions (without `[[permissions]]`: every user `.*` on every vhost), policies and
 /// operator policies.
-pub fn seed_commands(config: &Config) -> Vec<Command> {
+///
+/// # Errors
+/// [`AccessError::Invalid`] for a `password_hash` that is not RabbitMQ's sha256 form or a
+/// policy definition [`check_definition`](super::policy::check_definition) refuses, naming
+/// the user or policy (the rest of the file was checked when it was loaded).
+pub fn seed_commands(config: &Config) -> Result<Vec<Command>, AccessError> {
     let mut cmds: Vec<Command> = config.vhosts.iter().map(|v| Command::DeclareVhost { name: v.clone() }).collect();
     for u in &config.users {
-        let password_hash = match (&u.password, &u.password_hash) {
-            (_, Some(h)) => h.clone(),
-            (Some(p), None) => hash_password(p),
-            (None, None) => String::new(),
+        let password = match (&u.password, &u.password_hash) {
+            (_, Some(h)) => Password::Hash(h.clone()),
+            (Some(p), None) => Password::Clear(p.clone()),
+            (None, None) => Password::None,
         };
+        let password_hash = password.hashed().map_err(|e| AccessError::Invalid(format!("user '{}': {e}", u.name)))?;
         cmds.push(Command::PutUser(UserDef { name: u.name.clone(), password_hash, tags: u.tags.clone() }));
     }
     match &config.permissions {
@@ -539,18 +545,21 @@ pub fn seed_commands(config: &Config) -> Vec<Command> {
     }
     for (list, operator) in [(&config.policies, false), (&config.operator_policies, true)] {
         for p in list {
+            let definition = serde_json::to_value(&p.definition).unwrap_or_default();
+            let definition = super::policy::check_definition(&definition, operator)
+                .map_err(|e| AccessError::Invalid(format!("policy '{}' in the configuration: {e}", p.name)))?;
             cmds.push(Command::SetPolicy(crate::meta::access::PolicyDef {
                 vhost: p.vhost.clone(),
                 name: p.name.clone(),
                 pattern: p.pattern.clone(),
                 apply_to: crate::meta::access::ApplyTo::from_name(&p.apply_to).unwrap_or(crate::meta::access::ApplyTo::All),
                 priority: p.priority,
-                definition: p.definition_json(),
+                definition,
                 operator,
             }));
         }
     }
-    cmds
+    Ok(cmds)
 }
 
 #[cfg(test)]

@@ -78,16 +78,23 @@ fn checks_follow_rabbitmqs_model() {
 #[test]
 fn the_seed_gives_every_user_everything_unless_told() {
     let c = config(true);
-    let cmds = seed_commands(&c);
+    let cmds = seed_commands(&c).unwrap();
     assert!(matches!(&cmds[0], Command::DeclareVhost { name } if name == "/"));
     let Command::PutUser(u) = &cmds[1] else { panic!("{cmds:?}") };
     assert!(check_password(&u.password_hash, "pw"));
     assert!(matches!(&cmds[2], Command::SetPermission(p) if p.configure == ".*" && p.read == ".*"));
     let told = crate::config::tests::load(&[], "[[users]]\nname = \"u\"\npassword_hash = \"kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR\"\n[[permissions]]\nuser = \"u\"\nconfigure = \"a\"\nwrite = \"b\"\nread = \"c\"\n").unwrap();
-    let cmds = seed_commands(&told);
+    let cmds = seed_commands(&told).unwrap();
     assert!(matches!(&cmds[1], Command::PutUser(u) if check_password(&u.password_hash, "test12")));
     assert!(matches!(&cmds[2], Command::SetPermission(p) if p.configure == "a" && p.write == "b" && p.read == "c"));
     assert_eq!(cmds.len(), 3);
+    let bad = |file: &str| match seed_commands(&crate::config::tests::load(&[], file).unwrap()) {
+        Err(AccessError::Invalid(m)) => m,
+        other => panic!("{other:?}"),
+    };
+    assert!(bad("[[users]]\nname = \"u\"\npassword_hash = \"c2hvcnQ=\"\n").contains("user 'u'"));
+    let m = bad("[[policies]]\nname = \"p\"\npattern = \".*\"\ndefinition = { max-lenght = 2 }\n");
+    assert!(m.contains("policy 'p'") && m.contains("max-lenght"), "{m}");
 }
 
 /// The run-time API over a one-node metadata group, as the management API will call it; the
