@@ -22,6 +22,9 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
+mod access;
+pub use access::{PermissionSeed, PolicySeed, User, APPLY_TO_NAMES};
+
 /// Command-line flags. Every flag can also be set in the TOML file given by `--config`
 /// (same names with `_` for `-`); a flag given on the command line wins.
 #[derive(Parser, Debug, Default)]
@@ -120,18 +123,6 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: u64 = 128 << 20;
 /// Highest max_message_size accepted, bytes (RabbitMQ's cap, 512 MiB).
 pub const MAX_MESSAGE_SIZE_CAP: u64 = 512 << 20;
 
-/// A user allowed to log in.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-pub struct User {
-    /// User name.
-    pub name: String,
-    /// Password (PLAIN / AMQPLAIN).
-    pub password: String,
-    /// Only from loopback addresses (RabbitMQ's loopback_users; true for guest).
-    #[serde(default)]
-    pub loopback_only: bool,
-}
-
 /// Idle time a core polls its rings before it sleeps, µs: 0, off by default. Measured on
 /// 2 cores shared with the load generator: at 1,000 msgs/s (`ringmq-bench latency`) 30 µs
 /// lowered e2e p99 from 359 to 298 µs, confirm p99 from 401 to 269 µs and CPU per message
@@ -173,6 +164,9 @@ struct FileConfig {
     log: Option<String>,
     users: Option<Vec<User>>,
     vhosts: Option<Vec<String>>,
+    permissions: Option<Vec<PermissionSeed>>,
+    policies: Option<Vec<PolicySeed>>,
+    operator_policies: Option<Vec<PolicySeed>>,
     node_id: Option<u64>,
     cluster_listen: Option<SocketAddr>,
     /// `[peers]` table: `1 = "127.0.0.1:25672"` (TOML keys are strings; parsed like `--peers`).
@@ -215,10 +209,18 @@ pub struct Config {
     pub disk_free_limit: u64,
     /// Log filter.
     pub log: String,
-    /// Users.
+    /// Users seeded into a fresh data directory (names unique); those with `loopback_only`
+    /// log in only from loopback addresses, whatever the metadata says of them later.
     pub users: Vec<User>,
-    /// Vhosts created at start.
+    /// Vhosts seeded into a fresh data directory.
     pub vhosts: Vec<String>,
+    /// Permissions seeded into a fresh data directory; `None` (no `[[permissions]]` in the
+    /// file): every seeded user gets `.*` `.*` `.*` on every seeded vhost.
+    pub permissions: Option<Vec<PermissionSeed>>,
+    /// Policies seeded into a fresh data directory.
+    pub policies: Vec<PolicySeed>,
+    /// Operator policies seeded into a fresh data directory.
+    pub operator_policies: Vec<PolicySeed>,
     /// This node's Raft id (≥ 1; 1 for a single node).
     pub node_id: u64,
     /// Where the node-to-node (Raft) transport listens: `Some` exactly when `peers` is not
@@ -327,8 +329,11 @@ impl Config {
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
             disk_free_limit: cli.disk_free_limit.or(file.disk_free_limit).unwrap_or(DEFAULT_DISK_FREE_LIMIT),
             log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
-            users: file.users.unwrap_or_else(|| vec![User { name: "guest".into(), password: "guest".into(), loopback_only: true }]),
+            users: file.users.unwrap_or_else(access::default_users),
             vhosts: file.vhosts.unwrap_or_else(|| vec!["/".into()]),
+            permissions: file.permissions,
+            policies: file.policies.unwrap_or_default(),
+            operator_policies: file.operator_policies.unwrap_or_default(),
             node_id: cli.node_id.or(file.node_id).unwrap_or(1),
             cluster_listen: cli.cluster_listen.or(file.cluster_listen),
             peers,
@@ -357,6 +362,8 @@ impl Config {
         if c.replicas == 0 {
             return Err(ConfigError::Invalid("replicas must be at least 1".into()));
         }
+        let policies: Vec<&PolicySeed> = c.policies.iter().chain(&c.operator_policies).collect();
+        access::check(&c.users, &c.vhosts, c.permissions.as_deref(), &policies)?;
         c.cluster_listen = c.check_cluster()?;
         if (c.join || c.forget_node.is_some()) && !c.is_cluster() {
             return Err(ConfigError::Invalid("--join and --forget-node need --peers (the cluster's nodes and their addresses)".into()));
@@ -513,20 +520,20 @@ fn collect_peers(entries: impl Iterator<Item = Result<(u64, SocketAddr), ConfigE
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const PEERS: &str = "1=127.0.0.1:25672,2=127.0.0.1:25673,3=127.0.0.1:25674";
 
     /// `Config::merge` of these flags (after "ringmq") over the TOML text `file`.
-    fn load(flags: &[&str], file: &str) -> Result<Config, ConfigError> {
+    pub(crate) fn load(flags: &[&str], file: &str) -> Result<Config, ConfigError> {
         let cli = Cli::try_parse_from(std::iter::once("ringmq").chain(flags.iter().copied())).expect("flags parse");
         Config::merge(cli, toml::from_str(file).expect("toml parses"))
     }
 
     /// The `Invalid` message of a refused configuration.
     #[track_caller]
-    fn refused(flags: &[&str], file: &str) -> String {
+    pub(crate) fn refused(flags: &[&str], file: &str) -> String {
         match load(flags, file) {
             Err(ConfigError::Invalid(m)) => m,
             other => panic!("expected ConfigError::Invalid for {flags:?} / {file:?}, got {other:?}"),

@@ -16,11 +16,13 @@
 //!   queues, consumers, the ack path, dead-lettering, alarms, `broker::remote`: serving
 //!   other nodes' queues and ours to them, `broker::replicas` with `queue/replica.rs`:
 //!   replicated durable queues and failover in a cluster, and `broker::grow` with
-//!   `queue/copy.rs`: growing replica sets back). Never touches a socket and names
-//!   nothing of `amqp`.
+//!   `queue/copy.rs`: growing replica sets back; `broker::access`: logins, RabbitMQ's
+//!   permission checks and the users/vhosts/permissions API; `broker::policy`: policies and
+//!   a queue's effective arguments). Never touches a socket and names nothing of `amqp`.
 //! - [`core`]: the thread-per-core runtime (executors, typed inboxes, accept threads,
 //!   placement, fatal errors). Names no protocol and no queue.
-//! - [`meta`]: the Raft metadata group (topology, cursors, boot epochs, and in a cluster the
+//! - [`meta`]: the Raft metadata group (topology with users, permissions and policies
+//!   (`meta/access.rs`), cursors, boot epochs, and in a cluster the
 //!   messages and settlements of replicated queues, `meta/data.rs`, and the copies that
 //!   grow their replica sets, `meta/grow.rs`).
 //! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the

@@ -10,7 +10,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use clap::Parser;
 use ringmq::config::{Cli, Config};
-use ringmq::meta::state::Command;
 use ringmq::meta::MetaHandle;
 
 fn main() {
@@ -60,11 +59,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let durable = config.durable_dir();
     at(&durable, "creating", std::fs::create_dir_all(&durable))?;
     let (meta, cluster) = ringmq::server::start_meta(&config)?;
-    for vhost in &config.vhosts {
-        if !meta.topology().vhosts.contains(vhost) {
-            futures_lite::future::block_on(meta.propose(Command::DeclareVhost { name: vhost.clone() }))?;
-        }
-    }
+    seed(&config, &meta)?;
     at(&durable, "removing shards of deleted queues in", remove_orphan_shards(&config, &meta))?;
     let (stop_tx, stop_rx) = flume::bounded(1);
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -89,6 +84,24 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
 /// Read-only file system (os error 30)"): an operator sees which directory to fix.
 fn at<T>(path: &std::path::Path, doing: &str, r: std::io::Result<T>) -> Result<T, String> {
     r.map_err(|e| format!("{doing} {}: {e}", path.display()))
+}
+
+/// Seeds a fresh data directory with the configuration's vhosts, users, permissions and
+/// policies (`broker::access::seed_commands`): only while the metadata has never held a user,
+/// so what was changed at run time is never overwritten by the file. In a cluster, first
+/// catches up with the group (a node joining late must not reset another node's changes).
+fn seed(config: &Config, meta: &MetaHandle) -> Result<(), Box<dyn std::error::Error>> {
+    if meta.is_cluster() {
+        if let Err(e) = futures_lite::future::block_on(meta.sync()) {
+            tracing::warn!(error = %e, "could not catch up with the metadata group before seeding users");
+        }
+    }
+    if !meta.topology().access.initialized {
+        let cmds = ringmq::broker::access::seed_commands(config)?;
+        tracing::info!(users = config.users.len(), vhosts = config.vhosts.len(), "seeding users, vhosts, permissions and policies");
+        meta.propose_blocking(cmds)?;
+    }
+    Ok(())
 }
 
 /// Takes an exclusive lock on `<data>/LOCK` for the life of the process: two brokers on one

@@ -186,12 +186,11 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             None => format!("metrics off (cannot bind {})", config.metrics_listen),
         }
     };
-    // The management API: users from the configuration today; a store backed by the
-    // metadata's users plugs in here (`broker::auth::UserStore`).
+    // The management API: logins against the metadata's users, as the AMQP handshake's.
     let management = match config.management_listen {
         None => "management API off".to_owned(),
         Some(addr) => {
-            let users = Arc::new(crate::broker::auth::ConfigUsers(config.users.clone()));
+            let users = Arc::new(crate::broker::auth::MetaUsers { meta: shared.meta.clone(), config: config.clone() });
             match crate::mgmt::serve(addr, shared.clone(), users) {
                 Ok(bound) => format!("management API on http://{bound}/api/"),
                 Err(e) => {

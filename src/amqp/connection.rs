@@ -98,6 +98,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
         pending_bytes: Default::default(),
         st: RefCell::new(ConnState {
             vhost: Rc::from(tuned.vhost.as_str()),
+            grant: crate::broker::access::Grant::new(&tuned.user, &tuned.vhost),
             user: tuned.user,
             loopback: tuned.loopback,
             frame_max: tuned.frame_max,

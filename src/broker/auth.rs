@@ -1,17 +1,19 @@
 //! Who may log in, and with which tags: the seam between the broker's user store and what
 //! authenticates against it (the management API's HTTP basic auth today).
 //!
-//! [`UserStore`] is the trait a store implements. [`ConfigUsers`] is today's store: the
-//! `users` of the configuration, each counted as an `administrator` (RabbitMQ's tag for
-//! full access to the management API), since the configuration has no tags. A store backed
-//! by the metadata group's users (with RabbitMQ's tags and hashed passwords) plugs in by
-//! implementing [`UserStore`] and being handed to `mgmt::serve` in `server.rs` instead.
+//! [`UserStore`] is the trait a store implements. [`MetaUsers`] is the broker's: the
+//! metadata group's users (`broker::access`), with RabbitMQ's tags and hashed passwords, the
+//! same the AMQP handshake checks.
 //!
 //! # Invariants
 //! - A user marked loopback-only (RabbitMQ's `loopback_users`, guest by default) is refused
 //!   from any other address, whatever its password: [`AuthError::LoopbackOnly`].
 
-use crate::config::User;
+use std::sync::Arc;
+
+use crate::broker::access::{self, AccessError};
+use crate::config::Config;
+use crate::meta::MetaHandle;
 
 /// RabbitMQ's tag for full access (every management API call, writes included).
 pub const ADMINISTRATOR: &str = "administrator";
@@ -68,49 +70,29 @@ pub trait UserStore: Send + Sync {
     fn users(&self) -> Vec<AuthUser>;
 }
 
-/// The configuration's users, every one an `administrator`.
-#[derive(Clone, Debug)]
-pub struct ConfigUsers(pub Vec<User>);
+/// The metadata group's users (`broker::access`): RabbitMQ's salted SHA-256 hashes and
+/// tags, changed at run time through the management API or ringmqctl; loopback-only as the
+/// configuration says (guest unless the file lets it out).
+#[derive(Clone)]
+pub struct MetaUsers {
+    /// The metadata handle (users are read from its topology copy).
+    pub meta: MetaHandle,
+    /// The configuration (which users are loopback-only).
+    pub config: Arc<Config>,
+}
 
-impl UserStore for ConfigUsers {
+impl UserStore for MetaUsers {
     fn authenticate(&self, name: &str, password: &str, loopback: bool) -> Result<AuthUser, AuthError> {
-        let user = self.0.iter().find(|u| u.name == name && u.password == password).ok_or(AuthError::InvalidCredentials)?;
-        if user.loopback_only && !loopback {
-            return Err(AuthError::LoopbackOnly(name.to_owned()));
+        match access::authenticate(&self.meta.topology(), &self.config, name, password, loopback) {
+            Ok(u) => Ok(AuthUser { name: u.name, tags: u.tags }),
+            Err(AccessError::LoopbackOnly { user }) => Err(AuthError::LoopbackOnly(user)),
+            Err(_) => Err(AuthError::InvalidCredentials),
         }
-        Ok(AuthUser { name: user.name.clone(), tags: vec![ADMINISTRATOR.to_owned()] })
     }
 
     fn users(&self) -> Vec<AuthUser> {
-        let mut v: Vec<AuthUser> = self.0.iter().map(|u| AuthUser { name: u.name.clone(), tags: vec![ADMINISTRATOR.to_owned()] }).collect();
+        let mut v: Vec<AuthUser> = access::users(&self.meta).into_iter().map(|u| AuthUser { name: u.name, tags: u.tags }).collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn store() -> ConfigUsers {
-        ConfigUsers(vec![
-            User { name: "guest".into(), password: "guest".into(), loopback_only: true },
-            User { name: "app".into(), password: "secret".into(), loopback_only: false },
-        ])
-    }
-
-    #[test]
-    fn configured_users_are_administrators() {
-        let u = store().authenticate("app", "secret", false).expect("login");
-        assert!(u.may_write() && u.may_read());
-        assert_eq!(store().users().iter().map(|u| u.name.as_str()).collect::<Vec<_>>(), ["app", "guest"]);
-    }
-
-    #[test]
-    fn wrong_password_and_remote_guest_are_refused() {
-        assert_eq!(store().authenticate("app", "nope", true), Err(AuthError::InvalidCredentials));
-        assert_eq!(store().authenticate("nobody", "x", true), Err(AuthError::InvalidCredentials));
-        assert_eq!(store().authenticate("guest", "guest", false), Err(AuthError::LoopbackOnly("guest".into())));
-        assert!(store().authenticate("guest", "guest", true).is_ok());
     }
 }

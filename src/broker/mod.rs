@@ -16,6 +16,8 @@
 //!   AMQP methods and the management API alike.
 //! - [`clients`]: this node's connections, for the management API.
 //! - [`auth`]: who may log in, and with which tags (the seam user stores plug into).
+//! - [`access`]: users, vhosts, permissions: logins, permission checks, the run-time API;
+//!   [`policy`]: policies and operator policies, and the queue arguments they give.
 //! - [`alarms`]: disk and file-descriptor alarms.
 //! - [`error`]: [`QueueError`], mapped to reply codes by `amqp`.
 //!
@@ -26,6 +28,7 @@
 //!   event channel, so a consumer's consume-ok always precedes its first delivery and its
 //!   cancel-ok follows its last.
 
+pub mod access;
 pub mod alarms;
 pub mod auth;
 pub mod clients;
@@ -35,6 +38,7 @@ pub mod grow;
 pub mod ids;
 pub mod message;
 pub mod node;
+pub mod policy;
 pub mod queue;
 pub mod remote;
 pub mod replicas;

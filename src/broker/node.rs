@@ -238,8 +238,7 @@ impl Node {
     pub fn router(&self) -> Rc<Router> {
         let v = self.shared.meta.topology_version();
         if self.router.borrow().version != v {
-            let r = Router::new(self.shared.meta.topology(), v, self.shared.cores);
-            *self.router.borrow_mut() = Rc::new(r);
+            *self.router.borrow_mut() = Rc::new(Router::new(self.shared.meta.topology(), v, self.shared.cores));
         }
         self.router.borrow().clone()
     }
@@ -439,7 +438,7 @@ impl Node {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
         }
         let want = super::queue::RecordScan {
-            body_lens: def.arguments.inner().contains_key("x-max-length-bytes"),
+            body_lens: super::policy::counts_bytes(&self.shared.meta.topology(), def),
             priorities: super::queue::priority::max_priority(&def.arguments).is_some(),
         };
         let (body_lens, priorities) =
@@ -607,7 +606,7 @@ impl Node {
             .filter(|d| {
                 // x-expires leases run from the open; x-message-ttl expires at the head on a
                 // timer (`queue::ttl`, rule 3), so with no client touching the queue too.
-                let timed = ["x-expires", "x-message-ttl"].iter().any(|k| super::router::int_arg(&d.arguments, k).is_some());
+                let timed = super::policy::is_timed(&topo.topology, d);
                 d.owner_node == here && timed
             })
             .filter_map(|d| topo.queue_ref(&d.vhost, &d.name))
@@ -632,6 +631,7 @@ impl Node {
             if topology_seen != Some(version) {
                 topology_seen = Some(version);
                 self.open_expiring_queues();
+                super::policy::reapply_to_open_queues(&self.router().topology, &self.open_queues(), self.shared.config.consumer_timeout_ms);
             }
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();

@@ -35,6 +35,9 @@ pub struct Router {
     /// vhost → queue name → routable reference, built once per topology version so that
     /// routing allocates nothing but its result.
     queues: HashMap<String, HashMap<String, QueueRef>>,
+    /// Alternate exchanges given by policies, by `(vhost, exchange)` (`broker::policy`): for
+    /// exchanges declared without the argument. Usually empty.
+    policy_alternates: HashMap<(String, String), String>,
 }
 
 impl Router {
@@ -46,7 +49,8 @@ impl Router {
             let r = QueueRef::of(def, cores);
             queues.entry(def.vhost.clone()).or_default().insert(def.name.clone(), r);
         }
-        Router { version, topology, queues }
+        let policy_alternates = super::policy::exchange_alternates(&topology);
+        Router { version, topology, queues, policy_alternates }
     }
 
     /// The queue's routable reference, if it exists.
@@ -63,7 +67,8 @@ impl Router {
     ///
     /// The default exchange (`""`) routes to the queue named by the routing key. Exchange
     /// bindings are followed; when an exchange routes nowhere and has an
-    /// `alternate-exchange` argument, the message goes there instead (RabbitMQ semantics).
+    /// `alternate-exchange` argument (or a policy gives it one), the message goes there
+    /// instead (RabbitMQ semantics).
     /// A missing exchange routes nowhere (the caller checks existence first: 404).
     pub fn route(&self, vhost: &str, exchange: &str, routing_key: &str, headers: Option<&FieldTable>) -> Route {
         let mut route = Route::default();
@@ -122,7 +127,11 @@ impl Router {
             }
         }
         if !routed {
-            if let Some(alt) = string_arg(&def.arguments, "alternate-exchange") {
+            let from_policy = || match self.policy_alternates.is_empty() {
+                true => None,
+                false => self.policy_alternates.get(&(vhost.to_owned(), exchange.to_owned())).map(String::as_str),
+            };
+            if let Some(alt) = string_arg(&def.arguments, "alternate-exchange").or_else(from_policy) {
                 // The alternate exchange's name borrows from the topology, which outlives `out`.
                 let alt: &'a str = alt;
                 routed = self.route_into(vhost, alt, rk, headers, out, seen_x, depth + 1);

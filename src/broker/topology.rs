@@ -424,8 +424,11 @@ fn validate_queue_arguments(def: &QueueDef) -> Result<(), TopologyError> {
     Ok(())
 }
 
-/// Refuses the default exchange and the reserved `amq.` prefix (403).
-fn check_exchange_name(name: &str) -> Result<(), TopologyError> {
+/// Refuses the default exchange and the reserved `amq.` names for declare and delete.
+///
+/// # Errors
+/// 403 ACCESS_REFUSED, in RabbitMQ's words.
+pub fn check_exchange_name(name: &str) -> Result<(), TopologyError> {
     if name.is_empty() || name.starts_with("amq.") {
         return Err(TopologyError::access_refused(format!(
             "operation not permitted on the {}",

@@ -459,3 +459,40 @@ fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_i
         h.shutdown();
     }
 }
+
+/// Users, permissions and policies are replicated like the topology: proposed on a follower,
+/// every node holds them after a read barrier.
+#[test]
+fn users_permissions_and_policies_reach_every_node() {
+    use super::access::{ApplyTo, Permission, PolicyDef, UserDef};
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let follower = hs.iter().find(|h| !h.is_leader()).unwrap();
+    let user = UserDef { name: "app".into(), password_hash: "aGFzaA==".into(), tags: vec!["monitoring".into()] };
+    let perm = Permission { user: "app".into(), vhost: "/".into(), configure: "^a".into(), write: ".*".into(), read: "".into() };
+    let policy = PolicyDef {
+        vhost: "/".into(),
+        name: "lim".into(),
+        pattern: "^lim\\.".into(),
+        apply_to: ApplyTo::Queues,
+        priority: 2,
+        definition: "{\"max-length\":2}".into(),
+        operator: false,
+    };
+    let cmds = vec![
+        Command::DeclareVhost { name: "/".into() },
+        Command::PutUser(user.clone()),
+        Command::SetPermission(perm.clone()),
+        Command::SetPolicy(policy.clone()),
+    ];
+    let out = block_on(follower.propose_batch(cmds)).unwrap();
+    assert_eq!(out[1..], [Outcome::Created, Outcome::Created, Outcome::Created]);
+    for h in &hs {
+        block_on(h.sync()).unwrap();
+        let t = h.topology();
+        assert_eq!(t.access.users.get("app"), Some(&user), "node {}", h.node_id());
+        assert_eq!(t.access.permission("app", "/"), Some(&perm), "node {}", h.node_id());
+        assert_eq!(t.access.policies_in("/", false).collect::<Vec<_>>(), [&policy], "node {}", h.node_id());
+    }
+}

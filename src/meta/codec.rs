@@ -73,6 +73,9 @@ const TAG_JOIN_REPLICA_SET: u8 = 18;
 const TAG_RETURN: u8 = 19;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
+    if super::access::encode(cmd, out) {
+        return;
+    }
     match cmd {
         Command::DeclareVhost { name } => {
             out.push(TAG_DECLARE_VHOST);
@@ -230,6 +233,14 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
                 put_blob(out, &m.body);
             }
         }
+        // Tags 32 and up: `access.rs` wrote them above.
+        Command::DeleteVhost { .. }
+        | Command::PutUser(_)
+        | Command::DeleteUser { .. }
+        | Command::SetPermission(_)
+        | Command::ClearPermission { .. }
+        | Command::SetPolicy(_)
+        | Command::ClearPolicy { .. } => unreachable!("encoded by access::encode"),
         Command::JoinReplicaSet { vhost, queue, id, tail } => {
             out.push(TAG_JOIN_REPLICA_SET);
             put_str(out, vhost);
@@ -362,6 +373,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             Command::CopyMessages { vhost, queue, id, from, to, messages }
         }
         TAG_JOIN_REPLICA_SET => Command::JoinReplicaSet { vhost: r.string()?, queue: r.string()?, id: r.varint()?, tail: r.varint()? },
+        32..=63 => super::access::decode(tag, r)?,
         _ => return Err(r.err("unknown command tag")),
     })
 }

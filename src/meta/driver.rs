@@ -788,5 +788,7 @@ fn estimate_bytes(cmd: &Command) -> usize {
         Command::Bind(b) | Command::Unbind(b) => {
             64 + b.vhost.len() + b.source.len() + b.dest.len() + b.routing_key.len() + 32 * b.arguments.inner().len()
         }
+        // Users, permissions, policies, vhost deletes: rare and small, measured by encoding.
+        other => super::access::encoded_len(other),
     }
 }

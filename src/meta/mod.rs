@@ -11,6 +11,8 @@
 //!   routers read), and their serde forms.
 //! - `state.rs`: the pure state machine ([`MetaState::apply`]) with its [`Command`]s and
 //!   [`Outcome`]s.
+//! - `access.rs`: users, permissions, policies and operator policies (data, apply, codec of
+//!   tags 32 and up).
 //! - `codec.rs`: the binary form of a command batch (the data of one Raft entry).
 //! - `wire.rs`: byte-level primitives shared by the binary formats (varints, strings, field
 //!   tables, a bounds-checked reader, [`DecodeError`]).
@@ -42,6 +44,7 @@
 //! - Callers on executors use the `async` methods; [`MetaHandle::propose_blocking`] is for
 //!   plain threads (startup, tests).
 
+pub mod access;
 mod balance;
 #[cfg(test)]
 mod cluster_tests;

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use amq_protocol::types::{AMQPValue, FieldTable};
 use proptest::prelude::*;
 
+use super::access::{ApplyTo, Permission, PolicyDef, UserDef};
 use super::codec::{decode_batch, encode_batch};
 use super::state::tests::args;
 use super::state::{Command, MetaState, Outcome};
@@ -92,8 +93,40 @@ fn command() -> impl Strategy<Value = Command> {
             messages: Vec::new()
         }),
         1 => (vhost.clone(), name(), 0u64..3, 0u64..3).prop_map(|(vhost, queue, id, tail)| Command::JoinReplicaSet { vhost, queue, id, tail }),
-        1 => (vhost, name(), proptest::collection::vec((0u64..8, any::<u32>()), 0..3))
+        1 => (vhost.clone(), name(), proptest::collection::vec((0u64..8, any::<u32>()), 0..3))
             .prop_map(|(vhost, queue, counts)| Command::Return { vhost, queue, counts }),
+        4 => access_command(vhost),
+    ]
+}
+
+/// Users, permissions, policies and vhost deletes (`access.rs`).
+fn access_command(vhost: impl Strategy<Value = String> + Clone) -> impl Strategy<Value = Command> {
+    let user = prop_oneof![Just("u1"), Just("u2"), Just("guest")].prop_map(String::from);
+    let regex = prop_oneof![Just(""), Just(".*"), Just("^amq\\."), Just("^a$")].prop_map(String::from);
+    let tags = proptest::collection::vec(prop_oneof![Just("administrator"), Just("monitoring")].prop_map(String::from), 0..3);
+    let apply_to = prop_oneof![Just(ApplyTo::All), Just(ApplyTo::Queues), Just(ApplyTo::Exchanges), Just(ApplyTo::QuorumQueues)];
+    let definition = prop_oneof![Just("{}"), Just("{\"max-length\":2}")].prop_map(String::from);
+    prop_oneof![
+        2 => (user.clone(), prop_oneof![Just(""), Just("c2FsdA==")], tags)
+            .prop_map(|(name, h, tags)| Command::PutUser(UserDef { name, password_hash: h.into(), tags })),
+        1 => user.clone().prop_map(|name| Command::DeleteUser { name }),
+        2 => (user.clone(), vhost.clone(), regex.clone(), regex.clone(), regex).prop_map(|(user, vhost, configure, write, read)| {
+            Command::SetPermission(Permission { user, vhost, configure, write, read })
+        }),
+        1 => (user, vhost.clone()).prop_map(|(user, vhost)| Command::ClearPermission { user, vhost }),
+        2 => (vhost.clone(), name(), apply_to, -3i64..3, definition, any::<bool>()).prop_map(
+            |(vhost, name, apply_to, priority, definition, operator)| Command::SetPolicy(PolicyDef {
+                vhost,
+                name,
+                pattern: "^a".into(),
+                apply_to,
+                priority: priority * (i64::MAX / 4),
+                definition,
+                operator,
+            })
+        ),
+        1 => (vhost.clone(), name(), any::<bool>()).prop_map(|(vhost, name, operator)| Command::ClearPolicy { vhost, name, operator }),
+        1 => vhost.prop_map(|name| Command::DeleteVhost { name }),
     ]
 }
 
@@ -130,6 +163,12 @@ proptest! {
                     model.insert((q.vhost.clone(), q.name.clone()), 0);
                 }
                 _ => {}
+            }
+            if let (Command::DeleteVhost { name }, Outcome::Deleted) = (cmd, &out) {
+                let gone = |v: &String| v == name;
+                prop_assert!(!st.topology.queues.keys().any(|k| gone(&k.0)) && !st.topology.exchanges.keys().any(|k| gone(&k.0)));
+                prop_assert!(!st.topology.access.permissions.keys().any(|k| gone(&k.1)));
+                prop_assert!(!st.topology.access.policies.keys().any(|k| gone(&k.0)));
             }
             if !cmd.changed_topology(&out) {
                 prop_assert_eq!(&st.topology, &before.topology, "no-op changed topology");

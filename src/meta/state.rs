@@ -249,6 +249,42 @@ pub enum Command {
         /// The queue's next offset, as the copy reached it.
         tail: u64,
     },
+    /// Deletes a vhost and everything in it: exchanges, queues (with their cursors), bindings,
+    /// permissions and policies → `Deleted` | `NotFound`. The broker deletes the queues'
+    /// stores first (`broker::access::delete_vhost`); this is the metadata's cascade.
+    DeleteVhost {
+        /// Vhost name.
+        name: String,
+    },
+    /// Creates or replaces a user (`access.rs`) → `Created` | `Updated` | `Existed` (identical).
+    PutUser(super::access::UserDef),
+    /// Deletes a user and its permissions → `Deleted` | `NotFound`.
+    DeleteUser {
+        /// User name.
+        name: String,
+    },
+    /// Sets a user's permissions in a vhost → `Created` | `Updated` | `Existed` | `NotFound`
+    /// (no such user or vhost).
+    SetPermission(super::access::Permission),
+    /// Clears a user's permissions in a vhost → `Deleted` | `NotFound`.
+    ClearPermission {
+        /// User name.
+        user: String,
+        /// Vhost name.
+        vhost: String,
+    },
+    /// Sets a policy or an operator policy → `Created` | `Updated` | `Existed` | `NotFound`
+    /// (no such vhost).
+    SetPolicy(super::access::PolicyDef),
+    /// Clears a policy (`operator` false) or an operator policy → `Deleted` | `NotFound`.
+    ClearPolicy {
+        /// Vhost name.
+        vhost: String,
+        /// Policy name.
+        name: String,
+        /// An operator policy.
+        operator: bool,
+    },
 }
 
 /// Result of applying one [`Command`].
@@ -258,6 +294,8 @@ pub enum Outcome {
     Created,
     /// An identical object (vhost or binding) already existed; nothing changed.
     Existed,
+    /// An object (user, permission, policy) existed and was replaced by a different one.
+    Updated,
     /// The object was deleted.
     Deleted,
     /// The object (or, for `Bind`, an end of the binding) does not exist.
@@ -313,7 +351,7 @@ impl Command {
             Command::MoveQueue { .. } | Command::LeaveReplicaSet { .. } | Command::JoinReplicaSet { .. } => {
                 matches!(outcome, Outcome::Moved)
             }
-            _ => matches!(outcome, Outcome::Created | Outcome::Deleted),
+            _ => matches!(outcome, Outcome::Created | Outcome::Deleted | Outcome::Updated),
         }
     }
 }
@@ -482,7 +520,32 @@ impl MetaState {
             Command::GrowReplicaSet { vhost, queue, node, id } => super::grow::grow(self, vhost, queue, *node, *id),
             Command::CopyMessages { vhost, queue, id, from, to, .. } => super::grow::copy(self, vhost, queue, *id, *from, *to),
             Command::JoinReplicaSet { vhost, queue, id, tail } => super::grow::join(self, vhost, queue, *id, *tail),
+            Command::DeleteVhost { name } => self.delete_vhost(name),
+            Command::PutUser(_)
+            | Command::DeleteUser { .. }
+            | Command::SetPermission(_)
+            | Command::ClearPermission { .. }
+            | Command::SetPolicy(_)
+            | Command::ClearPolicy { .. } => topo.access.apply(&topo.vhosts, cmd),
         }
+    }
+
+    /// `DeleteVhost`: the vhost and everything that lives in it.
+    fn delete_vhost(&mut self, name: &str) -> Outcome {
+        let topo = &mut self.topology;
+        if !topo.vhosts.remove(name) {
+            return Outcome::NotFound;
+        }
+        let mine = |k: &(String, String)| k.0 == name;
+        topo.exchanges.retain(|k, _| !mine(k));
+        topo.queues.retain(|k, _| !mine(k));
+        topo.bindings.retain(|k, _| !mine(k));
+        self.cursors.retain(|k, _| !mine(k));
+        self.next_offsets.retain(|k, _| !mine(k));
+        self.reservations.retain(|k, _| !mine(k));
+        self.growing.retain(|k, _| !mine(k));
+        topo.access.drop_vhost(name);
+        Outcome::Deleted
     }
 
     /// The stored cursor of queue `queue` in `vhost` (a queue offset), if the queue exists.
@@ -552,7 +615,7 @@ impl MetaState {
                 }
             }
         }
-        Ok(())
+        topo.access.check(&topo.vhosts)
     }
 }
 

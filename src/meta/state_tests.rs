@@ -261,3 +261,105 @@ fn a_cluster_node_boot_removes_only_its_own_transient_queues() {
     assert!(st.topology.queue("/", "t1").is_none());
     assert_eq!(st.topology.bindings_from("/", "tx").count(), 0);
 }
+
+fn user(name: &str, tags: &[&str]) -> crate::meta::access::UserDef {
+    crate::meta::access::UserDef { name: name.into(), password_hash: "aGFzaA==".into(), tags: tags.iter().map(|t| t.to_string()).collect() }
+}
+
+fn perm(user: &str, vhost: &str, re: &str) -> crate::meta::access::Permission {
+    crate::meta::access::Permission { user: user.into(), vhost: vhost.into(), configure: re.into(), write: re.into(), read: re.into() }
+}
+
+fn policy(vhost: &str, name: &str, operator: bool) -> crate::meta::access::PolicyDef {
+    crate::meta::access::PolicyDef {
+        vhost: vhost.into(),
+        name: name.into(),
+        pattern: "^lim\\.".into(),
+        apply_to: crate::meta::access::ApplyTo::Queues,
+        priority: 1,
+        definition: "{\"max-length\":2}".into(),
+        operator,
+    }
+}
+
+#[test]
+fn users_and_permissions_need_each_other_and_go_together() {
+    let mut st = MetaState::default();
+    applied(&mut st, Command::DeclareVhost { name: "/".into() });
+    assert!(!st.topology.access.initialized);
+    assert_eq!(applied(&mut st, Command::SetPermission(perm("u", "/", ".*"))), Outcome::NotFound, "no such user");
+    assert_eq!(applied(&mut st, Command::PutUser(user("u", &[]))), Outcome::Created);
+    assert!(st.topology.access.initialized);
+    assert_eq!(applied(&mut st, Command::PutUser(user("u", &[]))), Outcome::Existed);
+    let v = st.topology.clone();
+    assert!(!Command::PutUser(user("u", &[])).changed_topology(&Outcome::Existed));
+    assert_eq!(st.topology, v);
+    assert_eq!(applied(&mut st, Command::PutUser(user("u", &["administrator"]))), Outcome::Updated);
+    assert!(Command::PutUser(user("u", &[])).changed_topology(&Outcome::Updated));
+    assert_eq!(applied(&mut st, Command::SetPermission(perm("u", "nope", ".*"))), Outcome::NotFound, "no such vhost");
+    assert_eq!(applied(&mut st, Command::SetPermission(perm("u", "/", ".*"))), Outcome::Created);
+    assert_eq!(applied(&mut st, Command::SetPermission(perm("u", "/", "^a"))), Outcome::Updated);
+    assert_eq!(st.topology.access.permission("u", "/").map(|p| p.read.as_str()), Some("^a"));
+    assert_eq!(applied(&mut st, Command::DeleteUser { name: "u".into() }), Outcome::Deleted);
+    assert!(st.topology.access.permissions.is_empty(), "a deleted user's permissions go with it");
+    assert!(st.topology.access.initialized, "never unset: the config seed runs once");
+    assert_eq!(applied(&mut st, Command::DeleteUser { name: "u".into() }), Outcome::NotFound);
+    assert_eq!(applied(&mut st, Command::ClearPermission { user: "u".into(), vhost: "/".into() }), Outcome::NotFound);
+}
+
+#[test]
+fn deleting_a_vhost_removes_everything_in_it_and_nothing_else() {
+    let mut st = MetaState::default();
+    for v in ["/", "v2"] {
+        applied(&mut st, Command::DeclareVhost { name: v.into() });
+    }
+    applied(&mut st, Command::PutUser(user("u", &[])));
+    for v in ["/", "v2"] {
+        applied(&mut st, Command::SetPermission(perm("u", v, ".*")));
+        assert_eq!(applied(&mut st, Command::SetPolicy(policy(v, "p", false))), Outcome::Created);
+        assert_eq!(applied(&mut st, Command::SetPolicy(policy(v, "p", true))), Outcome::Created, "operator policies are apart");
+        applied(&mut st, Command::DeclareQueue(QueueDef { vhost: v.into(), ..queue("q", true, None) }));
+        applied(&mut st, Command::Bind(Binding { vhost: v.into(), ..bind("amq.direct", DestKind::Queue, "q", "k") }));
+    }
+    assert_eq!(applied(&mut st, Command::SetPolicy(policy("nope", "p", false))), Outcome::NotFound);
+    assert_eq!(applied(&mut st, Command::DeleteVhost { name: "v2".into() }), Outcome::Deleted);
+    let t = &st.topology;
+    assert!(!t.vhosts.contains("v2") && t.exchange("v2", "amq.direct").is_none() && t.queue("v2", "q").is_none());
+    assert_eq!(st.cursor("v2", "q"), None);
+    assert!(t.access.permission("u", "v2").is_none() && t.access.policies_in("v2", false).next().is_none());
+    assert!(t.queue("/", "q").is_some() && t.access.permission("u", "/").is_some() && t.bindings_from("/", "amq.direct").count() == 1);
+    assert_eq!(t.access.policies_in("/", true).count(), 1);
+    assert_eq!(applied(&mut st, Command::ClearPolicy { vhost: "/".into(), name: "p".into(), operator: true }), Outcome::Deleted);
+    assert_eq!(st.topology.access.policies_in("/", false).count(), 1);
+    assert_eq!(applied(&mut st, Command::DeleteVhost { name: "v2".into() }), Outcome::NotFound);
+}
+
+#[test]
+fn access_commands_survive_the_codec_and_the_snapshot() {
+    let cmds = vec![
+        Command::DeclareVhost { name: "/".into() },
+        Command::PutUser(user("ü", &["administrator", "monitoring"])),
+        Command::SetPermission(perm("ü", "/", "^(a|b)$")),
+        Command::SetPolicy(crate::meta::access::PolicyDef { priority: -7, ..policy("/", "p", true) }),
+        Command::SetPolicy(crate::meta::access::PolicyDef { priority: i64::MIN, ..policy("/", "p", false) }),
+        Command::ClearPolicy { vhost: "/".into(), name: "x".into(), operator: true },
+        Command::ClearPermission { user: "x".into(), vhost: "/".into() },
+        Command::DeleteUser { name: "x".into() },
+        Command::DeleteVhost { name: "x".into() },
+    ];
+    let mut buf = Vec::new();
+    crate::meta::codec::encode_batch(cmds.len(), &cmds, &mut buf);
+    assert_eq!(crate::meta::codec::decode_batch(&buf).unwrap(), cmds);
+    let mut st = MetaState::default();
+    for c in &cmds {
+        st.apply(c);
+    }
+    let json = serde_json::to_string(&st).unwrap();
+    let back: MetaState = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, st);
+    // A snapshot from before users lived in the metadata loads, with nothing in them.
+    let old = json.replace(&format!(",\"access\":{}", serde_json::to_string(&st.topology.access).unwrap()), "");
+    assert!(!old.contains("\"access\""));
+    let back: MetaState = serde_json::from_str(&old).unwrap();
+    assert!(back.topology.access.users.is_empty() && !back.topology.access.initialized);
+}

@@ -182,6 +182,10 @@ pub struct Topology {
     /// Bindings by `(vhost, source exchange)`, in bind order; never an empty list.
     #[serde(with = "keyed_bindings")]
     pub bindings: BTreeMap<(String, String), Vec<Binding>>,
+    /// Users, permissions and policies (`access.rs`): read by every core's connections for
+    /// logins and permission checks, and by queue declares for policies.
+    #[serde(default)]
+    pub access: super::access::Access,
 }
 
 impl Topology {

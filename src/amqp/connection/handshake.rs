@@ -28,6 +28,7 @@ use glommio::net::TcpStream;
 use super::{CLOSE_WAIT, HANDSHAKE_TIMEOUT};
 use crate::amqp::codec::{decode_frame, encode_method, Frame, PROTOCOL_HEADER};
 use crate::amqp::error::AmqpError;
+use crate::broker::access::{self, AccessError};
 use crate::broker::node::Node;
 
 /// What the handshake settled: who logged in, to which vhost, with which limits and
@@ -181,23 +182,26 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
     let mechanism = start_ok.mechanism.as_str().to_owned();
     let creds = credentials(&mechanism, start_ok.response.as_bytes());
     let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
+    let peer_text = peer.map(|p| p.to_string()).unwrap_or_else(|| "unknown".into());
     let user = match creds {
-        Some((u, p)) => match cfg.users.iter().find(|x| x.name == u && x.password == p) {
-            Some(x) if x.loopback_only && !loopback => {
-                let e = AmqpError::login_refused(format!("user '{u}' can only connect via localhost"));
-                write_close(stream, &mut buf, &e).await;
-                return Err(e);
-            }
-            Some(x) => x.name.clone(),
-            None => {
-                let e = AmqpError::login_refused(format!(
-                    "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
-                ));
+        Some((u, p)) => match access::authenticate(&core.router().topology, &cfg, &u, &p, loopback) {
+            Ok(user) => user.name,
+            Err(err) => {
+                // Logged at the default level, as RabbitMQ does: its client text sends the
+                // operator here.
+                tracing::warn!(user = %u, peer = %peer_text, mechanism = %mechanism, reason = %err, "login refused");
+                let e = match err {
+                    AccessError::LoopbackOnly { .. } => AmqpError::login_refused(err),
+                    _ => AmqpError::login_refused(format!(
+                        "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+                    )),
+                };
                 write_close(stream, &mut buf, &e).await;
                 return Err(e);
             }
         },
         None => {
+            tracing::warn!(peer = %peer_text, mechanism = %mechanism, "login refused: unsupported mechanism or malformed response");
             let e = AmqpError::login_refused(format!("unsupported authentication mechanism or malformed response ({mechanism})"));
             write_close(stream, &mut buf, &e).await;
             return Err(e);
@@ -245,8 +249,13 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
         }
     };
     let vhost = open.virtual_host.as_str().to_owned();
-    if !core.shared.meta.topology().vhosts.contains(&vhost) {
-        let e = AmqpError::not_allowed(format!("vhost {vhost} not found"));
+    if let Err(err) = access::check_vhost_access(&core.router().topology, &user, &vhost) {
+        // 530 NOT_ALLOWED in both cases, with RabbitMQ's texts.
+        let e = match err {
+            AccessError::NotFound(_) => AmqpError::not_allowed(format!("vhost {vhost} not found")),
+            _ => AmqpError::not_allowed(err),
+        };
+        tracing::warn!(user = %user, peer = %peer_text, vhost = %vhost, reason = %e.text, "connection.open refused");
         write_close(stream, &mut buf, &e).await;
         return Err(e);
     }

@@ -69,6 +69,9 @@ pub struct ConnState {
     pub published: bool,
     /// Blocked by the disk alarm: the reader takes no more frames until it clears.
     pub blocked: bool,
+    /// The user's permissions in the vhost, compiled (`broker::access::Grant`): every
+    /// permission check of this connection reads it.
+    pub grant: crate::broker::access::Grant,
 }
 
 /// A connection: its core, id, event channel and state.

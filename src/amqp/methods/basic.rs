@@ -8,13 +8,14 @@ use std::sync::Arc;
 use amq_protocol::protocol::{basic, AMQPClass};
 
 use super::queue::lookup;
-use super::unique_suffix;
+use super::{authorize, unique_suffix};
 use crate::amqp::channel::{ChannelConsumer, PendingPublish};
 use crate::amqp::codec::{encode_content, encode_method};
 use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
 use crate::amqp::transaction::{Routed, SettleKind};
 use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
+use crate::broker::access::{Perm, Resource};
 use crate::broker::message::{encode_properties, parse_expiration, Message};
 use crate::broker::reply_to;
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
@@ -211,6 +212,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
     if c.queue.as_str() == reply_to::PSEUDO_QUEUE {
         return consume_replies(s, channel, tag, &c);
     }
+    authorize(s, Perm::Read, Resource::Queue, c.queue.as_str())?;
     let (q, _) = lookup(s, c.queue.as_str()).await?;
     let priority = consumer_priority(&c.arguments)?;
     let id = s.core.shared.next_id();
@@ -310,6 +312,7 @@ fn unique_token_salt() -> u64 {
 }
 
 async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpError> {
+    authorize(s, Perm::Read, Resource::Queue, g.queue.as_str())?;
     let (q, _) = lookup(s, g.queue.as_str()).await?;
     let holder = {
         let mut st = s.st.borrow_mut();
@@ -396,6 +399,9 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
     Stats::add(&s.core.stats().published, 1);
     let vhost = s.vhost();
     let router = s.core.router();
+    // Write on the exchange, before it is looked up (RabbitMQ's order).
+    let checked = s.st.borrow_mut().grant.check(router.version, &router.topology, Perm::Write, Resource::Exchange, &p.exchange);
+    checked.map_err(AmqpError::access_refused)?;
     if !p.exchange.is_empty() {
         match router.exchange(&vhost, &p.exchange) {
             None => return Err(AmqpError::not_found(format!("no exchange '{}' in vhost '{vhost}'", p.exchange))),

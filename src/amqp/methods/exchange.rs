@@ -6,8 +6,10 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{exchange, AMQPClass};
 
+use super::authorize;
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
+use crate::broker::access::{Perm, Resource};
 use crate::broker::topology::{self, binding, Caller, ExchangeDeclare};
 use crate::meta::state::DestKind;
 
@@ -17,6 +19,16 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
     let me = Caller::Connection(s.id.0);
     match m {
         exchange::AMQPMethod::Declare(d) => {
+            if !d.passive {
+                let name = d.exchange.as_str();
+                authorize(s, Perm::Configure, Resource::Exchange, name)?;
+                // An alternate exchange: read on this one, write on that one (as RabbitMQ
+                // checks a declare with one).
+                if let Some(ae) = crate::broker::router::string_arg(&d.arguments, "alternate-exchange") {
+                    authorize(s, Perm::Read, Resource::Exchange, name)?;
+                    authorize(s, Perm::Write, Resource::Exchange, ae)?;
+                }
+            }
             let req = ExchangeDeclare {
                 vhost: vhost.to_string(),
                 name: d.exchange.to_string(),
@@ -33,6 +45,8 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
             Ok(())
         }
         exchange::AMQPMethod::Delete(d) => {
+            topology::check_exchange_name(d.exchange.as_str())?;
+            authorize(s, Perm::Configure, Resource::Exchange, d.exchange.as_str())?;
             topology::exchange_delete(&s.core, &vhost, d.exchange.as_str(), d.if_unused).await?;
             if !d.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})));
@@ -42,6 +56,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Bind(b) => {
             let binding =
                 binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            super::queue::authorize_binding(s, &binding)?;
             topology::bind(&s.core, binding, me).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
@@ -51,6 +66,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: exchange::AMQPMethod) -> R
         exchange::AMQPMethod::Unbind(b) => {
             let binding =
                 binding(&vhost, b.source.as_str(), DestKind::Exchange, b.destination.as_str(), b.routing_key.as_str(), &b.arguments);
+            super::queue::authorize_binding(s, &binding)?;
             topology::unbind(&s.core, binding, me).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));

@@ -6,9 +6,10 @@ use std::rc::Rc;
 
 use amq_protocol::protocol::{queue, AMQPClass};
 
-use super::unique_suffix;
+use super::{authorize, unique_suffix};
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
+use crate::broker::access::{Perm, Resource};
 use crate::broker::topology::{self, binding, Caller, QueueDeclare};
 use crate::broker::QueueRef;
 use crate::meta::state::{DestKind, QueueDef};
@@ -46,6 +47,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             if server_named {
                 name = format!("amq.gen-{}", unique_suffix(s.core.shared.next_id()));
             }
+            authorize(s, Perm::Configure, Resource::Queue, &name)?;
+            // A dead-letter exchange: read on the queue, write on the exchange (RabbitMQ's
+            // `check_dlx_permissions`).
+            if let Some(dlx) = crate::broker::router::string_arg(&d.arguments, "x-dead-letter-exchange") {
+                authorize(s, Perm::Read, Resource::Queue, &name)?;
+                authorize(s, Perm::Write, Resource::Exchange, dlx)?;
+            }
             let req = QueueDeclare {
                 vhost: vhost.to_string(),
                 name: name.clone(),
@@ -66,6 +74,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Bind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
+            authorize_binding(s, &binding)?;
             topology::bind(&s.core, binding, me).await?;
             if !b.nowait {
                 s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})));
@@ -74,11 +83,13 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Unbind(b) => {
             let binding = binding(&vhost, b.exchange.as_str(), DestKind::Queue, b.queue.as_str(), b.routing_key.as_str(), &b.arguments);
+            authorize_binding(s, &binding)?;
             topology::unbind(&s.core, binding, me).await?;
             s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
             Ok(())
         }
         queue::AMQPMethod::Purge(p) => {
+            authorize(s, Perm::Read, Resource::Queue, p.queue.as_str())?;
             let n = topology::queue_purge(&s.core, &vhost, p.queue.as_str(), me).await?;
             if !p.nowait {
                 s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count: n })));
@@ -86,6 +97,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
             Ok(())
         }
         queue::AMQPMethod::Delete(d) => {
+            authorize(s, Perm::Configure, Resource::Queue, d.queue.as_str())?;
             let (n, q) = topology::queue_delete(&s.core, &vhost, d.queue.as_str(), me, d.if_unused, d.if_empty).await?;
             if let Some(q) = q {
                 s.st.borrow_mut().exclusive_queues.retain(|x| x.key != q.key);
@@ -97,6 +109,20 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }
+}
+
+/// A bind or unbind needs write on the destination and read on the source exchange
+/// (RabbitMQ's `binding_action`).
+///
+/// # Errors
+/// 403 ACCESS_REFUSED naming the refused resource.
+pub fn authorize_binding(s: &Session, b: &crate::meta::Binding) -> Result<(), AmqpError> {
+    let dest_kind = match b.dest_kind {
+        DestKind::Queue => Resource::Queue,
+        DestKind::Exchange => Resource::Exchange,
+    };
+    authorize(s, Perm::Write, dest_kind, &b.dest)?;
+    authorize(s, Perm::Read, Resource::Exchange, &b.source)
 }
 
 fn declare_ok(s: &Session, channel: u16, name: &str, message_count: u32, consumer_count: u32) {

@@ -90,6 +90,11 @@ impl DeliveryLimit {
         self.limit
     }
 
+    /// Changes the limit (a policy change, `reapply.rs`); the counts so far stay.
+    pub fn set_limit(&mut self, limit: u32) {
+        self.limit = limit;
+    }
+
     /// Takes the counts of an earlier run (behaviour 5): `records` are the return-count
     /// records read from the index at open, `(index offset, record)`. For each message
     /// still live the highest count stays, with its record; returns the index offsets of

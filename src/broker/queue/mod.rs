@@ -13,6 +13,7 @@
 //! - [`settle`]: the ack path — DESIGN.md's rules 1–10, and one function per entry point;
 //! - [`durability`]: everything that waits for an fdatasync, with the proofs that order it;
 //! - [`index`]: the unacked-index record; [`consumer`]: consumers and their credit;
+//! - [`reapply`]: a policy change applied to an open queue.
 //! - [`limits`]: `x-max-length`, `x-max-length-bytes` and `x-overflow`;
 //! - [`delivery_limit`]: `x-delivery-limit` (poison-message handling);
 //! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
@@ -37,6 +38,7 @@ pub mod index;
 pub mod limits;
 pub mod priority;
 pub mod ready;
+pub mod reapply;
 pub mod replica;
 pub mod settle;
 pub mod ttl;
@@ -298,13 +300,16 @@ impl Queue {
         let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < delivered_below).collect();
         let indexed = recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o));
         let mut ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
-        let quorum = string_arg(&def.arguments, "x-queue-type") == Some("quorum");
-        let limits = Limits::from_arguments(&def.arguments, quorum);
-        let mut delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&def.arguments, quorum);
+        // The effective arguments: declared ones merged with the policies (`broker::policy`,
+        // the one point where they are computed); every `x-` argument below reads them.
+        let args = super::policy::effective_queue_arguments(&env.meta().topology(), &def);
+        let quorum = string_arg(&args, "x-queue-type") == Some("quorum");
+        let limits = Limits::from_arguments(&args, quorum);
+        let mut delivery_limit = delivery_limit::DeliveryLimit::from_arguments(&args, quorum);
         if limits.is_some_and(|l| l.counts_bytes()) {
             ready.count_bytes(recovered.body_lens.iter().copied().filter(|(o, _)| shard.is_live(*o)));
         }
-        if let Some(max) = priority::max_priority(&def.arguments) {
+        if let Some(max) = priority::max_priority(&args) {
             ready.prioritise(max, recovered.priorities.iter().copied());
         }
         // The scanner (rule 7): records of a dead boot epoch are requeued at once — their
@@ -330,12 +335,11 @@ impl Queue {
                 tracing::error!(error = %e, "unacked index delete failed");
             }
         }
-        let consumer_timeout_ms =
-            int_arg(&def.arguments, "x-consumer-timeout").filter(|v| *v >= 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
-        let dead_letter_exchange = string_arg(&def.arguments, "x-dead-letter-exchange").map(str::to_owned);
-        let expiry = expiry::Expiry::from_arg(int_arg(&def.arguments, "x-expires"));
-        let single_active = super::router::bool_arg(&def.arguments, "x-single-active-consumer").unwrap_or(false);
-        let dead_letter_routing_key = string_arg(&def.arguments, "x-dead-letter-routing-key").map(str::to_owned);
+        let consumer_timeout_ms = int_arg(&args, "x-consumer-timeout").filter(|v| *v >= 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
+        let dead_letter_exchange = string_arg(&args, "x-dead-letter-exchange").map(str::to_owned);
+        let expiry = expiry::Expiry::from_arg(int_arg(&args, "x-expires"));
+        let single_active = super::router::bool_arg(&args, "x-single-active-consumer").unwrap_or(false);
+        let dead_letter_routing_key = string_arg(&args, "x-dead-letter-routing-key").map(str::to_owned);
         let repl = replicated
             .then(|| Replication::new(def.owner_node == env.meta().node_id(), recovered.reserved.max(recovered.cursor), delivered_below));
         let q = Rc::new_cyclic(|me| {
@@ -380,7 +384,7 @@ impl Queue {
             glommio::spawn_local(expiry::expire_when_unused(weak.clone())).detach();
         }
         glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
-        let message_ttl = int_arg(&q.borrow().def.arguments, "x-message-ttl").and_then(|v| u64::try_from(v).ok());
+        let message_ttl = int_arg(&args, "x-message-ttl").and_then(|v| u64::try_from(v).ok());
         if let Some(ms) = message_ttl {
             // `ttl.rs`, rule 3: the timer looks at the head at once (what expired while the
             // broker was down goes now).
