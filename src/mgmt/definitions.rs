@@ -140,8 +140,9 @@ impl Api {
                 server_named: false,
                 durable: bool_field(&q, "durable", true)?,
                 auto_delete: bool_field(&q, "auto_delete", false)?,
-                exclusive_owner: None,
+                exclusive: false,
                 arguments: json_to_table(q.get("arguments"))?,
+                caller: Caller::Operator,
             };
             if req.name.is_empty() {
                 return Err(ApiError::bad_request("a queue without a name"));

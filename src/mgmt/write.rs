@@ -55,8 +55,9 @@ impl Api {
                     server_named: false,
                     durable: bool_field(&body, "durable", true)?,
                     auto_delete: bool_field(&body, "auto_delete", false)?,
-                    exclusive_owner: None,
+                    exclusive: false,
                     arguments: json_to_table(body.get("arguments"))?,
+                    caller: Caller::Operator,
                 };
                 if name.is_empty() {
                     return Err(ApiError::bad_request("a queue name is required"));
