@@ -252,11 +252,7 @@ impl Api {
         }
         segments.remove(0);
         let user = self.login(auth, loopback)?;
-        let writes = !matches!(method, "GET" | "HEAD");
-        // POST .../get reads, but RabbitMQ asks for write access to the queue as well.
-        if (writes && !user.may_write()) || (!writes && !user.may_read() && segments.first().map(String::as_str) != Some("whoami")) {
-            return Err(ApiError { status: 403, error: "not_authorized", reason: "Not management user".into() });
-        }
+        authorize(&user, method, segments.first().map_or("", String::as_str))?;
         let query = query
             .split('&')
             .filter(|p| !p.is_empty())
@@ -408,6 +404,24 @@ impl Api {
     }
 }
 
+/// Whether `user` may call `method` on a path starting with `first` (after `/api/`): any
+/// method needs `administrator` except GET and HEAD, which `monitoring` may call too, and
+/// `whoami`, which any user who logged in may call. A `POST …/get` counts as a write (it
+/// takes messages).
+///
+/// # Errors
+/// 403 `not_authorized` otherwise.
+fn authorize(user: &AuthUser, method: &str, first: &str) -> Result<(), ApiError> {
+    let reads = matches!(method, "GET" | "HEAD");
+    let allowed = if reads { user.may_read() || first == "whoami" } else { user.may_write() };
+    if allowed {
+        Ok(())
+    } else {
+        let reason = if reads { "Not monitoring or administrator user" } else { "Not administrator user" };
+        Err(ApiError { status: 403, error: "not_authorized", reason: reason.into() })
+    }
+}
+
 /// True for the paths the API knows (a method it does not take there is 405, not 404).
 fn known_path(p: &[&str]) -> bool {
     matches!(
@@ -430,4 +444,44 @@ fn known_path(p: &[&str]) -> bool {
                 | "policies"
         )
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(tags: &[&str]) -> AuthUser {
+        AuthUser { name: "u".into(), tags: tags.iter().map(|t| t.to_string()).collect() }
+    }
+
+    #[test]
+    fn administrators_write_monitoring_reads_others_only_whoami() {
+        let (admin, monitor, none) = (user(&["administrator"]), user(&["monitoring"]), user(&["management"]));
+        for m in ["GET", "PUT", "POST", "DELETE"] {
+            assert!(authorize(&admin, m, "queues").is_ok(), "{m}");
+        }
+        assert!(authorize(&monitor, "GET", "queues").is_ok());
+        assert_eq!(authorize(&monitor, "PUT", "queues").map_err(|e| e.status), Err(403));
+        assert_eq!(authorize(&monitor, "POST", "queues").map_err(|e| e.status), Err(403), "get takes messages");
+        assert_eq!(authorize(&none, "GET", "queues").map_err(|e| e.status), Err(403));
+        assert!(authorize(&none, "GET", "whoami").is_ok());
+    }
+
+    #[test]
+    fn topology_refusals_map_to_rabbitmq_statuses() {
+        let status = |e: TopologyError| ApiError::from(e).status;
+        assert_eq!(status(TopologyError::Queue(QueueError::NotFound("x".into()))), 404);
+        assert_eq!(status(TopologyError::Queue(QueueError::PreconditionFailed("x".into()))), 400);
+        assert_eq!(status(TopologyError::Queue(QueueError::AccessRefused("x".into()))), 403);
+        assert_eq!(status(TopologyError::Queue(QueueError::ResourceError("x".into()))), 503);
+        assert_eq!(status(TopologyError::ResourceLocked("x".into())), 405);
+        assert_eq!(status(TopologyError::CommandInvalid("x".into())), 400);
+    }
+
+    #[test]
+    fn path_segments_are_percent_decoded() {
+        assert_eq!(decode("%2F", false), "/");
+        assert_eq!(decode("a+b", false), "a+b");
+        assert_eq!(decode("a+b%21", true), "a b!");
+    }
 }
