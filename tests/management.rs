@@ -72,6 +72,10 @@ fn overview_nodes_vhosts_and_health_have_rabbitmq_shapes() {
     assert_eq!(nodes.as_array().unwrap().len(), 1, "{nodes}");
     assert_eq!(nodes[0]["running"], true);
     assert!(nodes[0]["fd_used"].as_u64().unwrap() > 0, "{nodes}");
+    let paged = get_json(port, "/api/exchanges?page=1&page_size=2&sort=name&columns=name,type");
+    assert_eq!(paged["total_count"], 6, "{paged}");
+    assert_eq!(paged["page_count"], 3);
+    assert_eq!(paged["items"], json!([{"name": "", "type": "direct"}, {"name": "amq.direct", "type": "direct"}]));
     let vhosts = get_json(port, "/api/vhosts");
     assert_eq!(vhosts[0]["name"], "/", "{vhosts}");
     assert_eq!(get_json(port, &format!("/api/vhosts/{V}"))["name"], "/");

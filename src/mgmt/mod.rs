@@ -7,7 +7,8 @@
 //!   consumers, connections, health checks) and the figures they gather from the cores;
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
 //! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
-//! - [`json`]: AMQP field tables and properties to and from JSON.
+//! - [`json`]: AMQP field tables and properties to and from JSON;
+//! - [`listing`]: the listing parameters (`name`, `sort`, `columns`, `page`, `page_size`).
 //!
 //! # Threads, reads and writes
 //! The server runs on [`WORKERS`] std threads, never on a core. Reads take the topology from
@@ -30,6 +31,7 @@
 
 mod definitions;
 mod json;
+mod listing;
 mod read;
 mod write;
 
@@ -262,7 +264,14 @@ impl Api {
             })
             .collect();
         let rq = Request { method, path: segments, query, body, user };
-        self.route(&rq)
+        let mut reply = self.route(&rq)?;
+        if !rq.query.is_empty() && matches!(method, "GET" | "HEAD") {
+            reply.body = match reply.body.take() {
+                Some(Value::Array(list)) => Some(listing::shape(list, &rq.query)?),
+                other => other,
+            };
+        }
+        Ok(reply)
     }
 
     /// Checks the `Authorization: Basic …` header against the user store.
@@ -300,6 +309,8 @@ impl Api {
             (["whoami"], true) => Ok(Reply::ok(json!({"name": rq.user.name, "tags": rq.user.tags}))),
             (["health", "checks", "alarms"] | ["health", "checks", "local-alarms"], true) => Ok(self.health_alarms()),
             (["health", "checks", "ready"], true) => Ok(self.health_ready()),
+            // RabbitMQ's older node health check, still in some probes.
+            (["healthchecks", "node"] | ["healthchecks", "node", _], true) => Ok(self.health_ready()),
             (["vhosts"], true) => self.vhosts(None),
             (["vhosts", v], true) => self.vhosts(Some(v)),
             (["vhosts", v], false) => self.vhost_write(rq, v),
