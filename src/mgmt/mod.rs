@@ -182,7 +182,15 @@ pub(crate) struct Request<'a> {
     path: Vec<String>,
     query: HashMap<String, String>,
     body: String,
+    /// The `X-Reason` header (a connection close's text).
+    reason: Option<String>,
     user: AuthUser,
+}
+
+/// What a request carries besides its method, URL and credentials.
+struct Incoming {
+    body: String,
+    reason: Option<String>,
 }
 
 impl Request<'_> {
@@ -214,12 +222,13 @@ impl Api {
         let method = rq.method().as_str().to_owned();
         let url = rq.url().to_owned();
         let loopback = rq.remote_addr().is_some_and(|a| a.ip().is_loopback());
-        let auth = rq.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str().to_owned());
+        let header = |name: &'static str| rq.headers().iter().find(|h| h.field.equiv(name)).map(|h| h.value.as_str().to_owned());
+        let (auth, reason) = (header("Authorization"), header("X-Reason"));
         let mut body = String::new();
         let read = rq.as_reader().take(MAX_BODY).read_to_string(&mut body);
         let reply = match read {
             Err(e) => Err(ApiError::bad_request(format!("cannot read the body: {e}"))),
-            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, body),
+            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, Incoming { body, reason }),
         };
         let reply = reply.unwrap_or_else(|e| {
             let mut r = Reply::with(e.status, json!({"error": e.error, "reason": e.reason}));
@@ -243,7 +252,7 @@ impl Api {
         let _ = rq.respond(resp);
     }
 
-    fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, body: String) -> Result<Reply, ApiError> {
+    fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, incoming: Incoming) -> Result<Reply, ApiError> {
         let (path, query) = url.split_once('?').unwrap_or((url, ""));
         let mut segments: Vec<String> = path.split('/').skip(1).map(|s| decode(s, false)).collect();
         if segments.last().is_some_and(String::is_empty) {
@@ -263,7 +272,7 @@ impl Api {
                 (decode(k, true), decode(v, true))
             })
             .collect();
-        let rq = Request { method, path: segments, query, body, user };
+        let rq = Request { method, path: segments, query, body: incoming.body, reason: incoming.reason, user };
         let mut reply = self.route(&rq)?;
         if !rq.query.is_empty() && matches!(method, "GET" | "HEAD") {
             reply.body = match reply.body.take() {

@@ -223,8 +223,9 @@ impl Api {
 
     /// `DELETE /api/connections/{name}`: closes it with 320 CONNECTION_FORCED and the
     /// `X-Reason` header's text (RabbitMQ's "Closed via management plugin" without one).
-    pub(crate) fn close_connection(&self, _rq: &Request<'_>, name: &str) -> Result<Reply, ApiError> {
-        if self.shared.clients.close(name, "Closed via management plugin") {
+    pub(crate) fn close_connection(&self, rq: &Request<'_>, name: &str) -> Result<Reply, ApiError> {
+        let reason = rq.reason.as_deref().unwrap_or("Closed via management plugin");
+        if self.shared.clients.close(name, reason) {
             Ok(Reply::empty(204))
         } else {
             Err(ApiError::not_found())
