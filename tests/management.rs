@@ -11,7 +11,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::http::{get_json, request, try_request, GUEST};
+use common::http::{get_json, request, try_request, try_request_with, GUEST};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -72,6 +72,10 @@ fn overview_nodes_vhosts_and_health_have_rabbitmq_shapes() {
     assert_eq!(nodes.as_array().unwrap().len(), 1, "{nodes}");
     assert_eq!(nodes[0]["running"], true);
     assert!(nodes[0]["fd_used"].as_u64().unwrap() > 0, "{nodes}");
+    let paged = get_json(port, "/api/exchanges?page=1&page_size=2&sort=name&columns=name,type");
+    assert_eq!(paged["total_count"], 6, "{paged}");
+    assert_eq!(paged["page_count"], 3);
+    assert_eq!(paged["items"], json!([{"name": "", "type": "direct"}, {"name": "amq.direct", "type": "direct"}]));
     let vhosts = get_json(port, "/api/vhosts");
     assert_eq!(vhosts[0]["name"], "/", "{vhosts}");
     assert_eq!(get_json(port, &format!("/api/vhosts/{V}"))["name"], "/");
@@ -273,19 +277,34 @@ async fn connections_channels_consumers_and_unacked_deliveries() {
         assert_eq!(r["connection_name"], conns[0]["name"]);
         assert!(r["age_ms"].as_u64().is_some(), "{r}");
     }
-    // Closing the connection through the API: the client sees 320 CONNECTION_FORCED.
+    // Closing the connection through the API: the client sees 320 CONNECTION_FORCED with the
+    // X-Reason text.
     let name = conns[0]["name"].as_str().unwrap().to_owned();
     let encoded: String = percent_encode(&name);
-    let status = tokio::task::spawn_blocking(move || request(port, "DELETE", &format!("/api/connections/{encoded}"), None, GUEST).status)
-        .await
-        .unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        let path = format!("/api/connections/{encoded}");
+        try_request_with(port, "DELETE", &path, None, GUEST, &[("X-Reason", "maintenance window")]).unwrap().status
+    })
+    .await
+    .unwrap();
     assert_eq!(status, 204);
+    let err = tt("the consumer sees the close", Duration::from_secs(5), async {
+        loop {
+            match cons.next().await {
+                Some(Err(e)) => break format!("{e:?}"),
+                Some(Ok(_)) => continue,
+                None => break "the consumer ended without an error".to_owned(),
+            }
+        }
+    })
+    .await;
+    assert!(err.contains("320") || err.contains("CONNECTION_FORCED"), "{err}");
+    assert!(err.contains("maintenance window"), "{err}");
     let deadline = Instant::now() + Duration::from_secs(5);
     while conn.status().connected() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(!conn.status().connected(), "the connection was closed");
-    let _ = tt("drain", Duration::from_secs(2), async { while cons.next().await.is_some() {} }).await;
     let left = tokio::task::spawn_blocking(move || wait_json(port, "/api/connections", |v| v.as_array().is_some_and(|a| a.is_empty())))
         .await
         .unwrap();

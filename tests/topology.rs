@@ -441,12 +441,16 @@ async fn exclusive_queue_is_locked_and_dies_with_its_connection() {
     let och = t("channel", owner.create_channel()).await.unwrap();
     let q = declare_queue(&och, &uniq("excl"), QueueDeclareOptions::exclusive(), FieldTable::default()).await;
     let other = connect(&b).await;
-    for what in ["declare", "passive", "consume", "get", "delete", "purge", "bind"] {
+    for what in ["declare", "declare shared", "passive", "consume", "get", "delete", "purge", "bind", "unbind"] {
         let ch = t("channel", other.create_channel()).await.unwrap();
         let r: Result<(), lapin::Error> = match what {
             "declare" => {
                 t(what, ch.queue_declare(q.as_str().into(), QueueDeclareOptions::exclusive(), FieldTable::default())).await.map(|_| ())
             }
+            "declare shared" => {
+                t(what, ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())).await.map(|_| ())
+            }
+            "unbind" => t(what, ch.queue_unbind(q.as_str().into(), "amq.direct".into(), "k".into(), FieldTable::default())).await,
             "passive" => t(
                 what,
                 ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()),

@@ -139,10 +139,13 @@ pub struct QueueDeclare {
     pub durable: bool,
     /// Auto-delete after the last consumer goes.
     pub auto_delete: bool,
-    /// Exclusive to this connection (by id).
-    pub exclusive_owner: Option<u64>,
+    /// Exclusive to the calling connection.
+    pub exclusive: bool,
     /// x-arguments.
     pub arguments: FieldTable,
+    /// Who declares: an existing exclusive queue of another connection is locked to a
+    /// connection (405), and only a connection can own an exclusive queue.
+    pub caller: Caller,
 }
 
 /// A queue.declare's answer.
@@ -169,19 +172,24 @@ const GONE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// # Errors
 /// 403 for the reserved `amq.` prefix; 406 for bad or inequivalent arguments; 405 for another
 /// connection's exclusive queue; 506 when file descriptors run out or there is no quorum;
-/// the store's errors.
+/// the store's errors; 503 for an exclusive queue asked by the operator (no connection owns it).
 pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declared, TopologyError> {
     let (vhost, name) = (req.vhost.as_str(), req.name.as_str());
     if !req.server_named && name.starts_with("amq.") {
         return Err(TopologyError::access_refused(format!("queue name '{name}' contains reserved prefix 'amq.*'")));
     }
+    let exclusive_owner = match (req.exclusive, req.caller) {
+        (false, _) => None,
+        (true, Caller::Connection(id)) => Some(id),
+        (true, Caller::Operator) => return Err(TopologyError::CommandInvalid("an exclusive queue belongs to a connection".into())),
+    };
     let meta = &node.shared.meta;
     let mut def = QueueDef {
         vhost: vhost.to_string(),
         name: name.to_string(),
         durable: req.durable,
         auto_delete: req.auto_delete,
-        exclusive_owner: req.exclusive_owner,
+        exclusive_owner,
         arguments: req.arguments.clone(),
         owner_node: meta.node_id(),
         owner_core: placement::owner_core(vhost, name, node.shared.cores),
@@ -191,7 +199,7 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
     };
     validate_queue_arguments(&def)?;
     def.replicas = super::replicas::replica_set_for(&node.shared, &def);
-    let caller = req.exclusive_owner.map_or(Caller::Operator, Caller::Connection);
+    let caller = req.caller;
     let deadline = std::time::Instant::now() + GONE_WAIT;
     loop {
         match declare_once(node, &def, caller).await {
@@ -585,7 +593,8 @@ pub async fn bind(node: &Node, b: Binding, caller: Caller) -> Result<(), Topolog
 pub async fn unbind(node: &Node, b: Binding, caller: Caller) -> Result<(), TopologyError> {
     if b.dest_kind == DestKind::Queue {
         match queue_lookup(node, &b.vhost, &b.dest, caller).await {
-            Err(e) if e.is_not_found() => {}
+            // A missing queue has no binding to remove.
+            Err(e) if e.is_not_found() => return Ok(()),
             other => drop(other?),
         }
     }

@@ -11,10 +11,11 @@
 
 use serde_json::{json, Value};
 
-use super::json::{bool_field, json_to_table, str_field, table_to_json};
+use super::json::{json_to_table, str_field, table_to_json};
+use super::write::{exchange_declare_of, queue_declare_of};
 use super::{Api, ApiError, Reply, Request, RABBITMQ_COMPAT_VERSION};
-use crate::broker::topology::{self, binding, Caller, ExchangeDeclare, QueueDeclare};
-use crate::meta::state::{Command, DestKind};
+use crate::broker::topology::{self, binding, Caller};
+use crate::meta::state::DestKind;
 
 impl Api {
     /// `GET /api/definitions[/{vhost}]`.
@@ -107,45 +108,20 @@ impl Api {
         import_access(&doc);
         if vhost.is_none() {
             for v in list("vhosts") {
-                let name = str_field(&v, "name", "")?.to_owned();
-                if name.is_empty() {
-                    return Err(ApiError::bad_request("a vhost without a name"));
-                }
-                self.on_core(move |node| async move {
-                    node.shared.meta.propose(Command::DeclareVhost { name }).await.map_err(topology::meta_error)?;
-                    Ok::<_, topology::TopologyError>(())
-                })??;
+                self.declare_vhost(str_field(&v, "name", "")?.to_owned())?;
             }
         }
         for x in list("exchanges") {
-            let req = ExchangeDeclare {
-                vhost: vhost_of(&x)?,
-                name: str_field(&x, "name", "")?.to_owned(),
-                kind: str_field(&x, "type", "direct")?.to_owned(),
-                durable: bool_field(&x, "durable", true)?,
-                auto_delete: bool_field(&x, "auto_delete", false)?,
-                internal: bool_field(&x, "internal", false)?,
-                arguments: json_to_table(x.get("arguments"))?,
-            };
-            if req.name.is_empty() || req.name.starts_with("amq.") {
+            let name = str_field(&x, "name", "")?;
+            if name.is_empty() || name.starts_with("amq.") {
                 continue;
             }
+            let req = exchange_declare_of(&x, &vhost_of(&x)?, name)?;
             self.check_vhost(&req.vhost)?;
             self.on_core(move |node| async move { topology::exchange_declare(&node, req, false).await })??;
         }
         for q in list("queues") {
-            let req = QueueDeclare {
-                vhost: vhost_of(&q)?,
-                name: str_field(&q, "name", "")?.to_owned(),
-                server_named: false,
-                durable: bool_field(&q, "durable", true)?,
-                auto_delete: bool_field(&q, "auto_delete", false)?,
-                exclusive_owner: None,
-                arguments: json_to_table(q.get("arguments"))?,
-            };
-            if req.name.is_empty() {
-                return Err(ApiError::bad_request("a queue without a name"));
-            }
+            let req = queue_declare_of(&q, &vhost_of(&q)?, str_field(&q, "name", "")?)?;
             self.check_vhost(&req.vhost)?;
             self.on_core(move |node| async move { topology::queue_declare(&node, req).await })??;
         }

@@ -8,7 +8,8 @@
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
 //! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
 //! - [`json`]: AMQP field tables and properties to and from JSON;
-//! - [`ui`]: the web UI's files at `/` and its live latency endpoint.
+//! - [`ui`]: the web UI's files at `/` and its live latency endpoint;
+//! - [`listing`]: the listing parameters (`name`, `sort`, `columns`, `page`, `page_size`).
 //!
 //! # Threads, reads and writes
 //! The server runs on [`WORKERS`] std threads, never on a core. Reads take the topology from
@@ -31,6 +32,7 @@
 
 mod definitions;
 mod json;
+mod listing;
 mod read;
 mod ui;
 mod write;
@@ -182,7 +184,15 @@ pub(crate) struct Request<'a> {
     path: Vec<String>,
     query: HashMap<String, String>,
     body: String,
+    /// The `X-Reason` header (a connection close's text).
+    reason: Option<String>,
     user: AuthUser,
+}
+
+/// What a request carries besides its method, URL and credentials.
+struct Incoming {
+    body: String,
+    reason: Option<String>,
 }
 
 impl Request<'_> {
@@ -224,15 +234,16 @@ impl Api {
             }
         }
         let loopback = rq.remote_addr().is_some_and(|a| a.ip().is_loopback());
-        let auth = rq.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str().to_owned());
+        let header = |name: &'static str| rq.headers().iter().find(|h| h.field.equiv(name)).map(|h| h.value.as_str().to_owned());
+        let (auth, reason) = (header("Authorization"), header("X-Reason"));
         // Scripts (the web UI) mark their requests: a 401 to them carries no Basic challenge,
         // which would make the browser open its own login dialog over the page's.
-        let script = rq.headers().iter().any(|h| h.field.equiv("X-Requested-With"));
+        let script = header("X-Requested-With").is_some();
         let mut body = String::new();
         let read = rq.as_reader().take(MAX_BODY).read_to_string(&mut body);
         let reply = match read {
             Err(e) => Err(ApiError::bad_request(format!("cannot read the body: {e}"))),
-            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, body),
+            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, Incoming { body, reason }),
         };
         let reply = reply.unwrap_or_else(|e| {
             let mut r = Reply::with(e.status, json!({"error": e.error, "reason": e.reason}));
@@ -256,7 +267,7 @@ impl Api {
         let _ = rq.respond(resp);
     }
 
-    fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, body: String) -> Result<Reply, ApiError> {
+    fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, incoming: Incoming) -> Result<Reply, ApiError> {
         let (path, query) = url.split_once('?').unwrap_or((url, ""));
         let mut segments: Vec<String> = path.split('/').skip(1).map(|s| decode(s, false)).collect();
         if segments.last().is_some_and(String::is_empty) {
@@ -267,11 +278,7 @@ impl Api {
         }
         segments.remove(0);
         let user = self.login(auth, loopback)?;
-        let writes = !matches!(method, "GET" | "HEAD");
-        // POST .../get reads, but RabbitMQ asks for write access to the queue as well.
-        if (writes && !user.may_write()) || (!writes && !user.may_read() && segments.first().map(String::as_str) != Some("whoami")) {
-            return Err(ApiError { status: 403, error: "not_authorized", reason: "Not management user".into() });
-        }
+        authorize(&user, method, segments.first().map_or("", String::as_str))?;
         let query = query
             .split('&')
             .filter(|p| !p.is_empty())
@@ -280,8 +287,15 @@ impl Api {
                 (decode(k, true), decode(v, true))
             })
             .collect();
-        let rq = Request { method, path: segments, query, body, user };
-        self.route(&rq)
+        let rq = Request { method, path: segments, query, body: incoming.body, reason: incoming.reason, user };
+        let mut reply = self.route(&rq)?;
+        if !rq.query.is_empty() && matches!(method, "GET" | "HEAD") {
+            reply.body = match reply.body.take() {
+                Some(Value::Array(list)) => Some(listing::shape(list, &rq.query)?),
+                other => other,
+            };
+        }
+        Ok(reply)
     }
 
     /// Checks the `Authorization: Basic …` header against the user store.
@@ -321,6 +335,8 @@ impl Api {
             (["whoami"], true) => Ok(Reply::ok(json!({"name": rq.user.name, "tags": rq.user.tags}))),
             (["health", "checks", "alarms"] | ["health", "checks", "local-alarms"], true) => Ok(self.health_alarms()),
             (["health", "checks", "ready"], true) => Ok(self.health_ready()),
+            // RabbitMQ's older node health check, still in some probes.
+            (["healthchecks", "node"] | ["healthchecks", "node", _], true) => Ok(self.health_ready()),
             (["vhosts"], true) => self.vhosts(None),
             (["vhosts", v], true) => self.vhosts(Some(v)),
             (["vhosts", v], false) => self.vhost_write(rq, v),
@@ -425,6 +441,24 @@ impl Api {
     }
 }
 
+/// Whether `user` may call `method` on a path starting with `first` (after `/api/`): any
+/// method needs `administrator` except GET and HEAD, which `monitoring` may call too, and
+/// `whoami`, which any user who logged in may call. A `POST …/get` counts as a write (it
+/// takes messages).
+///
+/// # Errors
+/// 403 `not_authorized` otherwise.
+fn authorize(user: &AuthUser, method: &str, first: &str) -> Result<(), ApiError> {
+    let reads = matches!(method, "GET" | "HEAD");
+    let allowed = if reads { user.may_read() || first == "whoami" } else { user.may_write() };
+    if allowed {
+        Ok(())
+    } else {
+        let reason = if reads { "Not monitoring or administrator user" } else { "Not administrator user" };
+        Err(ApiError { status: 403, error: "not_authorized", reason: reason.into() })
+    }
+}
+
 /// True for the paths the API knows (a method it does not take there is 405, not 404).
 fn known_path(p: &[&str]) -> bool {
     matches!(
@@ -447,4 +481,44 @@ fn known_path(p: &[&str]) -> bool {
                 | "policies"
         )
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(tags: &[&str]) -> AuthUser {
+        AuthUser { name: "u".into(), tags: tags.iter().map(|t| t.to_string()).collect() }
+    }
+
+    #[test]
+    fn administrators_write_monitoring_reads_others_only_whoami() {
+        let (admin, monitor, none) = (user(&["administrator"]), user(&["monitoring"]), user(&["management"]));
+        for m in ["GET", "PUT", "POST", "DELETE"] {
+            assert!(authorize(&admin, m, "queues").is_ok(), "{m}");
+        }
+        assert!(authorize(&monitor, "GET", "queues").is_ok());
+        assert_eq!(authorize(&monitor, "PUT", "queues").map_err(|e| e.status), Err(403));
+        assert_eq!(authorize(&monitor, "POST", "queues").map_err(|e| e.status), Err(403), "get takes messages");
+        assert_eq!(authorize(&none, "GET", "queues").map_err(|e| e.status), Err(403));
+        assert!(authorize(&none, "GET", "whoami").is_ok());
+    }
+
+    #[test]
+    fn topology_refusals_map_to_rabbitmq_statuses() {
+        let status = |e: TopologyError| ApiError::from(e).status;
+        assert_eq!(status(TopologyError::Queue(QueueError::NotFound("x".into()))), 404);
+        assert_eq!(status(TopologyError::Queue(QueueError::PreconditionFailed("x".into()))), 400);
+        assert_eq!(status(TopologyError::Queue(QueueError::AccessRefused("x".into()))), 403);
+        assert_eq!(status(TopologyError::Queue(QueueError::ResourceError("x".into()))), 503);
+        assert_eq!(status(TopologyError::ResourceLocked("x".into())), 405);
+        assert_eq!(status(TopologyError::CommandInvalid("x".into())), 400);
+    }
+
+    #[test]
+    fn path_segments_are_percent_decoded() {
+        assert_eq!(decode("%2F", false), "/");
+        assert_eq!(decode("a+b", false), "a+b");
+        assert_eq!(decode("a+b%21", true), "a b!");
+    }
 }

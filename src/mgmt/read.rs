@@ -353,6 +353,13 @@ impl Api {
             listeners.push(json!({"node": me, "protocol": "http", "ip_address": m.ip().to_string(), "port": m.port()}));
         }
         let messages = ready + unacked;
+        let mut message_stats = self.message_stats("overview", &Counters { published, delivered, acked });
+        if let Value::Object(m) = &mut message_stats {
+            m.insert("confirm".into(), json!(confirmed));
+            m.insert("confirm_details".into(), self.details("overview/confirm".into(), confirmed));
+            m.insert("return_unroutable".into(), json!(returned));
+            m.insert("return_unroutable_details".into(), self.details("overview/return".into(), returned));
+        }
         let exchange_types: Vec<Value> =
             ["direct", "fanout", "topic", "headers"].iter().map(|t| json!({"name": t, "enabled": true})).collect();
         Ok(Reply::ok(json!({
@@ -386,18 +393,7 @@ impl Api {
                 "messages_unacknowledged": unacked,
                 "messages_unacknowledged_details": self.details("overview/unacked".into(), unacked),
             },
-            "message_stats": {
-                "publish": published,
-                "publish_details": self.details("overview/publish".into(), published),
-                "deliver_get": delivered,
-                "deliver_get_details": self.details("overview/deliver_get".into(), delivered),
-                "ack": acked,
-                "ack_details": self.details("overview/ack".into(), acked),
-                "confirm": confirmed,
-                "confirm_details": self.details("overview/confirm".into(), confirmed),
-                "return_unroutable": returned,
-                "return_unroutable_details": self.details("overview/return".into(), returned),
-            },
+            "message_stats": message_stats,
         })))
     }
 

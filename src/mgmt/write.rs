@@ -30,12 +30,20 @@ impl Api {
         }
         rq.json()?;
         let existed = self.shared.meta.topology().vhosts.contains(name);
-        let name = name.to_owned();
+        self.declare_vhost(name.to_owned())?;
+        Ok(Reply::empty(if existed { 204 } else { 201 }))
+    }
+
+    /// Creates vhost `name` (with its `amq.*` exchanges) unless it exists.
+    pub(crate) fn declare_vhost(&self, name: String) -> Result<(), ApiError> {
+        if name.is_empty() {
+            return Err(ApiError::bad_request("a vhost name is required"));
+        }
         self.on_core(move |node| async move {
             node.shared.meta.propose(Command::DeclareVhost { name }).await.map_err(topology::meta_error)?;
             Ok::<_, topology::TopologyError>(())
         })??;
-        Ok(Reply::empty(if existed { 204 } else { 201 }))
+        Ok(())
     }
 
     /// `PUT /api/queues/{vhost}/{name}` (declare: `durable`, `auto_delete`, `arguments`;
@@ -45,22 +53,7 @@ impl Api {
         self.check_vhost(vhost)?;
         match rq.method {
             "PUT" => {
-                let body = rq.json()?;
-                if bool_field(&body, "exclusive", false)? {
-                    return Err(ApiError::bad_request("an exclusive queue belongs to a connection: declare it over AMQP"));
-                }
-                let req = QueueDeclare {
-                    vhost: vhost.to_owned(),
-                    name: name.to_owned(),
-                    server_named: false,
-                    durable: bool_field(&body, "durable", true)?,
-                    auto_delete: bool_field(&body, "auto_delete", false)?,
-                    exclusive_owner: None,
-                    arguments: json_to_table(body.get("arguments"))?,
-                };
-                if name.is_empty() {
-                    return Err(ApiError::bad_request("a queue name is required"));
-                }
+                let req = queue_declare_of(&rq.json()?, vhost, name)?;
                 let declared = self.on_core(move |node| async move { topology::queue_declare(&node, req).await })??;
                 Ok(Reply::empty(if declared.created.is_some() { 201 } else { 204 }))
             }
@@ -145,21 +138,8 @@ impl Api {
         let name = exchange_name(name).to_owned();
         match rq.method {
             "PUT" => {
-                let body = rq.json()?;
-                let kind = str_field(&body, "type", "")?.to_owned();
-                if kind.is_empty() {
-                    return Err(ApiError::bad_request("exchange type is required (\"type\")"));
-                }
+                let req = exchange_declare_of(&rq.json()?, vhost, &name)?;
                 let existed = self.shared.meta.topology().exchange(vhost, &name).is_some();
-                let req = ExchangeDeclare {
-                    vhost: vhost.to_owned(),
-                    name,
-                    kind,
-                    durable: bool_field(&body, "durable", true)?,
-                    auto_delete: bool_field(&body, "auto_delete", false)?,
-                    internal: bool_field(&body, "internal", false)?,
-                    arguments: json_to_table(body.get("arguments"))?,
-                };
                 self.on_core(move |node| async move { topology::exchange_declare(&node, req, false).await })??;
                 Ok(Reply::empty(if existed { 204 } else { 201 }))
             }
@@ -243,13 +223,60 @@ impl Api {
 
     /// `DELETE /api/connections/{name}`: closes it with 320 CONNECTION_FORCED and the
     /// `X-Reason` header's text (RabbitMQ's "Closed via management plugin" without one).
-    pub(crate) fn close_connection(&self, _rq: &Request<'_>, name: &str) -> Result<Reply, ApiError> {
-        if self.shared.clients.close(name, "Closed via management plugin") {
+    pub(crate) fn close_connection(&self, rq: &Request<'_>, name: &str) -> Result<Reply, ApiError> {
+        let reason = rq.reason.as_deref().unwrap_or("Closed via management plugin");
+        if self.shared.clients.close(name, reason) {
             Ok(Reply::empty(204))
         } else {
             Err(ApiError::not_found())
         }
     }
+}
+
+/// The queue.declare a JSON object of RabbitMQ's asks for (`durable`, default true;
+/// `auto_delete`; `arguments`), by the operator.
+///
+/// # Errors
+/// 400 for an empty name, an `exclusive` queue (a connection's only), or a field of the wrong
+/// type.
+pub(crate) fn queue_declare_of(body: &Value, vhost: &str, name: &str) -> Result<QueueDeclare, ApiError> {
+    if name.is_empty() {
+        return Err(ApiError::bad_request("a queue name is required"));
+    }
+    if bool_field(body, "exclusive", false)? {
+        return Err(ApiError::bad_request("an exclusive queue belongs to a connection: declare it over AMQP"));
+    }
+    Ok(QueueDeclare {
+        vhost: vhost.to_owned(),
+        name: name.to_owned(),
+        server_named: false,
+        durable: bool_field(body, "durable", true)?,
+        auto_delete: bool_field(body, "auto_delete", false)?,
+        exclusive: false,
+        arguments: json_to_table(body.get("arguments"))?,
+        caller: Caller::Operator,
+    })
+}
+
+/// The exchange.declare a JSON object of RabbitMQ's asks for (`type`, required; `durable`,
+/// default true; `auto_delete`; `internal`; `arguments`).
+///
+/// # Errors
+/// 400 without a type, or for a field of the wrong type.
+pub(crate) fn exchange_declare_of(body: &Value, vhost: &str, name: &str) -> Result<ExchangeDeclare, ApiError> {
+    let kind = str_field(body, "type", "")?.to_owned();
+    if kind.is_empty() {
+        return Err(ApiError::bad_request("exchange type is required (\"type\")"));
+    }
+    Ok(ExchangeDeclare {
+        vhost: vhost.to_owned(),
+        name: name.to_owned(),
+        kind,
+        durable: bool_field(body, "durable", true)?,
+        auto_delete: bool_field(body, "auto_delete", false)?,
+        internal: bool_field(body, "internal", false)?,
+        arguments: json_to_table(body.get("arguments"))?,
+    })
 }
 
 /// Hands `message` to each of `queues` with a confirm ticket and waits for every answer:

@@ -38,6 +38,18 @@ pub fn request(port: u16, method: &str, path: &str, body: Option<&str>, auth: Op
 
 /// [`request`], or why it failed.
 pub fn try_request(port: u16, method: &str, path: &str, body: Option<&str>, auth: Option<(&str, &str)>) -> Result<Response, String> {
+    try_request_with(port, method, path, body, auth, &[])
+}
+
+/// [`try_request`] with extra request headers.
+pub fn try_request_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    auth: Option<(&str, &str)>,
+    headers: &[(&str, &str)],
+) -> Result<Response, String> {
     use base64::Engine as _;
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| format!("connect {addr}: {e}"))?;
@@ -46,6 +58,9 @@ pub fn try_request(port: u16, method: &str, path: &str, body: Option<&str>, auth
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
     if let Some((u, p)) = auth {
         head.push_str(&format!("Authorization: Basic {}\r\n", base64::engine::general_purpose::STANDARD.encode(format!("{u}:{p}"))));
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
     }
     let body = body.unwrap_or("");
     head.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len()));

@@ -60,8 +60,9 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
                 server_named,
                 durable: d.durable,
                 auto_delete: d.auto_delete,
-                exclusive_owner: d.exclusive.then_some(s.id.0),
+                exclusive: d.exclusive,
                 arguments: d.arguments.clone(),
+                caller: me,
             };
             let declared = topology::queue_declare(&s.core, req).await?;
             if let (Some(q), true) = (declared.created, d.exclusive) {
