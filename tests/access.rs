@@ -13,6 +13,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::python::run_client;
 use common::*;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
@@ -245,4 +246,12 @@ async fn a_policy_limits_queues_declared_after_start_and_the_operator_policy_cap
     publish_confirmed(&ch, "ae.in", "nowhere", b"unroutable", Default::default()).await;
     assert_eq!(drain(&ch, &caught, 10).await, [b"unroutable".to_vec()]);
     t("close", c.close(200, "bye".into())).await.unwrap();
+}
+
+/// The same denials through pika (tests/clients/permissions.py).
+#[test]
+fn pika_meets_the_same_denials() {
+    let (b, _file) = broker(CONFIG);
+    require_own_broker!(b, "seeds users from a ringmq TOML file");
+    run_client("permissions.py", &b.host(), b.port(), &[]);
 }

@@ -6,8 +6,10 @@
 //! - A wrong protocol header is answered with the header we support, then the socket is
 //!   closed (spec 4.2.2); nothing else is written.
 //! - Every refusal after the header (wrong method, failed login, frame_max below 4096,
-//!   unknown vhost) is a connection.close with the spec's reply code, after which the
-//!   server waits at most [`CLOSE_WAIT`] for close-ok.
+//!   unknown vhost, a vhost the user has no permission in) is a connection.close with the
+//!   spec's reply code, after which the server waits at most [`CLOSE_WAIT`] for close-ok;
+//!   logins and vhost access are checked against the metadata's users and permissions
+//!   (`broker::access`), and a refused login is logged at WARN with user and peer.
 //! - Negotiated limits never exceed the configured ones: a client's 0 means "the
 //!   server's value", anything else is capped by it (spec 1.4.2.6 tune-ok).
 //! - Only the capabilities the server announces in `server_properties` are honoured
@@ -141,6 +143,17 @@ fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
     }
 }
 
+/// `check` against this core's copy of the users and permissions; in a cluster, a refusal is
+/// checked once more behind a metadata read barrier (a user or permission just added on
+/// another node may not have reached this copy yet).
+async fn synced<T>(core: &Node, check: impl Fn(&crate::meta::Topology) -> Result<T, AccessError>) -> Result<T, AccessError> {
+    let first = check(&core.router().topology);
+    if first.is_err() && core.shared.meta.is_cluster() && core.shared.meta.sync().await.is_ok() {
+        return check(&core.router().topology);
+    }
+    first
+}
+
 /// Runs the handshake on a fresh socket; on success the connection is open.
 pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Option<SocketAddr>) -> Result<Tuned, AmqpError> {
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
@@ -184,7 +197,7 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
     let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
     let peer_text = peer.map(|p| p.to_string()).unwrap_or_else(|| "unknown".into());
     let user = match creds {
-        Some((u, p)) => match access::authenticate(&core.router().topology, &cfg, &u, &p, loopback) {
+        Some((u, p)) => match synced(core, |t| access::authenticate(t, &cfg, &u, &p, loopback)).await {
             Ok(user) => user.name,
             Err(err) => {
                 // Logged at the default level, as RabbitMQ does: its client text sends the
@@ -249,7 +262,7 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
         }
     };
     let vhost = open.virtual_host.as_str().to_owned();
-    if let Err(err) = access::check_vhost_access(&core.router().topology, &user, &vhost) {
+    if let Err(err) = synced(core, |t| access::check_vhost_access(t, &user, &vhost)).await {
         // 530 NOT_ALLOWED in both cases, with RabbitMQ's texts.
         let e = match err {
             AccessError::NotFound(_) => AmqpError::not_allowed(format!("vhost {vhost} not found")),

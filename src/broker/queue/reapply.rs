@@ -22,10 +22,7 @@ impl Queue {
             return;
         }
         let quorum = string_arg(args, "x-queue-type") == Some("quorum");
-        let counted_bytes = self.limits.is_some_and(|l| l.counts_bytes());
-        self.limits = Limits::from_arguments(args, quorum)
-            .map(|l| if l.counts_bytes() && !counted_bytes { Limits { max_length_bytes: None, ..l } } else { l })
-            .filter(|l| l.max_length.is_some() || l.max_length_bytes.is_some());
+        self.limits = limits_after(self.limits, args, quorum);
         self.dead_letter_exchange = string_arg(args, "x-dead-letter-exchange").map(str::to_owned);
         self.dead_letter_routing_key = string_arg(args, "x-dead-letter-routing-key").map(str::to_owned);
         self.consumer_timeout_ms = int_arg(args, "x-consumer-timeout").filter(|v| *v > 0).map(|v| v as u64).unwrap_or(default_timeout_ms);
@@ -49,5 +46,40 @@ impl Queue {
         if self.limits.is_some() {
             self.drop_head();
         }
+    }
+}
+
+/// The length limits a queue with limits `old` takes from effective arguments `args`: all of
+/// them, but a byte limit only where `old` already counted bytes (the module doc).
+fn limits_after(old: Option<Limits>, args: &FieldTable, quorum: bool) -> Option<Limits> {
+    let counted_bytes = old.is_some_and(|l| l.counts_bytes());
+    Limits::from_arguments(args, quorum)
+        .map(|l| if l.counts_bytes() && !counted_bytes { Limits { max_length_bytes: None, ..l } } else { l })
+        .filter(|l| l.max_length.is_some() || l.max_length_bytes.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::types::AMQPValue;
+
+    fn args(pairs: &[(&str, i64)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in pairs {
+            t.insert((*k).into(), AMQPValue::LongLongInt(*v));
+        }
+        t
+    }
+
+    #[test]
+    fn a_byte_limit_applies_live_only_where_bytes_were_counted() {
+        let none = limits_after(None, &args(&[("x-max-length-bytes", 10)]), false);
+        assert_eq!(none, None, "the queue never counted bytes: needs a reopen");
+        let both = limits_after(None, &args(&[("x-max-length", 2), ("x-max-length-bytes", 10)]), false).unwrap();
+        assert_eq!((both.max_length, both.max_length_bytes), (Some(2), None));
+        let counting = Limits::from_arguments(&args(&[("x-max-length-bytes", 99)]), false);
+        let changed = limits_after(counting, &args(&[("x-max-length-bytes", 10)]), false).unwrap();
+        assert_eq!(changed.max_length_bytes, Some(10));
+        assert_eq!(limits_after(counting, &args(&[]), false), None, "a cleared policy lifts the limit");
     }
 }
