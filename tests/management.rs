@@ -345,7 +345,8 @@ fn definitions_export_delete_import_gives_the_same_topology() {
     // A RabbitMQ export (its field names, a vhost of its own, users and policies) imports.
     let rabbit = json!({
         "rabbit_version": "3.13.7",
-        "users": [{"name": "admin", "password_hash": "x", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}],
+        // The hash RabbitMQ 3.10 stored for password "secret" (its API's GET /api/users/admin).
+        "users": [{"name": "admin", "password_hash": "rIb9tl/EuE4Z5e3BkZlfZA4BGKaVOE3A4CtKZniTJVB/usxA", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}],
         "vhosts": [{"name": "prod", "limits": [], "metadata": {"description": "", "tags": []}}],
         "permissions": [{"user": "admin", "vhost": "prod", "configure": ".*", "write": ".*", "read": ".*"}],
         "policies": [],
@@ -357,6 +358,11 @@ fn definitions_export_delete_import_gives_the_same_topology() {
     assert_eq!(r.status, 204, "{r:?}");
     assert_eq!(get_json(port, "/api/queues/prod/q.prod")["durable"], true);
     assert_eq!(get_json(port, "/api/bindings/prod/e/x.prod/q/q.prod").as_array().unwrap().len(), 1);
+    // RabbitMQ's user logs in here with its password, and has its permission.
+    let me = request(port, "GET", "/api/whoami", None, Some(("admin", "secret")));
+    assert_eq!((me.status, me.json()["tags"].clone()), (200, json!(["administrator"])), "{me:?}");
+    assert_eq!(request(port, "GET", "/api/whoami", None, Some(("admin", "wrong"))).status, 401);
+    assert_eq!(get_json(port, "/api/permissions/prod/admin")["configure"], ".*");
     let r = request(port, "POST", "/api/definitions", Some("[1, 2]"), GUEST);
     assert_eq!(r.status, 400, "{r:?}");
 }

@@ -1,10 +1,10 @@
 //! `GET`/`POST /api/definitions[/{vhost}]`: the topology in RabbitMQ's definitions format
 //! (vhosts, queues, exchanges, bindings), so a RabbitMQ export imports here and ours there.
 //!
-//! Users come from the user store ([`crate::broker::auth::UserStore`]): exported with their
-//! tags (no password hash: the configured users have plain passwords). Users, permissions,
-//! policies and parameters of an import are accepted and counted in the log, not applied:
-//! [`import_access`] is the hook where the metadata's users, permissions and policies plug in.
+//! Users (with RabbitMQ's password hashes, so an export logs in elsewhere), permissions,
+//! policies and operator policies are exported and imported too, through `broker::access`
+//! and `broker::policy`; parameters (federation, shovels) are not kept and are skipped with
+//! a warning.
 //!
 //! Exclusive queues (a connection's) and the predeclared exchanges (`""`, `amq.*`) are left
 //! out, as RabbitMQ does.
@@ -69,7 +69,7 @@ impl Api {
             "queues": strip_vhost(queues),
             "exchanges": strip_vhost(exchanges),
             "bindings": strip_vhost(bindings),
-            "policies": [],
+            "policies": policies(&crate::broker::policy::policies(&self.shared.meta)),
             "parameters": [],
         });
         if vhost.is_none() {
@@ -78,7 +78,9 @@ impl Api {
                 let vhosts: Vec<Value> =
                     topo.vhosts.iter().map(|v| json!({"name": v, "limits": [], "metadata": {"description": "", "tags": []}})).collect();
                 m.insert("vhosts".into(), Value::Array(vhosts));
-                m.insert("permissions".into(), json!([]));
+                let perms = crate::broker::access::permissions(&self.shared.meta);
+                m.insert("permissions".into(), Value::Array(perms.iter().map(super::access::permission_json).collect()));
+                m.insert("operator_policies".into(), policies(&crate::broker::policy::operator_policies(&self.shared.meta)));
                 m.insert("topic_permissions".into(), json!([]));
                 m.insert("global_parameters".into(), json!([]));
             }
@@ -105,11 +107,13 @@ impl Api {
                 None => Ok(str_field(item, "vhost", "/")?.to_owned()),
             }
         };
-        import_access(&doc);
+        import_skipped(&doc);
         if vhost.is_none() {
             for v in list("vhosts") {
                 self.declare_vhost(str_field(&v, "name", "")?.to_owned())?;
             }
+            // Before the queues, so that their policies apply as they are declared.
+            self.import_access(&doc)?;
         }
         for x in list("exchanges") {
             let name = str_field(&x, "name", "")?;
@@ -146,23 +150,17 @@ impl Api {
     }
 }
 
-/// The users, permissions, topic permissions, policies and parameters of an imported
-/// definitions document.
-///
-/// TODO(users, permissions and policies in the metadata): hand them to the metadata's user
-/// store and policy table here once they exist; until then they are counted in the log and
-/// not applied (the configured users stay the only ones).
-fn import_access(doc: &Value) {
+/// The parts of an imported definitions document this broker does not keep (topic
+/// permissions, parameters), counted in the log.
+fn import_skipped(doc: &Value) {
     let count = |key: &str| doc.get(key).and_then(Value::as_array).map_or(0, Vec::len);
-    let (users, permissions, policies) = (count("users"), count("permissions") + count("topic_permissions"), count("policies"));
-    let parameters = count("parameters") + count("global_parameters");
-    if users + permissions + policies + parameters > 0 {
-        tracing::warn!(
-            users,
-            permissions,
-            policies,
-            parameters,
-            "definitions import: users, permissions, policies and parameters are not applied yet (configured users stay)"
-        );
+    let (topic_permissions, parameters) = (count("topic_permissions"), count("parameters") + count("global_parameters"));
+    if topic_permissions + parameters > 0 {
+        tracing::warn!(topic_permissions, parameters, "definitions import: topic permissions and parameters are not kept here; skipped");
     }
+}
+
+/// Policies in RabbitMQ's shape.
+fn policies(list: &[crate::meta::access::PolicyDef]) -> Value {
+    Value::Array(list.iter().map(super::access::policy_json).collect())
 }

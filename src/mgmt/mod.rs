@@ -6,6 +6,7 @@
 //! - [`read`]: the GET endpoints (overview, nodes, vhosts, queues, exchanges, bindings,
 //!   consumers, connections, health checks) and the figures they gather from the cores;
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
+//! - [`access`]: users, permissions, vhost deletion, policies and operator policies;
 //! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
 //! - [`json`]: AMQP field tables and properties to and from JSON;
 //! - [`ui`]: the web UI's files at `/` and its live latency endpoint;
@@ -21,15 +22,17 @@
 //! path is taken.
 //!
 //! # Authentication
-//! HTTP basic auth against a [`UserStore`] (the configured users today, each an
-//! `administrator`): 401 with `WWW-Authenticate` when absent or wrong; a loopback-only user
-//! (guest) from another address is refused as for AMQP. Writes need `administrator`, reads
+//! HTTP basic auth against a [`UserStore`] (the metadata's users, `broker::auth::MetaUsers`,
+//! with their RabbitMQ tags): 401 with `WWW-Authenticate` when absent or wrong (none to a
+//! script's request); a loopback-only user (guest) from another address is refused as for
+//! AMQP. Writes need `administrator`, reads
 //! `administrator` or `monitoring`.
 //!
 //! [`QueueOp::Info`]: crate::broker::QueueOp::Info
 //! [`QueueOp::Stats`]: crate::broker::QueueOp::Stats
 //! [`NodeMsg::Run`]: crate::broker::node::NodeMsg::Run
 
+mod access;
 mod definitions;
 mod json;
 mod listing;
@@ -339,7 +342,9 @@ impl Api {
             (["healthchecks", "node"] | ["healthchecks", "node", _], true) => Ok(self.health_ready()),
             (["vhosts"], true) => self.vhosts(None),
             (["vhosts", v], true) => self.vhosts(Some(v)),
+            (["vhosts", v], false) if m == "DELETE" => self.vhost_delete(v),
             (["vhosts", v], false) => self.vhost_write(rq, v),
+            (["vhosts", v, "permissions"], true) => self.permissions(Some(v), None),
             (["queues"], true) => self.queues(None),
             (["queues", v], true) => self.queues(Some(v)),
             (["queues", v, q], true) => self.queue(v, q),
@@ -370,11 +375,24 @@ impl Api {
             (["definitions", v], true) => self.definitions(Some(v)),
             (["definitions"], false) if m == "POST" => self.import(rq, None),
             (["definitions", v], false) if m == "POST" => self.import(rq, Some(v)),
-            // Objects of RabbitMQ's API this node does not keep yet: empty lists to read
-            // (users come from the user store; the rest from the metadata once it has them).
-            (["users"], true) => Ok(Reply::ok(self.users_json())),
-            (["permissions"] | ["policies"] | ["policies", _] | ["parameters"] | ["global-parameters"], true) => Ok(Reply::ok(json!([]))),
-            (["operator-policies"] | ["vhost-limits"] | ["feature-flags"] | ["extensions"], true) => Ok(Reply::ok(json!([]))),
+            (["users"], true) => self.list_users(None),
+            (["users", u], true) => self.list_users(Some(u)),
+            (["users", u], false) => self.user_write(m, &rq.json()?, u),
+            (["users", u, "permissions"], true) => self.permissions(None, Some(u)),
+            (["permissions"], true) => self.permissions(None, None),
+            (["permissions", v, u], true) => self.permissions(Some(v), Some(u)),
+            (["permissions", v, u], false) => self.permission_write(m, &rq.json()?, v, u),
+            (["policies"], true) => self.policies(false, None, None),
+            (["policies", v], true) => self.policies(false, Some(v), None),
+            (["policies", v, n], true) => self.policies(false, Some(v), Some(n)),
+            (["policies", v, n], false) => self.policy_write(rq, false, v, n),
+            (["operator-policies"], true) => self.policies(true, None, None),
+            (["operator-policies", v], true) => self.policies(true, Some(v), None),
+            (["operator-policies", v, n], true) => self.policies(true, Some(v), Some(n)),
+            (["operator-policies", v, n], false) => self.policy_write(rq, true, v, n),
+            // Objects of RabbitMQ's API this node does not keep: empty lists to read.
+            (["parameters"] | ["global-parameters"], true) => Ok(Reply::ok(json!([]))),
+            (["vhost-limits"] | ["feature-flags"] | ["extensions"], true) => Ok(Reply::ok(json!([]))),
             (_, true) => Err(ApiError::not_found()),
             (_, false) if known_path(&p) => Err(ApiError::method_not_allowed()),
             (_, false) => Err(ApiError::not_found()),
@@ -425,14 +443,9 @@ impl Api {
         entry.2
     }
 
-    fn users_json(&self) -> Value {
-        Value::Array(
-            self.users
-                .users()
-                .into_iter()
-                .map(|u| json!({"name": u.name, "tags": u.tags, "limits": {}, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256"}))
-                .collect(),
-        )
+    /// Every user in RabbitMQ's shape (with its password hash, as an export has it).
+    pub(crate) fn users_json(&self) -> Value {
+        Value::Array(crate::broker::access::users(&self.shared.meta).iter().map(access::user_json).collect())
     }
 
     /// This node's name as the API reports it (`ringmq@<node id>`).
@@ -479,6 +492,7 @@ fn known_path(p: &[&str]) -> bool {
                 | "users"
                 | "permissions"
                 | "policies"
+                | "operator-policies"
         )
     )
 }

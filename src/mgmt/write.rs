@@ -25,7 +25,6 @@ impl Api {
     /// there yet (405).
     pub(crate) fn vhost_write(&self, rq: &Request<'_>, name: &str) -> Result<Reply, ApiError> {
         if rq.method != "PUT" {
-            // TODO(users-and-vhosts in the metadata): DELETE once the metadata can remove a vhost.
             return Err(ApiError::method_not_allowed());
         }
         rq.json()?;
