@@ -181,7 +181,12 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     }
     let metrics = {
         let shared = shared.clone();
-        match observe::serve_metrics(config.metrics_listen, Arc::new(move || shared.metrics_text())) {
+        let render = move |path: &str| match path {
+            "/metrics" => Some(shared.metrics_text()),
+            "/metrics/per-object" => Some(observe::render_per_object(shared.queue_samples())),
+            _ => None,
+        };
+        match observe::serve_metrics(config.metrics_listen, Arc::new(render)) {
             Some(addr) => format!("metrics on http://{addr}/metrics"),
             None => format!("metrics off (cannot bind {})", config.metrics_listen),
         }

@@ -34,6 +34,7 @@ pub mod auth;
 pub mod clients;
 pub mod error;
 pub mod exchange;
+pub mod figures;
 pub mod grow;
 pub mod ids;
 pub mod message;

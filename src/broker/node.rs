@@ -139,7 +139,7 @@ impl Shared {
             replica_grows: self.meta.with_state(|s| s.growing.len() as u64),
             queues_below_replicas: self.queues_below_replicas(&f.voters),
         };
-        crate::observe::render(&self.stats, &gauges, &raft)
+        crate::observe::render(&self.stats, &gauges, &raft, &self.queue_samples(), &self.identity())
     }
 }
 

@@ -11,6 +11,9 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+mod per_object;
+pub use per_object::render_per_object;
+
 /// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
 /// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).
 #[derive(Debug)]
@@ -224,6 +227,38 @@ pub struct PeerFigures {
     pub lag: Option<u64>,
 }
 
+/// One queue's figures at scrape time, for `/metrics/per-object` and the node's totals.
+#[derive(Clone, Debug, Default)]
+pub struct QueueSample {
+    /// Its vhost.
+    pub vhost: String,
+    /// Its name.
+    pub name: String,
+    /// Ready messages.
+    pub ready: u64,
+    /// Delivered, unsettled messages.
+    pub unacked: u64,
+    /// Consumers.
+    pub consumers: u64,
+    /// Messages enqueued since it opened in this run.
+    pub published: u64,
+    /// Deliveries (consumers and basic.get) since it opened in this run.
+    pub delivered: u64,
+    /// Acknowledgements since it opened in this run.
+    pub acked: u64,
+    /// Its stage histograms, in [`STAGE_NAMES`] order.
+    pub stages: [HistogramCounts; 3],
+}
+
+/// Who this node is, for `rabbitmq_identity_info`.
+#[derive(Clone, Debug, Default)]
+pub struct Identity {
+    /// The node's name (`ringmq@<id>`).
+    pub node: String,
+    /// Open connections on this node.
+    pub connections: u64,
+}
+
 /// The role names of [`RaftFigures::role`], one `ringmq_raft_role` series each.
 const ROLES: [&str; 4] = ["leader", "follower", "candidate", "pre_candidate"];
 
@@ -237,6 +272,13 @@ struct HistogramSnapshot {
 }
 
 impl HistogramSnapshot {
+    fn of_counts(h: &HistogramCounts) -> HistogramSnapshot {
+        let mut buckets: Vec<(f64, u64)> =
+            (0..Histogram::BUCKETS).map(|i| ((1u64 << i) as f64 / 1e6, h.buckets.get(i).copied().unwrap_or(0))).collect();
+        buckets.push((f64::MAX, 0));
+        HistogramSnapshot { buckets, sum_seconds: h.sum_ns as f64 / 1e9, count: h.count }
+    }
+
     fn sum_of(parts: &[&Histogram]) -> HistogramSnapshot {
         let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
         let mut buckets: Vec<(f64, u64)> =
@@ -299,9 +341,20 @@ impl prometheus_client::collector::Collector for Snapshot {
 /// Renders every core's counters and histograms (summed), the resource gauges and the
 /// metadata group's figures in the OpenMetrics text format (prometheus-client's encoder;
 /// Prometheus reads it as it reads its own text format).
-pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
+pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSample], id: &Identity) -> String {
     let sum = |f: fn(&Stats) -> &AtomicU64| stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
+    let queue_sum = |f: fn(&QueueSample) -> u64| i64::try_from(queues.iter().map(f).sum::<u64>()).unwrap_or(i64::MAX);
     let counters = vec![
+        // rabbitmq_prometheus's global counters, so its dashboards read this node.
+        ("rabbitmq_global_messages_received", "Total number of messages received from publishers", sum(|s| &s.published)),
+        ("rabbitmq_global_messages_delivered", "Total number of messages delivered to consumers", sum(|s| &s.delivered)),
+        ("rabbitmq_global_messages_acknowledged", "Total number of messages acknowledged by consumers", sum(|s| &s.acked)),
+        ("rabbitmq_global_messages_confirmed", "Total number of messages confirmed to publishers", sum(|s| &s.confirmed)),
+        (
+            "rabbitmq_global_messages_unroutable_returned",
+            "Total number of messages published as mandatory into an exchange and returned to the publisher as unroutable",
+            sum(|s| &s.returned),
+        ),
         ("ringmq_connections_opened", "Connections accepted.", sum(|s| &s.connections_opened)),
         ("ringmq_connections_closed", "Connections closed.", sum(|s| &s.connections_closed)),
         ("ringmq_messages_published", "Messages received by basic.publish.", sum(|s| &s.published)),
@@ -322,6 +375,12 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
     // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
     let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let gauges = vec![
+        ("rabbitmq_queues", "Queues available", i64::try_from(queues.len()).unwrap_or(i64::MAX)),
+        ("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers", queue_sum(|q| q.ready)),
+        ("rabbitmq_queue_messages_unacked", "Messages delivered to consumers but not yet acknowledged", queue_sum(|q| q.unacked)),
+        ("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages - total queue depth", queue_sum(|q| q.ready + q.unacked)),
+        ("rabbitmq_queue_consumers", "Consumers on a queue", queue_sum(|q| q.consumers)),
+        ("rabbitmq_connections", "Connections currently open", g(id.connections)),
         ("rabbitmq_process_open_fds", "Open file descriptors.", g(a.open_fds)),
         ("rabbitmq_process_max_fds", "Open file descriptors limit.", g(a.max_fds)),
         ("rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", g(a.disk_free_bytes)),
@@ -342,6 +401,12 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures) -> String {
         ),
     ];
     let labeled = vec![
+        (
+            "rabbitmq_identity_info",
+            "RabbitMQ node & cluster identity info (here: the node's name, label rabbitmq_node)",
+            "rabbitmq_node",
+            vec![(id.node.clone(), 1)],
+        ),
         (
             "ringmq_raft_role",
             "1 for this node's role in the metadata group.",
@@ -384,7 +449,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 const MAX_SCRAPES: u64 = 16;
 
 /// Answers one HTTP request on `stream` (2 s read timeout).
-fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
+fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn(&str) -> Option<String> + Send + Sync)) {
     let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
     let mut line = String::new();
     let Ok(clone) = stream.try_clone() else { return };
@@ -401,8 +466,12 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send +
             Ok(_) => {}
         }
     }
-    let (status, body) =
-        if line.starts_with("GET /metrics") { ("200 OK", render()) } else { ("404 Not Found", "not found; try /metrics\n".to_string()) };
+    // "GET /metrics/per-object?x HTTP/1.1" → "/metrics/per-object".
+    let path = line.strip_prefix("GET ").and_then(|r| r.split_whitespace().next()).map(|p| p.split('?').next().unwrap_or(p));
+    let (status, body) = match path.and_then(render) {
+        Some(text) => ("200 OK", text),
+        None => ("404 Not Found", "not found; try /metrics or /metrics/per-object\n".to_string()),
+    };
     let _ = write!(
         stream,
         "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -410,11 +479,12 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn() -> String + Send +
     );
 }
 
-/// The function a scrape calls for the exposition text.
-pub type RenderFn = Arc<dyn Fn() -> String + Send + Sync>;
+/// The function a scrape calls with the request's path (`/metrics`, `/metrics/per-object`)
+/// for the exposition text; `None` for a path it does not serve (404).
+pub type RenderFn = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
-/// Serves `GET /metrics` on `addr` from a background thread, answering each scrape with
-/// `render()`. Returns the address it listens on; `None` when it could not bind (logged:
+/// Serves `GET /metrics` (and whatever else `render` answers) on `addr` from a background
+/// thread, answering each scrape with `render(path)`. Returns the address it listens on; `None` when it could not bind (logged:
 /// metrics stay off, the broker still runs, and its ready line says so).
 pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> Option<SocketAddr> {
     let listener = match TcpListener::bind(addr) {
@@ -467,7 +537,9 @@ mod tests {
         s.delivered_to_acked.record(Duration::from_micros(4)); // ≤ 4 µs
         s.delivered_to_acked.record(Duration::from_secs(100_000)); // last bucket
         Stats::add(&s.published, 7);
-        let out = render(&[s], &Gauges { disk_alarm: true, ..Default::default() }, &RaftFigures::default());
+        let q = QueueSample { ready: 3, unacked: 1, consumers: 2, ..Default::default() };
+        let id = Identity { node: "ringmq@1".into(), connections: 4 };
+        let out = render(&[s], &Gauges { disk_alarm: true, ..Default::default() }, &RaftFigures::default(), &[q.clone(), q], &id);
         let series = |name: &str| -> Option<f64> {
             out.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.parse().ok()))
         };
@@ -478,6 +550,12 @@ mod tests {
         assert_eq!(series("ringmq_stage_latency_seconds_count{stage=\"delivered_to_acked\"}"), Some(4.0), "{out}");
         assert_eq!(series("ringmq_messages_published_total"), Some(7.0), "{out}");
         assert_eq!(series("rabbitmq_alarms_free_disk_space_watermark"), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_global_messages_received_total"), Some(7.0), "{out}");
+        assert_eq!(series("rabbitmq_queue_messages_ready"), Some(6.0), "summed over the queues: {out}");
+        assert_eq!(series("rabbitmq_queue_messages"), Some(8.0), "{out}");
+        assert_eq!(series("rabbitmq_queues"), Some(2.0), "{out}");
+        assert_eq!(series("rabbitmq_connections"), Some(4.0), "{out}");
+        assert_eq!(series("rabbitmq_identity_info{rabbitmq_node=\"ringmq@1\"}"), Some(1.0), "{out}");
         assert!(out.contains("# TYPE ringmq_messages_published counter"), "{out}");
         assert!(out.trim_end().ends_with("# EOF"), "{out}");
     }
