@@ -9,7 +9,7 @@ use super::{QueueOp, QueueRef};
 use crate::observe::{Identity, QueueSample};
 
 /// How long a scrape waits for the queues' answers.
-pub const FIGURES_WAIT: Duration = Duration::from_secs(5);
+pub const FIGURES_WAIT: Duration = Duration::from_secs(2);
 
 impl Shared {
     /// One [`QueueSample`] per queue this node serves (a replicated queue on the node that
