@@ -27,10 +27,15 @@
 //!   grow their replica sets, `meta/grow.rs`).
 //! - [`cluster`]: the node-to-node TCP transport (plain threads; imports nothing else of the
 //!   crate): raft-rs messages, snapshots, and the data lane of `broker::remote`.
-//! - [`observe`]: counters and the Prometheus endpoint; renders what it is given.
+//! - [`observe`]: counters, latency histograms (per core and per queue) and the Prometheus
+//!   endpoint (`/metrics`, `/metrics/per-object`, rabbitmq_prometheus's names); renders what
+//!   it is given (`broker/figures.rs` gathers the queues' figures on scrape).
 //! - [`mgmt`]: the RabbitMQ-compatible management HTTP API (plain threads beside the cores):
 //!   reads the metadata and asks queues and connections by message passing; writes through
-//!   `broker::topology`, the code the AMQP methods use. Only `server` starts it.
+//!   `broker::topology`, the code the AMQP methods use; users, permissions and policies
+//!   through `broker::access` and `broker::policy`; serves the web UI (`mgmt/ui/`) and its
+//!   live latency view. Only `server` starts it. The `ringmqctl` binary
+//!   (`src/bin/ringmqctl/`) is a client of this API and imports nothing of the crate.
 //! - [`config`]: flags, TOML file, defaults.
 //!
 //! # Publish → deliver → ack, step by step
