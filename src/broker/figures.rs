@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use super::node::{NodeMsg, Shared};
-use super::{QueueOp, QueueRef};
+use super::{QueueInfo, QueueOp, QueueRef};
+use crate::meta::state::QueueDef;
 use crate::observe::{Identity, QueueSample};
 
 /// How long a scrape waits for the queues' answers.
@@ -20,15 +21,7 @@ impl Shared {
         let topo = self.meta.topology();
         let mut defs: Vec<_> = topo.queues.values().filter(|d| d.owner_node == here).collect();
         defs.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
-        let asked: Vec<_> = defs
-            .iter()
-            .filter_map(|d| {
-                let qref = QueueRef::of(d, self.cores);
-                let (reply, rx) = flume::bounded(1);
-                let op = QueueOp::Info { with_unacked: false, reply };
-                self.inboxes.send(qref.owner_core as usize, NodeMsg::Queue { queue: qref, op }).ok().map(|()| (d, rx))
-            })
-            .collect();
+        let asked: Vec<_> = defs.iter().filter_map(|d| self.ask_info(d, false).map(|rx| (d, rx))).collect();
         let deadline = Instant::now() + FIGURES_WAIT;
         asked
             .into_iter()
@@ -47,6 +40,16 @@ impl Shared {
                 })
             })
             .collect()
+    }
+
+    /// Asks the owner core of `def`, a queue this node serves, for its [`QueueInfo`] (with its
+    /// outstanding deliveries when `with_unacked`); the receiver gets the one answer. `None`
+    /// when the core's inbox is closed (the broker is stopping).
+    pub fn ask_info(&self, def: &QueueDef, with_unacked: bool) -> Option<flume::Receiver<QueueInfo>> {
+        let qref = QueueRef::of(def, self.cores);
+        let (reply, rx) = flume::bounded(1);
+        let op = QueueOp::Info { with_unacked, reply };
+        self.inboxes.send(qref.owner_core as usize, NodeMsg::Queue { queue: qref, op }).ok().map(|()| rx)
     }
 
     /// This node's identity and open connections, for `rabbitmq_identity_info` and

@@ -197,7 +197,9 @@ impl Api {
         match rq.method {
             "PUT" => {
                 let body = rq.json()?;
-                let existed = self.policies(operator, Some(vhost), Some(name)).is_ok();
+                let meta = &self.shared.meta;
+                let all = if operator { policy::operator_policies(meta) } else { policy::policies(meta) };
+                let existed = all.iter().any(|p| p.vhost == vhost && p.name == name);
                 self.put_policy(operator, &v, &n, &body)?;
                 Ok(Reply::empty(if existed { 204 } else { 201 }))
             }

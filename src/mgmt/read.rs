@@ -51,17 +51,14 @@ impl Api {
         let asked: Vec<Asked> = defs
             .iter()
             .map(|d| {
+                if d.owner_node == here {
+                    return self.shared.ask_info(d, with_unacked).map_or(Asked::Nothing, Asked::Info);
+                }
                 let qref = QueueRef::of(d, cores);
-                let core = qref.owner_core as usize;
-                let (op, asked) = if d.owner_node == here {
-                    let (reply, rx) = flume::bounded(1);
-                    (QueueOp::Info { with_unacked, reply }, Asked::Info(rx))
-                } else {
-                    let (reply, rx) = flume::bounded(1);
-                    (QueueOp::Stats { reply }, Asked::Stats(rx))
-                };
-                match self.shared.inboxes.send(core, NodeMsg::Queue { queue: qref, op }) {
-                    Ok(()) => asked,
+                let (reply, rx) = flume::bounded(1);
+                let op = QueueOp::Stats { reply };
+                match self.shared.inboxes.send(qref.owner_core as usize, NodeMsg::Queue { queue: qref, op }) {
+                    Ok(()) => Asked::Stats(rx),
                     Err(_) => Asked::Nothing,
                 }
             })

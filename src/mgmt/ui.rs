@@ -38,12 +38,7 @@ fn stages_json(stages: &[HistogramCounts; 3]) -> Value {
 impl Api {
     /// `GET /api/ringmq/latency`: the node's stage histograms (every core summed).
     pub(crate) fn latency_node(&self) -> Result<Reply, ApiError> {
-        let mut sum: [HistogramCounts; 3] = Default::default();
-        for s in self.shared.stats.iter() {
-            for (acc, h) in sum.iter_mut().zip(s.stage_counts()) {
-                acc.add(&h);
-            }
-        }
+        let sum = crate::observe::stage_counts(&self.shared.stats);
         Ok(Reply::ok(self.latency_json(json!({"kind": "node"}), &sum)))
     }
 

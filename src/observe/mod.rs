@@ -100,11 +100,15 @@ impl Stages {
     }
 }
 
-impl Stats {
-    /// The counts of the core-wide stage histograms, in [`STAGE_NAMES`] order.
-    pub fn stage_counts(&self) -> [HistogramCounts; 3] {
-        [self.publish_to_stored.counts(), self.stored_to_delivered.counts(), self.delivered_to_acked.counts()]
+/// The node's stage histograms: every core's summed, in [`STAGE_NAMES`] order.
+pub fn stage_counts(stats: &[Stats]) -> [HistogramCounts; 3] {
+    let mut sum: [HistogramCounts; 3] = Default::default();
+    for s in stats {
+        for (acc, h) in sum.iter_mut().zip([&s.publish_to_stored, &s.stored_to_delivered, &s.delivered_to_acked]) {
+            acc.add(&h.counts());
+        }
     }
+    sum
 }
 
 /// Whether this message's stage timings are recorded: one in [`SAMPLE_EVERY`] per thread,
@@ -275,19 +279,9 @@ impl HistogramSnapshot {
     fn of_counts(h: &HistogramCounts) -> HistogramSnapshot {
         let mut buckets: Vec<(f64, u64)> =
             (0..Histogram::BUCKETS).map(|i| ((1u64 << i) as f64 / 1e6, h.buckets.get(i).copied().unwrap_or(0))).collect();
-        buckets.push((f64::MAX, 0));
-        HistogramSnapshot { buckets, sum_seconds: h.sum_ns as f64 / 1e9, count: h.count }
-    }
-
-    fn sum_of(parts: &[&Histogram]) -> HistogramSnapshot {
-        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-        let mut buckets: Vec<(f64, u64)> =
-            (0..Histogram::BUCKETS).map(|i| ((1u64 << i) as f64 / 1e6, parts.iter().map(|h| load(&h.buckets[i])).sum::<u64>())).collect();
         // The last bucket already takes everything larger: +Inf adds nothing to it.
         buckets.push((f64::MAX, 0));
-        let sum_ns: u64 = parts.iter().map(|h| load(&h.sum_ns)).sum();
-        let count = parts.iter().map(|h| load(&h.count)).sum();
-        HistogramSnapshot { buckets, sum_seconds: sum_ns as f64 / 1e9, count }
+        HistogramSnapshot { buckets, sum_seconds: h.sum_ns as f64 / 1e9, count: h.count }
     }
 }
 
@@ -426,14 +420,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
             raft.peers.iter().filter_map(|p| Some((p.id.to_string(), g(p.lag?)))).collect(),
         ),
     ];
-    type Pick = fn(&Stats) -> &Histogram;
-    let picks: [(&str, Pick); 3] = [
-        ("publish_to_stored", |s| &s.publish_to_stored),
-        ("stored_to_delivered", |s| &s.stored_to_delivered),
-        ("delivered_to_acked", |s| &s.delivered_to_acked),
-    ];
-    let stages =
-        picks.iter().map(|(stage, pick)| (*stage, HistogramSnapshot::sum_of(&stats.iter().map(pick).collect::<Vec<_>>()))).collect();
+    let stages = STAGE_NAMES.iter().zip(&stage_counts(stats)).map(|(stage, h)| (*stage, HistogramSnapshot::of_counts(h))).collect();
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(Snapshot { counters, gauges, stages, labeled }));
     let mut out = String::new();

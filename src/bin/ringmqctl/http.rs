@@ -139,15 +139,8 @@ fn status_error(code: u16, text: &str) -> CtlError {
 /// `s` as one path segment: every byte but RFC 3986's unreserved ones percent-encoded
 /// (`/` → `%2F`, so the default vhost is `%2F`).
 pub fn seg(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    const RESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+    percent_encoding::utf8_percent_encode(s, RESERVED).to_string()
 }
 
 #[cfg(test)]

@@ -76,14 +76,20 @@ function cards(items) {
   return '<div class="cards">' + items.map(([l, n]) => `<div class="card"><div class="n">${esc(n)}</div><div class="l">${esc(l)}</div></div>`).join("") + "</div>";
 }
 
-// A line chart on a canvas: series = [{name, color, points: [[t, v], ...]}]; log = log10 y.
-function lineChart(canvas, series, opts = {}) {
+// The canvas sized to its box at the screen's pixel ratio and cleared: its context and size.
+function clearCanvas(canvas) {
   const dpr = window.devicePixelRatio || 1;
   const w = canvas.clientWidth, h = canvas.clientHeight;
   canvas.width = w * dpr; canvas.height = h * dpr;
   const g = canvas.getContext("2d");
   g.scale(dpr, dpr);
   g.clearRect(0, 0, w, h);
+  return { g, w, h };
+}
+
+// A line chart on a canvas: series = [{name, color, points: [[t, v], ...]}]; log = log10 y.
+function lineChart(canvas, series, opts = {}) {
+  const { g, w, h } = clearCanvas(canvas);
   const pad = { l: 58, r: 8, t: 8, b: 18 };
   const all = series.flatMap((s) => s.points);
   g.strokeStyle = "#dde1e7"; g.fillStyle = "#6b7380"; g.font = "11px system-ui";
@@ -112,12 +118,7 @@ function lineChart(canvas, series, opts = {}) {
 
 // Bars of a latency histogram: counts per power-of-two bucket (upper bound 2^i µs).
 function barChart(canvas, counts) {
-  const dpr = window.devicePixelRatio || 1;
-  const w = canvas.clientWidth, h = canvas.clientHeight;
-  canvas.width = w * dpr; canvas.height = h * dpr;
-  const g = canvas.getContext("2d");
-  g.scale(dpr, dpr);
-  g.clearRect(0, 0, w, h);
+  const { g, w, h } = clearCanvas(canvas);
   g.font = "11px system-ui"; g.fillStyle = "#6b7380";
   const first = counts.findIndex((c) => c > 0);
   if (first < 0) { g.fillText("no samples yet", 10, h / 2); return; }
