@@ -7,25 +7,11 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
 use common::cluster::{channel, run, Cluster};
 use common::*;
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-
-async fn wait_members(c: &Cluster, nodes: &[usize], n: f64) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let seen: Vec<Option<f64>> = nodes.iter().map(|&i| c.metric(i, "ringmq_cluster_members", None)).collect();
-        if seen.iter().all(|v| *v == Some(n)) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not every node of {nodes:?} counts {n} members: {seen:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[test]
 fn a_joining_node_logs_in_the_clusters_users_and_does_not_seed_its_own() {
@@ -35,7 +21,7 @@ fn a_joining_node_logs_in_the_clusters_users_and_does_not_seed_its_own() {
         let file = tempfile::Builder::new().suffix(".toml").tempfile().expect("config file");
         std::fs::write(file.path(), "[[users]]\nname = \"latecomer\"\npassword = \"pw\"\n").expect("write config");
         let four = c.add_node(&["--join", "--config", file.path().to_str().expect("utf-8 path")]);
-        wait_members(&c, &[0, 1, 2, four], 4.0).await;
+        c.wait_members(&[0, 1, 2, four], 4.0).await;
 
         // guest, seeded by the founding nodes, logs in on node 4 and declares there.
         let n4 = connect_uri(&c.amqp_uri(four)).await;

@@ -433,19 +433,6 @@ fn with_five_nodes_a_queue_lives_on_its_replica_set_and_fails_over_inside_it() {
     });
 }
 
-/// Polls (up to 20 s) until every node in `nodes` reports `ringmq_cluster_members` `n`.
-async fn wait_members(c: &Cluster, nodes: &[usize], n: f64) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let seen: Vec<Option<f64>> = nodes.iter().map(|&i| c.metric(i, "ringmq_cluster_members", None)).collect();
-        if seen.iter().all(|v| *v == Some(n)) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not every node of {nodes:?} counts {n} members: {seen:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[test]
 fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
     run(async {
@@ -457,7 +444,7 @@ fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
 
         // Node 4 joins with --join (its --peers: the three and itself; theirs unchanged).
         let four = c.add_node(&["--join"]);
-        wait_members(&c, &[0, 1, 2, four], 4.0).await;
+        c.wait_members(&[0, 1, 2, four], 4.0).await;
         assert!(c.log(four).contains("added to the cluster"), "node 4's log does not say it was added");
         let n4 = connect_uri(&c.amqp_uri(four)).await;
         // It serves the queue declared before it came (forwarded to its node)...
@@ -483,7 +470,7 @@ fn a_node_joins_a_running_cluster_and_a_dead_one_is_forgotten() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "--forget-node 3 failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
         assert!(stdout.contains("node 3 is no longer a member"), "{stdout}");
-        wait_members(&c, &[0, 1, four], 3.0).await;
+        c.wait_members(&[0, 1, four], 3.0).await;
         // The others stop dialing it: it leaves their peer list.
         for i in [0, 1, four] {
             assert_eq!(c.metric(i, "ringmq_cluster_peer_up", Some(("peer", "3"))), None, "node {} still lists the forgotten node 3", i + 1);

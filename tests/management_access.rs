@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::http::{get_json, request};
@@ -113,13 +112,8 @@ async fn deleting_a_vhost_removes_its_queues_and_exchanges() {
 
 /// ringmqctl against `port`: (exit code, stdout + stderr).
 fn ctl(port: u16, args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringmqctl"))
-        .args(["--management", &format!("http://127.0.0.1:{port}"), "--timeout", "10"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ringmqctl");
-    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let (code, out, err) = common::http::ringmqctl(port, args);
+    (code, out + &err)
 }
 
 #[tokio::test]

@@ -5,38 +5,13 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::http::ringmqctl as ctl;
 use common::*;
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, ExchangeKind};
-
-/// Runs ringmqctl against `port` with `args`: (exit code, stdout, stderr). Bounded: 30 s.
-fn ctl(port: u16, args: &[&str]) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ringmqctl"))
-        .args(["--management", &format!("http://127.0.0.1:{port}"), "--timeout", "10"])
-        .args(args)
-        .env_remove("RINGMQCTL_USERNAME")
-        .env_remove("RINGMQCTL_PASSWORD")
-        .env_remove("RINGMQCTL_MANAGEMENT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn ringmqctl");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while child.try_wait().expect("wait").is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("ringmqctl {args:?} did not finish in 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
 
 /// ringmqctl that must succeed: its stdout.
 #[track_caller]

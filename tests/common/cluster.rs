@@ -226,6 +226,19 @@ impl Cluster {
         }
     }
 
+    /// Polls (up to 20 s) until every node in `nodes` reports `ringmq_cluster_members` `n`.
+    pub async fn wait_members(&self, nodes: &[usize], n: f64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let seen: Vec<Option<f64>> = nodes.iter().map(|&i| self.metric(i, "ringmq_cluster_members", None)).collect();
+            if seen.iter().all(|v| *v == Some(n)) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "not every node of {nodes:?} counts {n} members: {seen:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Running nodes that report `ringmq_raft_is_leader 1` now.
     pub fn leaders(&mut self) -> Vec<usize> {
         self.running().into_iter().filter(|&i| self.metric(i, "ringmq_raft_is_leader", None) == Some(1.0)).collect()

@@ -119,3 +119,28 @@ pub fn http_get(port: u16, path: &str) -> Result<String, String> {
     }
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
+
+/// Runs the `ringmqctl` binary against the management API on `port` with `args`: (exit code, stdout, stderr). Bounded: 30 s.
+pub fn ringmqctl(port: u16, args: &[&str]) -> (i32, String, String) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ringmqctl"))
+        .args(["--management", &format!("http://127.0.0.1:{port}"), "--timeout", "10"])
+        .args(args)
+        .env_remove("RINGMQCTL_USERNAME")
+        .env_remove("RINGMQCTL_PASSWORD")
+        .env_remove("RINGMQCTL_MANAGEMENT")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn ringmqctl");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("ringmqctl {args:?} did not finish in 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
