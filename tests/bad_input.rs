@@ -454,3 +454,102 @@ fn a_close_after_a_burst_of_methods_answers_every_one_then_close_ok() {
         assert!(c.expect_eof(), "the socket closes after close-ok");
     });
 }
+
+/// The same burst from a client that shuts its sending side right after the close (as a
+/// fuzzer or a short-lived script does): the client's EOF must not cut the replies short
+/// (it did at 1,025: the reader's end dropped the writer mid-queue; issue 14).
+#[test]
+fn a_burst_then_close_then_eof_still_gets_every_reply_and_close_ok() {
+    run(|addr| {
+        let mut c = RawConn::open(addr);
+        let mut burst = Vec::new();
+        for ch in 1..=1500u16 {
+            let mut a = Vec::new();
+            shortstr(&mut a, "");
+            burst.extend(frame(FRAME_METHOD, ch, &method(20, 10, &a)));
+        }
+        let mut close = Vec::new();
+        close.extend_from_slice(&200u16.to_be_bytes());
+        shortstr(&mut close, "bye");
+        close.extend_from_slice(&[0, 0, 0, 0]);
+        burst.extend(frame(FRAME_METHOD, 0, &method(10, 50, &close)));
+        c.write(&burst);
+        c.sock.shutdown(std::net::Shutdown::Write).expect("shutdown(SHUT_WR)");
+        let mut open_ok = 0;
+        for _ in 0..3000 {
+            let f = c.read_frame().unwrap_or_else(|| panic!("EOF after {open_ok} channel.open-ok, before connection.close-ok"));
+            match f.method_id() {
+                Some((20, 11)) => open_ok += 1,
+                Some((10, 51)) => break,
+                other => panic!("unexpected frame {other:?} after {open_ok} open-ok"),
+            }
+        }
+        assert_eq!(open_ok, 1500, "every channel.open answered before connection.close-ok");
+        assert!(c.expect_eof(), "the socket closes after close-ok");
+    });
+}
+
+/// A frame announced larger than frame_max while the client goes on sending its payload:
+/// the broker answers 501 and keeps reading (dropping the bytes) until the client closes, so
+/// the client reads the connection.close instead of a reset that destroys it (issue 14).
+#[test]
+fn an_oversized_frame_still_being_sent_gets_501_not_a_reset() {
+    run(|addr| {
+        let mut c = RawConn::open(addr);
+        c.open_channel(1);
+        let mut head = vec![FRAME_BODY];
+        head.extend_from_slice(&1u16.to_be_bytes());
+        head.extend_from_slice(&(64u32 << 20).to_be_bytes());
+        c.write(&head);
+        // 4 MiB more of that "payload", written from another thread while this one reads.
+        let mut w = c.sock.try_clone().expect("clone the socket");
+        let sender = std::thread::spawn(move || {
+            let chunk = vec![0x5au8; 64 * 1024];
+            for _ in 0..64 {
+                if std::io::Write::write_all(&mut w, &chunk).is_err() {
+                    break;
+                }
+            }
+        });
+        match c.expect_close() {
+            Closed::Connection { code, .. } => assert_eq!(code, 501, "frame error"),
+            other => panic!("expected connection.close 501, got {other:?}"),
+        }
+        let _ = sender.join();
+        let _ = c.sock.shutdown(std::net::Shutdown::Write);
+        assert!(c.expect_eof(), "the socket closes once the client is done");
+    });
+}
+
+/// A heartbeat frame carries no payload (spec 4.2.7): one with a payload is a 501 frame error
+/// (RabbitMQ 3.10 agrees).
+#[test]
+fn a_heartbeat_with_a_payload_is_frame_error() {
+    run(|addr| {
+        let mut c = RawConn::open(addr);
+        c.write(&frame(FRAME_HEARTBEAT, 0, b"beat"));
+        expect_connection_close(&mut c, 501, "heartbeat frame with a payload");
+    });
+}
+
+/// Before connection.open-ok, a frame on a channel other than 0 (a heartbeat included) gets
+/// connection.close 505 UNEXPECTED_FRAME, as from RabbitMQ 3.10, rather than a dropped
+/// socket; so does garbage that cannot be framed (501).
+#[test]
+fn bad_frames_during_the_handshake_get_a_connection_close() {
+    run(|addr| {
+        let mut c = RawConn::tcp(addr);
+        c.write(PROTOCOL_HEADER);
+        assert_eq!(c.read_method().method_id(), Some((10, 10)), "connection.start");
+        c.write(&frame(FRAME_HEARTBEAT, 1, b""));
+        expect_connection_close(&mut c, 505, "heartbeat on channel 1 during the handshake");
+
+        let mut c = RawConn::tcp(addr);
+        c.write(PROTOCOL_HEADER);
+        assert_eq!(c.read_method().method_id(), Some((10, 10)), "connection.start");
+        let mut f = frame(FRAME_METHOD, 0, &method(10, 11, &[0, 0, 0, 0]));
+        *f.last_mut().unwrap() = 0x00;
+        c.write(&f);
+        expect_connection_close(&mut c, 501, "bad frame-end during the handshake");
+    });
+}

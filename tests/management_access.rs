@@ -22,6 +22,26 @@ fn put(port: u16, path: &str, body: serde_json::Value) -> u16 {
     r.status
 }
 
+/// Resolves with the error lapin reports when the broker closes `c` (connection.close).
+fn close_watch(c: &lapin::Connection) -> tokio::sync::oneshot::Receiver<lapin::Error> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = std::sync::Mutex::new(Some(tx));
+    c.on_error(move |e| {
+        if let Some(tx) = tx.lock().unwrap().take() {
+            let _ = tx.send(e);
+        }
+    });
+    rx
+}
+
+/// Waits (10 s at most) for the broker to close the watched connection with 320
+/// CONNECTION_FORCED and a reason containing `text`.
+async fn closed_forced(watch: tokio::sync::oneshot::Receiver<lapin::Error>, text: &str) {
+    let e = tt("connection.close from the broker", Duration::from_secs(10), watch).await.expect("the watch was kept");
+    assert_eq!(reply_code(&e), Some(320), "CONNECTION_FORCED: {e}");
+    assert!(e.to_string().contains(text), "reason {text:?} in {e}");
+}
+
 #[tokio::test]
 async fn users_and_permissions_changed_at_run_time_govern_amqp_logins_and_checks() {
     let b = Broker::start();
@@ -52,8 +72,20 @@ async fn users_and_permissions_changed_at_run_time_govern_amqp_logins_and_checks
     // A new password; the old one is refused; then the user goes.
     assert_eq!(put(port, "/api/users/app", json!({"password": "pw2", "tags": ["monitoring"]})), 204);
     assert!(lapin::Connection::connect(&uri("app", "pw1"), Default::default()).await.is_err(), "old password");
-    connect_uri(&uri("app", "pw2")).await;
+    // RabbitMQ's DELETE /api/connections/username/{user} closes all of a user's connections.
+    let (c1, c2) = (connect_uri(&uri("app", "pw2")).await, connect_uri(&uri("app", "pw2")).await);
+    let (w1, w2) = (close_watch(&c1), close_watch(&c2));
+    let by_user = get_json(port, "/api/connections/username/app");
+    assert_eq!(by_user.as_array().map(Vec::len), Some(2), "{by_user}");
+    let r = request(port, "DELETE", "/api/connections/username/app", None, GUEST);
+    assert_eq!(r.status, 204, "{r:?}");
+    closed_forced(w1, "Closed via management plugin").await;
+    closed_forced(w2, "Closed via management plugin").await;
+    // Deleting the user closes its open connections (RabbitMQ 3.7+).
+    let c3 = connect_uri(&uri("app", "pw2")).await;
+    let w3 = close_watch(&c3);
     assert_eq!(request(port, "DELETE", "/api/users/app", None, GUEST).status, 204);
+    closed_forced(w3, "user 'app' is deleted").await;
     assert!(lapin::Connection::connect(&uri("app", "pw2"), Default::default()).await.is_err(), "deleted user");
     assert_eq!(request(port, "GET", "/api/users/app", None, GUEST).status, 404);
     assert_eq!(request(port, "GET", "/api/permissions/%2F/app", None, GUEST).status, 404, "its permissions went with it");
@@ -104,7 +136,9 @@ async fn deleting_a_vhost_removes_its_queues_and_exchanges() {
     declare_queue(&ch, "in-tmp", QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await;
     publish(&ch, "", "in-tmp", b"x").await;
     assert_eq!(wait_ready(&ch, "in-tmp", 1, Duration::from_secs(10)).await, 1);
+    let watch = close_watch(&c);
     assert_eq!(request(port, "DELETE", "/api/vhosts/tmp", None, GUEST).status, 204);
+    closed_forced(watch, "vhost 'tmp' is deleted").await;
     assert_eq!(request(port, "GET", "/api/vhosts/tmp", None, GUEST).status, 404);
     assert!(get_json(port, "/api/queues").as_array().unwrap().iter().all(|q| q["vhost"] != "tmp"));
     assert!(lapin::Connection::connect(&format!("amqp://guest:guest@127.0.0.1:{}/tmp", b.port()), Default::default()).await.is_err());
@@ -140,7 +174,10 @@ async fn ringmqctl_manages_users_permissions_vhosts_and_policies() {
     assert_eq!(ctl(port, &["authenticate_user", "ops", "s3cret"]).0, 77);
     // ops may use the API as an administrator now, and AMQP in staging.
     assert_eq!(ctl(port, &["--username", "ops", "--password", "n3w", "list_queues", "-p", "staging"]).0, 0);
-    connect_uri(&format!("amqp://ops:n3w@127.0.0.1:{}/staging", b.port())).await;
+    let ops = connect_uri(&format!("amqp://ops:n3w@127.0.0.1:{}/staging", b.port())).await;
+    let watch = close_watch(&ops);
+    ok(&["close_all_user_connections", "ops", "rotating credentials"]);
+    closed_forced(watch, "rotating credentials").await;
 
     ok(&["set_policy", "-p", "staging", "ttl", "^t\\.", r#"{"message-ttl":60000}"#, "--priority", "2", "--apply-to", "queues"]);
     let policies = ok(&["list_policies", "-p", "staging", "--format", "json"]);

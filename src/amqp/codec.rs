@@ -142,6 +142,10 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
     if !matches!(frame_type, FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT) {
         return Err(AmqpError::frame_error(format!("unknown frame type {frame_type}")));
     }
+    if frame_type == FRAME_HEARTBEAT && size != 0 {
+        // Spec 4.2.7: a heartbeat frame has an empty payload; anything else is a frame error.
+        return Err(AmqpError::frame_error(format!("heartbeat frame with a payload of {size} bytes")));
+    }
     if buf.len() < 7 + size + 1 {
         buf.reserve(7 + size + 1 - buf.len());
         return Ok(None);
@@ -318,6 +322,15 @@ mod tests {
             f => panic!("unexpected {f:?}"),
         }
         assert!(b.is_empty());
+    }
+
+    #[test]
+    fn a_heartbeat_with_a_payload_is_a_frame_error() {
+        let mut ok = Vec::new();
+        encode_heartbeat(&mut ok);
+        assert!(matches!(one(&ok, 131072), Ok(Some(Frame::Heartbeat { channel: 0 }))));
+        let e = one(&[8, 0, 0, 0, 0, 0, 2, b'h', b'i', 0xce], 131072).unwrap_err();
+        assert_eq!(e.code, 501, "{e}");
     }
 
     #[test]

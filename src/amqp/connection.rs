@@ -109,6 +109,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
             closing: None,
             finish: false,
             linger: false,
+            peer_gone: false,
             exclusive_queues: Vec::new(),
             confirms_ready: Vec::new(),
             blocked_notify: tuned.blocked_notify,
@@ -120,7 +121,15 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
     });
     tracing::debug!(?peer, %id, "connection open");
     let (r, w) = futures_lite::io::split(stream);
-    futures_lite::future::or(reader(session.clone(), r, tuned.leftover), writer(session.clone(), rx, w)).await;
+    let read_half = async {
+        reader(session.clone(), r, tuned.leftover).await;
+        // The client's EOF, a read error or missed heartbeats: the writer still sends what
+        // is queued, then ends the connection; a writer stuck on a client that stopped
+        // reading is cut off after twice CLOSE_WAIT.
+        session.peer_gone();
+        glommio::timer::sleep(CLOSE_WAIT * 2).await;
+    };
+    futures_lite::future::or(read_half, writer(session.clone(), rx, w)).await;
     session.teardown();
     core.conns.borrow_mut().remove(&id);
     core.shared.clients.closed(id);

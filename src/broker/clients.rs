@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Mutex;
 
 use super::{ClientEvent, ClientTx, ConnId, QueueKey, Reply};
+use crate::meta::topology::Topology;
 
 /// A connection as it was opened.
 #[derive(Clone, Debug)]
@@ -114,6 +115,41 @@ impl Clients {
             Some(c) => c.tx.send(ClientEvent::Close(reason.to_owned())).is_ok(),
             None => false,
         }
+    }
+
+    /// Closes, with 320 CONNECTION_FORCED, every connection whose user or vhost `topology`
+    /// no longer has (RabbitMQ 3.7+: "user 'u' is deleted", "vhost 'v' is deleted"); returns
+    /// how many were asked to close. Run by one core of each node when the topology
+    /// changes, so a user deleted on any node loses its connections on every node.
+    pub fn close_revoked(&self, topology: &Topology) -> usize {
+        let revoked: Vec<(ClientInfo, String)> = self
+            .lock()
+            .values()
+            .filter_map(|c| {
+                if !topology.access.users.contains_key(&c.user) {
+                    Some((c.clone(), format!("user '{}' is deleted", c.user)))
+                } else if !topology.vhosts.contains(&c.vhost) {
+                    Some((c.clone(), format!("vhost '{}' is deleted", c.vhost)))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (c, why) in &revoked {
+            tracing::info!(connection = %c.name(), "closing connection: {why}");
+            let _ = c.tx.send(ClientEvent::Close(why.clone()));
+        }
+        revoked.len()
+    }
+
+    /// Closes every connection of `user` with 320 CONNECTION_FORCED and `reason`; returns
+    /// how many (RabbitMQ's `DELETE /api/connections/username/{user}`).
+    pub fn close_user(&self, user: &str, reason: &str) -> usize {
+        let conns: Vec<ClientInfo> = self.lock().values().filter(|c| c.user == user).cloned().collect();
+        for c in &conns {
+            let _ = c.tx.send(ClientEvent::Close(reason.to_owned()));
+        }
+        conns.len()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ConnId, ClientInfo>> {

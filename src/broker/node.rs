@@ -632,6 +632,9 @@ impl Node {
                 topology_seen = Some(version);
                 self.open_expiring_queues();
                 super::policy::reapply_to_open_queues(&self.router().topology, &self.open_queues(), self.shared.config.consumer_timeout_ms);
+                if self.id == 0 {
+                    self.shared.clients.close_revoked(&self.router().topology);
+                }
             }
             glommio::timer::sleep(Duration::from_secs(1)).await;
             let now = Instant::now();

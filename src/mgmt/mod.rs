@@ -368,6 +368,8 @@ impl Api {
             (["connections"], true) => self.connections(),
             (["connections", name], true) => self.connection(name),
             (["connections", name], false) if m == "DELETE" => self.close_connection(rq, name),
+            (["connections", "username", u], true) => self.connections_of_user(u),
+            (["connections", "username", u], false) if m == "DELETE" => self.close_user_connections(rq, u),
             (["channels"], true) => self.channels(),
             (["consumers"], true) => self.consumers(None),
             (["consumers", v], true) => self.consumers(Some(v)),

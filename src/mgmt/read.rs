@@ -520,6 +520,13 @@ impl Api {
         Ok(Reply::ok(Value::Array(list)))
     }
 
+    /// `GET /api/connections/username/{user}`: this node's connections of `user` (RabbitMQ
+    /// 3.10.7+).
+    pub(crate) fn connections_of_user(&self, user: &str) -> Result<Reply, ApiError> {
+        let list = self.described_connections().iter().filter(|(c, _)| c.user == user).map(|(c, d)| self.connection_json(c, d)).collect();
+        Ok(Reply::ok(Value::Array(list)))
+    }
+
     /// `GET /api/connections/{name}`.
     pub(crate) fn connection(&self, name: &str) -> Result<Reply, ApiError> {
         let all = self.described_connections();

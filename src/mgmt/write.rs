@@ -230,6 +230,15 @@ impl Api {
             Err(ApiError::not_found())
         }
     }
+
+    /// `DELETE /api/connections/username/{user}`: closes this node's connections of `user`
+    /// with 320 CONNECTION_FORCED and the `X-Reason` text; 204 even when there were none, as
+    /// RabbitMQ answers.
+    pub(crate) fn close_user_connections(&self, rq: &Request<'_>, user: &str) -> Result<Reply, ApiError> {
+        let reason = rq.reason.as_deref().unwrap_or("Closed via management plugin");
+        self.shared.clients.close_user(user, reason);
+        Ok(Reply::empty(204))
+    }
 }
 
 /// The queue.declare a JSON object of RabbitMQ's asks for (`durable`, default true;

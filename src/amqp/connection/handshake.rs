@@ -48,12 +48,19 @@ pub(super) struct Tuned {
     pub(super) leftover: BytesMut,
 }
 
-/// Reads one frame during the handshake.
+/// Reads one frame during the handshake. A frame that cannot be decoded is answered with
+/// connection.close and the spec's code (501, 502, 540) before the error is returned; a
+/// failed read or the peer's EOF is returned as 320 with nothing written.
 async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<Frame, AmqpError> {
     let mut tmp = [0u8; 4096];
     loop {
-        if let Some(f) = decode_frame(buf, frame_max)? {
-            return Ok(f);
+        match decode_frame(buf, frame_max) {
+            Ok(Some(f)) => return Ok(f),
+            Ok(None) => {}
+            Err(e) => {
+                write_close(stream, buf, &e).await;
+                return Err(e);
+            }
         }
         let n = stream.read(&mut tmp).await.map_err(|e| AmqpError::connection_forced(format!("read: {e}")))?;
         if n == 0 {
@@ -63,24 +70,46 @@ async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) 
     }
 }
 
-/// Reads the next method frame during the handshake, skipping heartbeats.
+/// Reads the next method frame during the handshake, skipping heartbeats on channel 0.
+/// Any frame on another channel, and a content frame, is answered with 505
+/// UNEXPECTED_FRAME (as RabbitMQ does before connection.open-ok) and returned as the error.
 async fn read_method(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<AMQPClass, AmqpError> {
     loop {
-        match read_frame(stream, buf, frame_max).await? {
-            Frame::Heartbeat { .. } => continue,
+        let e = match read_frame(stream, buf, frame_max).await? {
+            Frame::Heartbeat { channel: 0 } => continue,
             Frame::Method { channel: 0, method } => return Ok(*method),
-            _ => return Err(AmqpError::unexpected_frame("expected a connection method on channel 0 during the handshake")),
-        }
+            Frame::Heartbeat { channel } => {
+                AmqpError::unexpected_frame(format!("heartbeat frame on channel {channel} during the handshake"))
+            }
+            _ => AmqpError::unexpected_frame("expected a connection method on channel 0 during the handshake"),
+        };
+        write_close(stream, buf, &e).await;
+        return Err(e);
     }
 }
 
+/// Sends connection.close for `e`, then waits at most [`CLOSE_WAIT`] for the peer's answer
+/// (whatever it is: the socket is dropped after).
 async fn write_close(stream: &mut TcpStream, buf: &mut BytesMut, e: &AmqpError) {
     let mut out = Vec::new();
     encode_method(&mut out, 0, &close_method(e));
     if stream.write_all(&out).await.is_ok() {
-        // Wait briefly for close-ok, then drop the socket.
+        // Wait briefly for close-ok (or anything, or EOF), then drop the socket.
         let _ = stream.set_read_timeout(Some(CLOSE_WAIT));
-        let _ = read_frame(stream, buf, 131_072).await;
+        let mut tmp = [0u8; 4096];
+        let deadline = std::time::Instant::now() + CLOSE_WAIT;
+        buf.clear();
+        while std::time::Instant::now() < deadline {
+            match stream.read(&mut tmp).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    buf.extend_from_slice(&tmp[..n]);
+                    if matches!(decode_frame(buf, 131_072), Ok(Some(Frame::Method { .. })) | Err(_)) {
+                        break;
+                    }
+                }
+            }
+        }
     }
 }
 

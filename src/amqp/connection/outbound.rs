@@ -110,9 +110,19 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, 
                 glommio::timer::sleep(CLOSE_WAIT),
             )
             .await;
-            if s.st.borrow().linger {
-                // The reader ends the connection at the client's EOF; this bounds the wait.
-                glommio::timer::sleep(CLOSE_WAIT).await;
+            // After the client's connection.close: wait for its EOF (the reader reports it
+            // through `peer_gone`), at most CLOSE_WAIT.
+            let deadline = Instant::now() + CLOSE_WAIT;
+            while s.st.borrow().linger && !s.st.borrow().peer_gone {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let _ = futures_lite::future::or(async { rx.recv_async().await.ok().map(drop) }, async {
+                    glommio::timer::sleep(left).await;
+                    None
+                })
+                .await;
             }
             let _ = w.close().await;
             return;

@@ -59,6 +59,9 @@ pub struct ConnState {
     /// the socket is left for the client to close first (the reader reads to its EOF), for
     /// at most [`CLOSE_WAIT`], so a client does not read EOF where it waits for close-ok.
     pub linger: bool,
+    /// The reader ended (the client's EOF, a read error, missed heartbeats): nothing more
+    /// comes in; the writer flushes what is queued and ends the connection.
+    pub peer_gone: bool,
     /// Exclusive queues declared by this connection.
     pub exclusive_queues: Vec<QueueRef>,
     /// Completed publisher confirms to send: (channel, seq, ok).
@@ -112,10 +115,17 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    // The stream can no longer be framed: report and end (spec 4.2.3).
+                    // The stream can no longer be framed: report it (spec 4.2.3) and read on,
+                    // dropping what comes, until the client closes or the writer's close
+                    // wait ends the connection. Closing with unread bytes would send the
+                    // client a reset that can destroy the connection.close before it reads it.
                     s.fail(e);
-                    s.finish();
-                    break;
+                    loop {
+                        match r.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                    }
                 }
             }
         }
@@ -163,6 +173,16 @@ impl Session {
     /// Asks the writer to flush and end the connection.
     pub fn finish(&self) {
         self.st.borrow_mut().finish = true;
+        self.send_frames(Vec::new());
+    }
+
+    /// The reader ended: the writer flushes what is queued and ends the connection without
+    /// lingering for the client's EOF (it came).
+    pub(super) fn peer_gone(&self) {
+        let mut st = self.st.borrow_mut();
+        st.peer_gone = true;
+        st.finish = true;
+        drop(st);
         self.send_frames(Vec::new());
     }
 

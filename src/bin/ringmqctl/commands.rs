@@ -189,6 +189,10 @@ pub fn run(cli: &Cli, client: &Client) -> Result<String, CtlError> {
             client.delete(&format!("/api/connections/{}", seg(name)), &[("X-Reason", explanation)])?;
             done(format!("Closing connection {name}, reason: {explanation}..."))
         }
+        Cmd::CloseAllUserConnections { user, explanation } => {
+            client.delete(&format!("/api/connections/username/{}", seg(user)), &[("X-Reason", explanation)])?;
+            done(format!("Closing connections of user {user}, reason: {explanation}..."))
+        }
         Cmd::ExportDefinitions { file } => {
             let defs = client.get("/api/definitions")?;
             let text = serde_json::to_string_pretty(&defs).unwrap_or_default() + "\n";

@@ -199,6 +199,9 @@ pub enum Cmd {
     /// Closes a connection (by its name, as list_connections shows it with the `name` column).
     #[command(name = "close_connection")]
     CloseConnection { name: String, explanation: String },
+    /// Closes every connection of USER (on the node the API runs on).
+    #[command(name = "close_all_user_connections")]
+    CloseAllUserConnections { user: String, explanation: String },
     /// Writes every definition (vhosts, users, permissions, policies, queues, exchanges,
     /// bindings) to FILE in RabbitMQ's format; `-` for standard output.
     #[command(name = "export_definitions")]
