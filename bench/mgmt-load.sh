@@ -86,7 +86,7 @@ scrape_loop() {
             curl -s -u guest:guest -o /dev/null -w "$1 %{http_code} %{size_download} %{time_total}\n" "$2" >>"$file" || true
         done
         now=$(date +%s.%N)
-        sleep "$(python3 -c "print(max(0.0, 1.0 - ($now - $t0)))")"
+        sleep "$(python3 -c "print(max(0.0, 1.0 - ($now - $t0)))" 2>/dev/null || echo 1)"
     done
 }
 

@@ -490,3 +490,38 @@ fn any_cluster_node_lists_every_queue_with_its_depth() {
         t("close", conn.close(200, "".into())).await.unwrap();
     });
 }
+
+/// Many keep-alive connections at once (a browser, agents, `curl --parallel`): every one is
+/// served, however many others sit idle. The thread-per-connection server used before left
+/// some unserved for minutes when more connections arrived together than it had threads.
+#[test]
+fn many_keep_alive_connections_at_once_are_all_served() {
+    use std::io::{Read, Write};
+    let b = Broker::start();
+    require_own_broker!(b, "ringmq's management API");
+    let port = b.management_port();
+    let auth = "Basic Z3Vlc3Q6Z3Vlc3Q="; // guest:guest
+    for round in 0..5 {
+        // 24 connections opened together, each sends a request and keeps its connection.
+        let mut conns: Vec<std::net::TcpStream> = (0..24)
+            .map(|_| {
+                let s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                s
+            })
+            .collect();
+        for s in &mut conns {
+            write!(s, "GET /api/overview HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n\r\n").unwrap();
+        }
+        for (i, s) in conns.iter_mut().enumerate() {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).unwrap_or_else(|e| panic!("round {round}: connection {i} not answered: {e}"));
+                assert!(n > 0, "round {round}: connection {i} closed unanswered");
+                got.extend_from_slice(&buf[..n]);
+            }
+            assert!(got.starts_with(b"HTTP/1.1 200"), "round {round}: {}", String::from_utf8_lossy(&got));
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! (rabbitmqadmin, monitoring agents, Kubernetes probes), on `--management-listen`.
 //!
 //! # Layout
-//! - this file: the server (a few plain threads on `tiny_http`), basic auth, routing, errors;
+//! - this file: basic auth, routing, errors; [`http`]: the HTTP/1.1 transport (hyper);
 //! - [`read`]: the GET endpoints (overview, nodes, vhosts, queues, exchanges, bindings,
 //!   consumers, connections, health checks) and the figures they gather from the cores;
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
@@ -13,7 +13,8 @@
 //! - [`listing`]: the listing parameters (`name`, `sort`, `columns`, `page`, `page_size`).
 //!
 //! # Threads, reads and writes
-//! The server runs on [`WORKERS`] std threads, never on a core. Reads take the topology from
+//! The server runs on its own threads (`http`: one for the sockets, a pool for the
+//! handlers), never on a core. Reads take the topology from
 //! the metadata (every node has all of it) and ask each queue for its figures by message
 //! passing: a [`QueueOp::Info`] (or, for a queue another node serves, [`QueueOp::Stats`],
 //! forwarded there) into its owner core's inbox, answered on a channel. Writes run the
@@ -34,6 +35,7 @@
 
 mod access;
 mod definitions;
+pub(crate) mod http;
 mod json;
 mod listing;
 mod read;
@@ -41,7 +43,6 @@ mod ui;
 mod write;
 
 use std::collections::HashMap;
-use std::io::Read as _;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,9 +55,6 @@ use crate::broker::auth::{AuthError, AuthUser, UserStore};
 use crate::broker::node::{Node, NodeMsg, OnCore, Shared};
 use crate::broker::topology::TopologyError;
 use crate::broker::QueueError;
-
-/// Threads answering requests: each serves one request at a time.
-pub const WORKERS: usize = 4;
 
 /// Largest request body read, bytes (a definitions import of many thousand objects fits).
 const MAX_BODY: u64 = 64 << 20;
@@ -83,24 +81,33 @@ pub struct Api {
     started: Instant,
 }
 
-/// Starts the API on `addr` with `users` for logins. Returns the address it listens on.
+/// Starts the API on `addr` with `users` for logins (the transport: `http`). Returns the
+/// address it listens on.
 ///
 /// # Errors
 /// The bind's error (the port is taken, the address is not this host's).
 pub fn serve(addr: SocketAddr, shared: Arc<Shared>, users: Arc<dyn UserStore>) -> std::io::Result<SocketAddr> {
-    let server = tiny_http::Server::http(addr).map_err(|e| std::io::Error::new(std::io::ErrorKind::AddrInUse, e.to_string()))?;
-    let local = server.server_addr().to_ip().unwrap_or(addr);
-    let server = Arc::new(server);
     let api = Arc::new(Api { shared, users, rates: Mutex::new(HashMap::new()), next_core: AtomicUsize::new(0), started: Instant::now() });
-    for i in 0..WORKERS {
-        let (server, api) = (server.clone(), api.clone());
-        std::thread::Builder::new().name(format!("ringmq-mgmt-{i}")).spawn(move || {
-            while let Ok(rq) = server.recv() {
-                api.answer(rq);
-            }
-        })?;
+    http::start(addr, api)
+}
+
+/// An HTTP answer as the transport sends it: status, headers, body bytes.
+pub(super) struct Answer {
+    status: u16,
+    headers: Vec<(&'static str, String)>,
+    body: bytes::Bytes,
+}
+
+impl Answer {
+    /// RabbitMQ's error body `{"error": …, "reason": …}` with `status`; a 401 carries a
+    /// Basic challenge unless the request came from a `script`.
+    pub(super) fn error(status: u16, error: &str, reason: String, script: bool) -> Answer {
+        let mut headers = vec![("Content-Type", "application/json".to_owned()), ("Cache-Control", "no-cache".to_owned())];
+        if status == 401 && !script {
+            headers.push(("WWW-Authenticate", "Basic realm=\"RabbitMQ Management\"".into()));
+        }
+        Answer { status, headers, body: json!({"error": error, "reason": reason}).to_string().into() }
     }
-    Ok(local)
 }
 
 /// An answer: status, JSON body (none for 204) and extra headers.
@@ -223,51 +230,33 @@ fn decode(s: &str, plus_is_space: bool) -> String {
 }
 
 impl Api {
-    fn answer(&self, mut rq: tiny_http::Request) {
-        let method = rq.method().as_str().to_owned();
-        let url = rq.url().to_owned();
-        if method == "GET" {
-            if let Some((content_type, body)) = ui::asset(url.split('?').next().unwrap_or("")) {
-                let mut resp = tiny_http::Response::from_string(body);
-                if let Ok(h) = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()) {
-                    resp = resp.with_header(h);
-                }
-                let _ = rq.respond(resp);
-                return;
+    /// Answers one request: a UI file, or an API call.
+    pub(super) fn answer(&self, head: &http::RequestHead, body: &[u8]) -> Answer {
+        if head.method == "GET" {
+            if let Some((content_type, file)) = ui::asset(head.url.split('?').next().unwrap_or("")) {
+                return Answer {
+                    status: 200,
+                    headers: vec![("Content-Type", content_type.to_owned())],
+                    body: bytes::Bytes::from_static(file.as_bytes()),
+                };
             }
         }
-        let loopback = rq.remote_addr().is_some_and(|a| a.ip().is_loopback());
-        let header = |name: &'static str| rq.headers().iter().find(|h| h.field.equiv(name)).map(|h| h.value.as_str().to_owned());
-        let (auth, reason) = (header("Authorization"), header("X-Reason"));
-        // Scripts (the web UI) mark their requests: a 401 to them carries no Basic challenge,
-        // which would make the browser open its own login dialog over the page's.
-        let script = header("X-Requested-With").is_some();
-        let mut body = String::new();
-        let read = rq.as_reader().take(MAX_BODY).read_to_string(&mut body);
-        let reply = match read {
-            Err(e) => Err(ApiError::bad_request(format!("cannot read the body: {e}"))),
-            Ok(_) => self.handle(&method, &url, auth.as_deref(), loopback, Incoming { body, reason }),
+        let Ok(body) = String::from_utf8(body.to_vec()) else {
+            return Answer::error(400, "bad_request", "the body is not UTF-8".into(), head.script);
         };
-        let reply = reply.unwrap_or_else(|e| {
-            let mut r = Reply::with(e.status, json!({"error": e.error, "reason": e.reason}));
-            if e.status == 401 && !script {
-                r.headers.push(("WWW-Authenticate", "Basic realm=\"RabbitMQ Management\"".into()));
-            }
-            r
-        });
-        let text = reply.body.as_ref().map(|b| b.to_string()).unwrap_or_default();
-        let mut resp = tiny_http::Response::from_string(text).with_status_code(reply.status);
-        let mut headers = reply.headers;
-        if reply.body.is_some() {
-            headers.push(("Content-Type", "application/json".into()));
-        }
-        headers.push(("Cache-Control", "no-cache".into()));
-        for (name, value) in headers {
-            if let Ok(h) = tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()) {
-                resp = resp.with_header(h);
+        let incoming = Incoming { body, reason: head.reason.clone() };
+        match self.handle(&head.method, &head.url, head.authorization.as_deref(), head.loopback, incoming) {
+            Err(e) => Answer::error(e.status, e.error, e.reason, head.script),
+            Ok(reply) => {
+                let mut headers = reply.headers;
+                if reply.body.is_some() {
+                    headers.push(("Content-Type", "application/json".into()));
+                }
+                headers.push(("Cache-Control", "no-cache".into()));
+                let body = reply.body.as_ref().map(|b| b.to_string()).unwrap_or_default();
+                Answer { status: reply.status, headers, body: body.into() }
             }
         }
-        let _ = rq.respond(resp);
     }
 
     fn handle(&self, method: &str, url: &str, auth: Option<&str>, loopback: bool, incoming: Incoming) -> Result<Reply, ApiError> {
