@@ -326,3 +326,44 @@ fn a_missing_certificate_file_stops_the_start_naming_its_path() {
     assert!(!status.success(), "exit status {status}");
     assert!(err.contains(&path(&missing)), "the error names the file:\n{err}");
 }
+
+/// The heartbeat deadline (a read timeout on the TCP stream under the TLS one) still closes a
+/// silent client: heartbeat 1 s negotiated, then nothing sent, closed after about 2 s.
+#[test]
+fn missed_heartbeats_close_a_tls_connection() {
+    let pki = Pki::new();
+    let (_b, tls) = pki.broker(false, &["--heartbeat", "1"]);
+    let mut s = tls_client(tls, &pki.ca, None);
+    start(&mut s);
+    let mut args = vec![0, 0, 0, 0];
+    shortstr(&mut args, "PLAIN");
+    longstr(&mut args, b"\0guest\0guest");
+    shortstr(&mut args, "en_US");
+    s.write_all(&frame(1, 0, &method(10, 11, &args))).expect("start-ok");
+    s.flush().expect("flush");
+    let (_, tune) = read_frame(&mut s).expect("connection.tune");
+    assert_eq!(&tune[..4], &[0, 10, 0, 30], "connection.tune");
+    // tune-ok: channel_max 0, frame_max 0, heartbeat 1; then open "/".
+    s.write_all(&frame(1, 0, &method(10, 31, &[0, 0, 0, 0, 0, 0, 0, 1]))).expect("tune-ok");
+    let mut open = Vec::new();
+    shortstr(&mut open, "/");
+    shortstr(&mut open, "");
+    open.push(0);
+    s.write_all(&frame(1, 0, &method(10, 40, &open))).expect("open");
+    s.flush().expect("flush");
+    let (_, open_ok) = read_frame(&mut s).expect("connection.open-ok");
+    assert_eq!(&open_ok[..4], &[0, 10, 0, 41], "connection.open-ok");
+    let t0 = Instant::now();
+    let mut heartbeats = 0;
+    let end = loop {
+        match read_frame(&mut s) {
+            Ok((8, _)) => heartbeats += 1,
+            Ok((ty, p)) => break format!("frame type {ty} {:?}", &p[..p.len().min(8)]),
+            Err(e) => break e.to_string(),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(8), "still open after {:?}", t0.elapsed());
+    };
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(8), "closed after {took:?} ({end})");
+    assert!(heartbeats >= 1, "the broker sent no heartbeat over TLS before closing ({end})");
+}

@@ -48,7 +48,7 @@ fn expect(input: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
 fn directory_string(tag: u8, content: &[u8]) -> Option<String> {
     match tag {
         0x0c | 0x13 | 0x16 | 0x14 => std::str::from_utf8(content).ok().map(str::to_owned),
-        0x1e if content.len() % 2 == 0 => {
+        0x1e if content.len().is_multiple_of(2) => {
             let units: Vec<u16> = content.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect();
             String::from_utf16(&units).ok()
         }
