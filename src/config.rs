@@ -23,7 +23,9 @@ use clap::Parser;
 use serde::Deserialize;
 
 mod access;
+mod tls;
 pub use access::{PermissionSeed, PolicySeed, User, APPLY_TO_NAMES};
+pub use tls::{Tls, TlsSettings};
 
 /// Command-line flags. Every flag can also be set in the TOML file given by `--config`
 /// (same names with `_` for `-`); a flag given on the command line wins.
@@ -34,6 +36,25 @@ pub struct Cli {
     /// and `[::]:5672`) [default: 127.0.0.1:5672 and [::1]:5672, loopback in both families]
     #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
     pub listen: Vec<SocketAddr>,
+    /// AMQP-over-TLS (amqps) listen address, conventionally port 5671; give it more than once
+    /// to listen on several. Needs --tls-cert and --tls-key [default: none, no TLS listener]
+    #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
+    pub tls_listen: Vec<SocketAddr>,
+    /// PEM file with the server's certificate chain, leaf first (for --tls-listen)
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM file with the server's private key: PKCS#8, RSA (PKCS#1) or EC (SEC1)
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM file with CA certificates: clients are asked for a certificate, which must verify
+    /// against them, and a client with one may log in with EXTERNAL as the user named by
+    /// its subject's common name [default: none, no client certificates asked for]
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// With --tls-ca: refuse a TLS client that presents no certificate (RabbitMQ's
+    /// fail_if_no_peer_cert)
+    #[arg(long)]
+    pub tls_fail_if_no_peer_cert: bool,
     /// Data directory (metadata and queue segments) [default: ./data]
     #[arg(long, value_name = "PATH")]
     pub data_dir: Option<PathBuf>,
@@ -149,6 +170,11 @@ pub const DEFAULT_LISTEN: [&str; 2] = ["127.0.0.1:5672", "[::1]:5672"];
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<OneOrMany>,
+    tls_listen: Option<OneOrMany>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    tls_fail_if_no_peer_cert: Option<bool>,
     data_dir: Option<PathBuf>,
     cores: Option<u32>,
     metrics_listen: Option<SocketAddr>,
@@ -182,6 +208,9 @@ pub struct Config {
     pub listen: Vec<SocketAddr>,
     /// `listen` is [`DEFAULT_LISTEN`]: an address the host lacks (no ::1) is skipped.
     pub listen_is_default: bool,
+    /// The amqps listener, its certificate and client verification; `None` without
+    /// `--tls-listen`.
+    pub tls: Option<Tls>,
     /// Data directory.
     pub data_dir: PathBuf,
     /// Executors.
@@ -313,9 +342,22 @@ impl Config {
             (_, None) => Vec::new(),
         };
         let listen_is_default = listen.is_empty();
+        let tls = TlsSettings {
+            listen: match (cli.tls_listen, file.tls_listen) {
+                (given, _) if !given.is_empty() => given,
+                (_, Some(OneOrMany::One(a))) => vec![a],
+                (_, Some(OneOrMany::Many(list))) => list,
+                (_, None) => Vec::new(),
+            },
+            cert: cli.tls_cert.or(file.tls_cert),
+            key: cli.tls_key.or(file.tls_key),
+            ca: cli.tls_ca.or(file.tls_ca),
+            fail_if_no_peer_cert: cli.tls_fail_if_no_peer_cert || file.tls_fail_if_no_peer_cert.unwrap_or(false),
+        };
         let mut c = Config {
             listen: if listen_is_default { DEFAULT_LISTEN.iter().map(|a| a.parse().expect("literal")).collect() } else { listen },
             listen_is_default,
+            tls: tls.build()?,
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
@@ -361,6 +403,11 @@ impl Config {
         }
         if c.replicas == 0 {
             return Err(ConfigError::Invalid("replicas must be at least 1".into()));
+        }
+        if let Some(tls) = &c.tls {
+            if let Some((t, p)) = tls.listen.iter().find_map(|t| c.listen.iter().find(|p| same_socket(*t, **p)).map(|p| (t, p))) {
+                return Err(ConfigError::Invalid(format!("the TLS listen address {t} is also the AMQP listen address {p}")));
+            }
         }
         let policies: Vec<&PolicySeed> = c.policies.iter().chain(&c.operator_policies).collect();
         access::check(&c.users, &c.vhosts, c.permissions.as_deref(), &policies)?;
@@ -694,5 +741,16 @@ pub(crate) mod tests {
             let m = refused(&["--peers", list], "");
             assert!(m.contains(want), "--peers {list:?}: {m:?} does not contain {want:?}");
         }
+    }
+
+    #[test]
+    fn tls_is_off_by_default_and_checked_when_asked_for() {
+        assert!(load(&[], "").unwrap().tls.is_none());
+        assert!(refused(&["--tls-listen", "127.0.0.1:5671"], "").contains("needs tls_cert"));
+        assert!(refused(&[], "tls_listen = \"127.0.0.1:5671\"\ntls_cert = \"/nonexistent/c.pem\"\ntls_key = \"k.pem\"")
+            .contains("/nonexistent/c.pem"));
+        assert!(refused(&["--tls-ca", "ca.pem"], "").contains("need tls_listen"));
+        let m = refused(&["--listen", "127.0.0.1:5671", "--tls-listen", "0.0.0.0:5671", "--tls-cert", "c", "--tls-key", "k"], "");
+        assert!(m.contains("cannot read c"), "files are read first: {m}");
     }
 }

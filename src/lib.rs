@@ -40,7 +40,8 @@
 //!
 //! # Publish → deliver → ack, step by step
 //! 1. A client's socket is accepted on some core (`core/accept.rs`) and served there
-//!    (`amqp/connection.rs`: handshake, then a reader and a writer half).
+//!    (`amqp/connection.rs`: handshake, then a reader and a writer half; on an amqps
+//!    listener the rustls handshake first, `serve_tls`, with the config of `config/tls.rs`).
 //! 2. basic.publish + header + body frames are decoded (`amqp/codec.rs`) and completed
 //!    (`amqp/methods/basic.rs`, `publish`); the route comes from that core's copy of the
 //!    routing tables (`broker/router.rs`, `broker/exchange/`). A transactional channel holds

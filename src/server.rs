@@ -17,6 +17,11 @@ use crate::core::{accept, mesh, Runtime};
 use crate::meta::{ClusterSpec, MetaConfig, MetaHandle, RaftNet};
 use crate::{amqp, core, observe};
 
+use futures_rustls::TlsAcceptor;
+
+/// Sockets a core's accept threads hand it.
+type Accepted = flume::Receiver<std::net::TcpStream>;
+
 /// How long a cluster node waits at start for a majority of its peers (RabbitMQ retries
 /// its peers for 5 minutes by default: 10 × 30 s).
 pub const CLUSTER_START_WAIT: Duration = Duration::from_secs(300);
@@ -149,6 +154,15 @@ fn listen_addrs(config: &Config) -> std::io::Result<Vec<std::net::SocketAddr>> {
 pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts>, shutdown: flume::Receiver<()>) -> std::io::Result<()> {
     let cores = config.cores.max(1);
     let listen = listen_addrs(&config)?;
+    let tls_listen = match &config.tls {
+        Some(tls) => {
+            for &addr in &tls.listen {
+                accept::wait_port_free(addr)?;
+            }
+            tls.listen.clone()
+        }
+        None => Vec::new(),
+    };
     let (inboxes, receivers) = mesh::Inboxes::<NodeMsg>::new(cores);
     let alarms = Arc::new(Alarms::new(config.disk_free_limit));
     let (soft_before, soft, hard) = alarms::raise_fd_limit();
@@ -212,7 +226,11 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             let alarms = shared.alarms.clone();
             Arc::new(move |peer| alarms.admit(peer))
         };
-        per_core.push(Some((rx, accept::listen(i as u32, &listen, admit)?)));
+        let tls = match &config.tls {
+            Some(tls) => Some((accept::listen(i as u32, &tls_listen, admit.clone())?, TlsAcceptor::from(tls.server.clone()))),
+            None => None,
+        };
+        per_core.push(Some((rx, accept::listen(i as u32, &listen, admit)?, tls)));
     }
     let per_core = Mutex::new(per_core);
     let rt = Runtime { cores, spin_before_park_us: config.spin_before_park_us };
@@ -222,13 +240,17 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             let taken = per_core.lock().ok().and_then(|mut v| v[i as usize].take());
             let shared = shared.clone();
             async move {
-                let Some((inbox, accepted)) = taken else { core::fatal::fatal("a core started twice") };
-                run_core(Node::new(i, shared), inbox, accepted).await
+                let Some((inbox, accepted, tls)) = taken else { core::fatal::fatal("a core started twice") };
+                run_core(Node::new(i, shared), inbox, accepted, tls).await
             }
         })?
     };
+    let tls = match tls_listen.is_empty() {
+        true => String::new(),
+        false => format!(", AMQP over TLS on {}", tls_listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and ")),
+    };
     tracing::info!(
-        "ringmq ready: AMQP 0-9-1 on {}, {} core{}, data in {}, {metrics}, {management}",
+        "ringmq ready: AMQP 0-9-1 on {}{tls}, {} core{}, data in {}, {metrics}, {management}",
         listen.iter().map(ToString::to_string).collect::<Vec<_>>().join(" and "),
         cores,
         if cores == 1 { "" } else { "s" },
@@ -250,9 +272,10 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     Ok(())
 }
 
-/// One core's life: its inbox loop, its tick, and a connection task per accepted socket,
-/// until a shutdown message; then the node's shutdown and the reply.
-async fn run_core(node: std::rc::Rc<Node>, inbox: flume::Receiver<NodeMsg>, accepted: flume::Receiver<std::net::TcpStream>) {
+/// One core's life: its inbox loop, its tick, and a connection task per accepted socket
+/// (`accepted`: the AMQP listeners'; `tls`: the amqps listeners' and the acceptor that runs
+/// their TLS handshakes), until a shutdown message; then the node's shutdown and the reply.
+async fn run_core(node: std::rc::Rc<Node>, inbox: flume::Receiver<NodeMsg>, accepted: Accepted, tls: Option<(Accepted, TlsAcceptor)>) {
     let inbox = {
         let node = node.clone();
         glommio::spawn_local(async move {
@@ -275,8 +298,21 @@ async fn run_core(node: std::rc::Rc<Node>, inbox: flume::Receiver<NodeMsg>, acce
             }
         })
     };
+    let accept_tls = tls.map(|(accepted, acceptor)| {
+        let node = node.clone();
+        glommio::spawn_local(async move {
+            while let Ok(stream) = accepted.recv_async().await {
+                if node.shared.shutting_down.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let serve = amqp::connection::serve_tls(node.clone(), acceptor.clone(), accept::into_glommio(stream));
+                glommio::spawn_local(serve).detach();
+            }
+        })
+    });
     if let Some(done) = inbox.await {
         drop(accept);
+        drop(accept_tls);
         node.shutdown().await;
         let _ = done.send(());
     }

@@ -7,14 +7,17 @@
 //! connection; then every channel is closed (requeueing what it held) and exclusive queues
 //! are deleted.
 //!
-//! Handshake (spec 2.2.4): protocol header → start/start-ok (PLAIN, AMQPLAIN) →
-//! tune/tune-ok → open/open-ok. Errors are reported as the spec assigns: channel errors
+//! Handshake (spec 2.2.4): protocol header → start/start-ok (PLAIN, AMQPLAIN, and EXTERNAL
+//! for a TLS client with a verified certificate) → tune/tune-ok → open/open-ok. On the amqps
+//! listener ([`serve_tls`]) the TLS handshake comes first, inside the same
+//! [`HANDSHAKE_TIMEOUT`]. Errors are reported as the spec assigns: channel errors
 //! with channel.close, connection errors with connection.close, after which only
 //! connection.close-ok (or close) is read, for at most [`CLOSE_WAIT`].
 //!
 //! # Layout
-//! This file holds [`serve`] (handshake, then the reader/writer pair, then teardown) and
-//! the connection's limits; the rest lives in submodules:
+//! This file holds [`serve`] and [`serve_tls`] (TLS handshake, AMQP handshake, then the
+//! reader/writer pair, then teardown) and the connection's limits; the rest lives in
+//! submodules:
 //! - `handshake`: protocol header, connection.start/tune/open, credentials, capabilities.
 //! - `session`: [`Session`] and [`ConnState`], the reader loop, blocked/unblocked state,
 //!   error reporting and channel/connection teardown.
@@ -22,11 +25,13 @@
 //! - `outbound`: the writer (event → frames, deliveries, confirms, heartbeats).
 //! - `tags`: delivery-tag assignment for basic.deliver (pure).
 //! - `confirms`: publisher-confirm coalescing into basic.ack/basic.nack (pure).
+//! - `transport`: [`Transport`], the plain or TLS stream the rest is generic over.
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use futures_rustls::TlsAcceptor;
 use glommio::net::TcpStream;
 
 use super::error::AmqpError;
@@ -39,8 +44,10 @@ mod handshake;
 mod outbound;
 mod session;
 mod tags;
+mod transport;
 
 pub use session::{close_effects, CloseEffects, ConnState, Session};
+pub use transport::Transport;
 
 use handshake::handshake;
 use outbound::writer;
@@ -51,16 +58,67 @@ pub const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// Limit for the whole handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves one accepted socket until it closes.
-pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
+/// What a TLS client's certificate, verified against `--tls-ca`, says of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerCert {
+    /// The subject's common name: the user an EXTERNAL login is for (`None`: the
+    /// certificate has none, and EXTERNAL is refused).
+    pub common_name: Option<String>,
+}
+
+/// Serves one socket accepted on a plain AMQP listener until it closes.
+pub async fn serve(core: Rc<Node>, stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    Stats::add(&core.stats().connections_opened, 1);
+    run(core, stream, None, Instant::now() + HANDSHAKE_TIMEOUT).await;
+}
+
+/// Serves one socket accepted on an amqps listener until it closes: the TLS handshake with
+/// `acceptor`, then the AMQP connection over it. Both handshakes together are bounded by
+/// [`HANDSHAKE_TIMEOUT`]; a failed or stalled TLS handshake (a plaintext client, a client
+/// certificate that does not verify, nothing sent) closes the socket with one log line.
+pub async fn serve_tls(core: Rc<Node>, acceptor: TlsAcceptor, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok();
-    let local = stream.local_addr().ok();
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     Stats::add(&core.stats().connections_opened, 1);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let accepted = futures_lite::future::or(async { acceptor.accept(stream).await.map_err(Some) }, async {
+        glommio::timer::sleep(HANDSHAKE_TIMEOUT).await;
+        Err(None)
+    })
+    .await;
+    let tls = match accepted {
+        Ok(tls) => tls,
+        Err(e) => {
+            let peer = peer.map(|p| p.to_string()).unwrap_or_else(|| "unknown".into());
+            match e {
+                // rustls's own errors (not TLS, a bad certificate, no common cipher suite).
+                Some(e) if e.kind() == std::io::ErrorKind::InvalidData => tracing::warn!(%peer, error = %e, "TLS handshake failed"),
+                Some(e) => tracing::info!(%peer, error = %e, "TLS handshake ended"),
+                None => tracing::info!(%peer, "TLS handshake not completed in time"),
+            }
+            Stats::add(&core.stats().connections_closed, 1);
+            return;
+        }
+    };
+    let peer_cert = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| PeerCert { common_name: crate::amqp::x509::subject_common_name(c) });
+    run(core, tls, peer_cert, deadline).await;
+}
+
+/// The AMQP handshake (until `deadline`), then the connection's life, on `stream`.
+async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<PeerCert>, deadline: Instant) {
+    let peer = stream.tcp().peer_addr().ok();
+    let local = stream.tcp().local_addr().ok();
     // One deadline for the whole handshake (a client dribbling bytes must not hold a
     // connection open forever).
-    let bounded = futures_lite::future::or(handshake(&core, &mut stream, peer), async {
-        glommio::timer::sleep(HANDSHAKE_TIMEOUT).await;
+    let bounded = futures_lite::future::or(handshake(&core, &mut stream, peer, peer_cert.as_ref()), async {
+        glommio::timer::sleep(deadline.saturating_duration_since(Instant::now())).await;
         Err(AmqpError::connection_forced("handshake not completed in time"))
     });
     let tuned = match bounded.await {
@@ -89,7 +147,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
         channel_max: tuned.channel_max,
         tx: tx.clone(),
     });
-    let _ = stream.set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
+    let _ = stream.tcp().set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
     let (unblocked_tx, unblocked_rx) = flume::bounded(1);
     let session = Rc::new(Session {
         core: core.clone(),
@@ -129,7 +187,7 @@ pub async fn serve(core: Rc<Node>, mut stream: TcpStream) {
         session.peer_gone();
         glommio::timer::sleep(CLOSE_WAIT * 2).await;
     };
-    futures_lite::future::or(read_half, writer(session.clone(), rx, w)).await;
+    futures_lite::future::or(read_half, writer(session.clone(), rx, w, S::BUFFERED)).await;
     session.teardown();
     core.conns.borrow_mut().remove(&id);
     core.shared.clients.closed(id);

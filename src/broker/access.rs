@@ -188,6 +188,21 @@ pub fn authenticate(topology: &Topology, config: &Config, user: &str, password: 
     Ok(User { name: u.name.clone(), tags: u.tags.clone() })
 }
 
+/// Checks a login whose identity a verified TLS client certificate vouches for (the
+/// EXTERNAL mechanism, RabbitMQ's rabbitmq_auth_mechanism_ssl): `user` (the certificate's
+/// subject common name) must exist, and a [`loopback_only`] user connect from a loopback
+/// address; no password is checked. Verifying the certificate is the caller's part.
+///
+/// # Errors
+/// [`AccessError::LoginRefused`] (unknown user), or [`AccessError::LoopbackOnly`].
+pub fn authenticate_external(topology: &Topology, config: &Config, user: &str, from_loopback: bool) -> Result<User, AccessError> {
+    let u = topology.access.users.get(user).ok_or_else(|| AccessError::LoginRefused { user: user.to_owned() })?;
+    if !from_loopback && loopback_only(config, user) {
+        return Err(AccessError::LoopbackOnly { user: user.to_owned() });
+    }
+    Ok(User { name: u.name.clone(), tags: u.tags.clone() })
+}
+
 /// True when `user` may log in only from a loopback address (RabbitMQ's `loopback_users`):
 /// as the configuration file says of it, and for `guest` when the file does not name it (so a
 /// guest created at run time is no way in from outside either).

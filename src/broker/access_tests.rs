@@ -22,6 +22,15 @@ fn config(loopback_only: bool) -> Config {
 }
 
 #[test]
+fn external_login_needs_the_user_but_no_password() {
+    let t = topology(None);
+    assert_eq!(authenticate_external(&t, &config(false), "u", false).unwrap().name, "u");
+    assert!(matches!(authenticate_external(&t, &config(false), "who", true), Err(AccessError::LoginRefused { .. })));
+    assert!(matches!(authenticate_external(&t, &config(true), "u", false), Err(AccessError::LoopbackOnly { .. })));
+    assert!(authenticate_external(&t, &config(true), "u", true).is_ok());
+}
+
+#[test]
 fn hashes_are_rabbitmqs_salted_sha256() {
     // RabbitMQ: base64(<<Salt:4/binary, (crypto:hash(sha256, <<Salt, Password>>))/binary>>).
     let h = hash_password_with_salt([0x90, 0x8d, 0xc6, 0x0a], "test12");

@@ -1,6 +1,7 @@
 //! The connection handshake (AMQP 0-9-1 spec 2.2.4, 4.2.2; methods of class
 //! `connection`, spec 1.4.2): protocol header → connection.start / start-ok (PLAIN,
-//! AMQPLAIN) → connection.tune / tune-ok → connection.open / open-ok.
+//! AMQPLAIN, and EXTERNAL for a TLS client whose certificate verified) → connection.tune /
+//! tune-ok → connection.open / open-ok.
 //!
 //! Invariants:
 //! - A wrong protocol header is answered with the header we support, then the socket is
@@ -10,6 +11,10 @@
 //!   spec's reply code, after which the server waits at most [`CLOSE_WAIT`] for close-ok;
 //!   logins and vhost access are checked against the metadata's users and permissions
 //!   (`broker::access`), and a refused login is logged at WARN with user and peer.
+//! - EXTERNAL is offered, and accepted, only on a connection whose client certificate
+//!   verified against `--tls-ca` ([`PeerCert`]); it logs in as the certificate's subject
+//!   common name (RabbitMQ's `ssl_cert_login_from = common_name`), which must be a user; no
+//!   password is checked. Anywhere else EXTERNAL is refused with 403 like a failed login.
 //! - Negotiated limits never exceed the configured ones: a client's 0 means "the
 //!   server's value", anything else is capped by it (spec 1.4.2.6 tune-ok).
 //! - Only the capabilities the server announces in `server_properties` are honoured
@@ -25,9 +30,8 @@ use amq_protocol::protocol::{connection as conn, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use bytes::BytesMut;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
-use glommio::net::TcpStream;
 
-use super::{CLOSE_WAIT, HANDSHAKE_TIMEOUT};
+use super::{PeerCert, Transport, CLOSE_WAIT, HANDSHAKE_TIMEOUT};
 use crate::amqp::codec::{decode_frame, encode_method, Frame, PROTOCOL_HEADER};
 use crate::amqp::error::AmqpError;
 use crate::broker::access::{self, AccessError};
@@ -51,7 +55,7 @@ pub(super) struct Tuned {
 /// Reads one frame during the handshake. A frame that cannot be decoded is answered with
 /// connection.close and the spec's code (501, 502, 540) before the error is returned; a
 /// failed read or the peer's EOF is returned as 320 with nothing written.
-async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<Frame, AmqpError> {
+async fn read_frame<S: Transport>(stream: &mut S, buf: &mut BytesMut, frame_max: u32) -> Result<Frame, AmqpError> {
     let mut tmp = [0u8; 4096];
     loop {
         match decode_frame(buf, frame_max) {
@@ -73,7 +77,7 @@ async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) 
 /// Reads the next method frame during the handshake, skipping heartbeats on channel 0.
 /// Any frame on another channel, and a content frame, is answered with 505
 /// UNEXPECTED_FRAME (as RabbitMQ does before connection.open-ok) and returned as the error.
-async fn read_method(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32) -> Result<AMQPClass, AmqpError> {
+async fn read_method<S: Transport>(stream: &mut S, buf: &mut BytesMut, frame_max: u32) -> Result<AMQPClass, AmqpError> {
     loop {
         let e = match read_frame(stream, buf, frame_max).await? {
             Frame::Heartbeat { channel: 0 } => continue,
@@ -90,12 +94,12 @@ async fn read_method(stream: &mut TcpStream, buf: &mut BytesMut, frame_max: u32)
 
 /// Sends connection.close for `e`, then waits at most [`CLOSE_WAIT`] for the peer's answer
 /// (whatever it is: the socket is dropped after).
-async fn write_close(stream: &mut TcpStream, buf: &mut BytesMut, e: &AmqpError) {
+async fn write_close<S: Transport>(stream: &mut S, buf: &mut BytesMut, e: &AmqpError) {
     let mut out = Vec::new();
     encode_method(&mut out, 0, &close_method(e));
-    if stream.write_all(&out).await.is_ok() {
+    if send(stream, &out).await.is_ok() {
         // Wait briefly for close-ok (or anything, or EOF), then drop the socket.
-        let _ = stream.set_read_timeout(Some(CLOSE_WAIT));
+        let _ = stream.tcp().set_read_timeout(Some(CLOSE_WAIT));
         let mut tmp = [0u8; 4096];
         let deadline = std::time::Instant::now() + CLOSE_WAIT;
         buf.clear();
@@ -111,6 +115,13 @@ async fn write_close(stream: &mut TcpStream, buf: &mut BytesMut, e: &AmqpError) 
             }
         }
     }
+}
+
+/// Writes `bytes` and flushes them (a TLS stream may hold them otherwise).
+async fn send<S: Transport>(stream: &mut S, bytes: &[u8]) -> Result<(), AmqpError> {
+    let io = |e: std::io::Error| AmqpError::connection_forced(format!("write: {e}"));
+    stream.write_all(bytes).await.map_err(io)?;
+    stream.flush().await.map_err(io)
 }
 
 pub(super) fn close_method(e: &AmqpError) -> AMQPClass {
@@ -183,14 +194,49 @@ async fn synced<T>(core: &Node, check: impl Fn(&crate::meta::Topology) -> Result
     first
 }
 
-/// Runs the handshake on a fresh socket; on success the connection is open.
-pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Option<SocketAddr>) -> Result<Tuned, AmqpError> {
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+/// The mechanisms connection.start offers: EXTERNAL too when the client presented a
+/// verified certificate.
+fn mechanisms(peer_cert: Option<&PeerCert>) -> &'static str {
+    match peer_cert {
+        Some(_) => "PLAIN AMQPLAIN EXTERNAL",
+        None => "PLAIN AMQPLAIN",
+    }
+}
+
+/// Who a start-ok logs in as, before any check against the users: PLAIN and AMQPLAIN's
+/// user and password, or EXTERNAL's certificate common name (no password). `None` for an
+/// unknown mechanism, a malformed response, or EXTERNAL without a verified certificate
+/// with a common name.
+fn login(mechanism: &str, response: &[u8], peer_cert: Option<&PeerCert>) -> Option<Login> {
+    match mechanism {
+        "EXTERNAL" => peer_cert?.common_name.clone().map(Login::Certificate),
+        _ => credentials(mechanism, response).map(|(user, password)| Login::Password { user, password }),
+    }
+}
+
+/// A login as the start-ok asked for it.
+#[derive(Debug, PartialEq, Eq)]
+enum Login {
+    /// PLAIN or AMQPLAIN.
+    Password { user: String, password: String },
+    /// EXTERNAL: the verified certificate's subject common name.
+    Certificate(String),
+}
+
+/// Runs the handshake on a fresh socket; on success the connection is open. `peer_cert`:
+/// the client's verified TLS certificate, if any (EXTERNAL is offered only with one).
+pub(super) async fn handshake<S: Transport>(
+    core: &Rc<Node>,
+    stream: &mut S,
+    peer: Option<SocketAddr>,
+    peer_cert: Option<&PeerCert>,
+) -> Result<Tuned, AmqpError> {
+    let _ = stream.tcp().set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let mut header = [0u8; 8];
     stream.read_exact(&mut header).await.map_err(|e| AmqpError::connection_forced(format!("read header: {e}")))?;
     if &header != PROTOCOL_HEADER {
         // Spec 4.2.2: answer with the protocol header we support, then close.
-        let _ = stream.write_all(PROTOCOL_HEADER).await;
+        let _ = send(stream, PROTOCOL_HEADER).await;
         return Err(AmqpError::connection_forced("bad protocol header"));
     }
     let cfg = core.shared.config.clone();
@@ -203,11 +249,11 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
             version_major: 0,
             version_minor: 9,
             server_properties: server_properties(),
-            mechanisms: LongString::from("PLAIN AMQPLAIN"),
+            mechanisms: LongString::from(mechanisms(peer_cert)),
             locales: LongString::from("en_US"),
         })),
     );
-    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    send(stream, &out).await?;
     let start_ok = match read_method(stream, &mut buf, cfg.frame_max).await? {
         AMQPClass::Connection(conn::AMQPMethod::StartOk(s)) => s,
         _ => {
@@ -222,15 +268,23 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
     };
     let (cancel_notify, blocked_notify) = (capability("consumer_cancel_notify"), capability("connection.blocked"));
     let mechanism = start_ok.mechanism.as_str().to_owned();
-    let creds = credentials(&mechanism, start_ok.response.as_bytes());
+    let creds = login(&mechanism, start_ok.response.as_bytes(), peer_cert);
     let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
     let peer_text = peer.map(|p| p.to_string()).unwrap_or_else(|| "unknown".into());
     let user = match creds {
-        Some((u, p)) => match synced(core, |t| access::authenticate(t, &cfg, &u, &p, loopback)).await {
+        Some(login) => match synced(core, |t| match &login {
+            Login::Password { user, password } => access::authenticate(t, &cfg, user, password, loopback),
+            Login::Certificate(user) => access::authenticate_external(t, &cfg, user, loopback),
+        })
+        .await
+        {
             Ok(user) => user.name,
             Err(err) => {
                 // Logged at the default level, as RabbitMQ does: its client text sends the
                 // operator here.
+                let u = match &login {
+                    Login::Password { user, .. } | Login::Certificate(user) => user,
+                };
                 tracing::warn!(user = %u, peer = %peer_text, mechanism = %mechanism, reason = %err, "login refused");
                 let e = match err {
                     AccessError::LoopbackOnly { .. } => AmqpError::login_refused(err),
@@ -242,6 +296,16 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
                 return Err(e);
             }
         },
+        None if mechanism == "EXTERNAL" => {
+            let why = match peer_cert {
+                None => "no verified TLS client certificate",
+                Some(_) => "the client certificate's subject has no common name",
+            };
+            tracing::warn!(peer = %peer_text, mechanism = %mechanism, "login refused: {why}");
+            let e = AmqpError::login_refused(format!("EXTERNAL login refused: {why}"));
+            write_close(stream, &mut buf, &e).await;
+            return Err(e);
+        }
         None => {
             tracing::warn!(peer = %peer_text, mechanism = %mechanism, "login refused: unsupported mechanism or malformed response");
             let e = AmqpError::login_refused(format!("unsupported authentication mechanism or malformed response ({mechanism})"));
@@ -259,7 +323,7 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
             heartbeat: cfg.heartbeat,
         })),
     );
-    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    send(stream, &out).await?;
     let tune_ok = match read_method(stream, &mut buf, cfg.frame_max).await? {
         AMQPClass::Connection(conn::AMQPMethod::TuneOk(t)) => t,
         _ => {
@@ -303,7 +367,7 @@ pub(super) async fn handshake(core: &Rc<Node>, stream: &mut TcpStream, peer: Opt
     }
     out.clear();
     encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
-    stream.write_all(&out).await.map_err(|e| AmqpError::connection_forced(format!("write: {e}")))?;
+    send(stream, &out).await?;
     Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, leftover: buf })
 }
 
@@ -334,6 +398,19 @@ mod tests {
         let mut only_login = FieldTable::default();
         only_login.insert("LOGIN".into(), AMQPValue::LongString("guest".into()));
         assert_eq!(credentials("AMQPLAIN", &unframed(&only_login)), None);
+    }
+
+    #[test]
+    fn external_is_offered_and_taken_only_with_a_verified_certificate() {
+        let alice = PeerCert { common_name: Some("alice".into()) };
+        let nameless = PeerCert { common_name: None };
+        assert_eq!(mechanisms(None), "PLAIN AMQPLAIN");
+        assert_eq!(mechanisms(Some(&alice)), "PLAIN AMQPLAIN EXTERNAL");
+        assert_eq!(login("EXTERNAL", b"", Some(&alice)), Some(Login::Certificate("alice".into())));
+        assert_eq!(login("EXTERNAL", b"\0bob\0pw", None), None, "no certificate: nothing to log in as");
+        assert_eq!(login("EXTERNAL", b"", Some(&nameless)), None);
+        let by_password = Some(Login::Password { user: "bob".into(), password: "pw".into() });
+        assert_eq!(login("PLAIN", b"\0bob\0pw", Some(&alice)), by_password, "a certificate does not change PLAIN");
     }
 
     #[test]

@@ -31,7 +31,8 @@ use crate::broker::{ChannelId, ClientEvent};
 use crate::observe::Stats;
 
 /// The writer half: drains the event channel into the socket until the connection ends.
-pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::Receiver<ClientEvent>, mut w: W) {
+/// `flush`: the transport buffers writes (TLS), so each batch is flushed once written.
+pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::Receiver<ClientEvent>, mut w: W, flush: bool) {
     let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
     let hb = s.st.borrow().heartbeat;
     let mut last_write = Instant::now();
@@ -78,7 +79,7 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, 
             encode_heartbeat(&mut out);
         }
         if !out.is_empty() {
-            if w.write_all(&out).await.is_err() {
+            if w.write_all(&out).await.is_err() || (flush && w.flush().await.is_err()) {
                 return;
             }
             last_write = Instant::now();
