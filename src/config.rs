@@ -23,6 +23,8 @@ use clap::Parser;
 use serde::Deserialize;
 
 mod access;
+mod memory;
+pub use memory::{Watermark, DEFAULT_MEMORY_HIGH_WATERMARK};
 mod tls;
 pub use access::{PermissionSeed, PolicySeed, User, APPLY_TO_NAMES};
 pub use tls::{Tls, TlsSettings};
@@ -95,9 +97,15 @@ pub struct Cli {
     #[arg(long, value_name = "US")]
     pub spin_before_park_us: Option<u64>,
     /// Free bytes on the data directory's filesystem below which the disk alarm is raised:
-    /// publishing connections are blocked (connection.blocked) until space is back [default: 50000000]
-    #[arg(long, value_name = "BYTES")]
+    /// publishing connections are blocked (connection.blocked) until space is back; bytes,
+    /// with an optional unit (50MB, 1GiB) [default: 50000000]
+    #[arg(long, value_name = "BYTES", value_parser = Watermark::parse_bytes)]
     pub disk_free_limit: Option<u64>,
+    /// Resident memory above which the memory alarm blocks publishing connections: a
+    /// fraction of the memory available (RAM, or the cgroup limit when lower) such as 0.4, or
+    /// bytes such as 536870912 or 512MiB; 0 turns it off [default: 0.4]
+    #[arg(long, value_name = "FRACTION|BYTES")]
+    pub memory_high_watermark: Option<String>,
     /// Log filter (tracing env-filter syntax, e.g. "info" or "ringmq=debug") [default: info]
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
@@ -129,6 +137,14 @@ pub struct Cli {
     /// (0 when done)
     #[arg(long, value_name = "ID")]
     pub forget_node: Option<u64>,
+}
+
+/// A TOML scalar as the command line would give it (`0.4`, `536870912`, `"512MiB"`).
+fn toml_scalar(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// Default disk alarm threshold, bytes (RabbitMQ's `disk_free_limit` default, 50 MB).
@@ -187,6 +203,7 @@ struct FileConfig {
     segment_bytes: Option<u64>,
     spin_before_park_us: Option<u64>,
     disk_free_limit: Option<u64>,
+    memory_high_watermark: Option<toml::Value>,
     log: Option<String>,
     users: Option<Vec<User>>,
     vhosts: Option<Vec<String>>,
@@ -236,6 +253,8 @@ pub struct Config {
     /// Disk alarm threshold: free bytes on the data directory's filesystem (RabbitMQ's
     /// `disk_free_limit`, default 50 MB; 0 = never).
     pub disk_free_limit: u64,
+    /// Memory alarm threshold (RabbitMQ's `vm_memory_high_watermark`).
+    pub memory_high_watermark: Watermark,
     /// Log filter.
     pub log: String,
     /// Users seeded into a fresh data directory (names unique); those with `loopback_only`
@@ -370,6 +389,10 @@ impl Config {
             segment_bytes: cli.segment_bytes.or(file.segment_bytes).unwrap_or(64 << 20),
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
             disk_free_limit: cli.disk_free_limit.or(file.disk_free_limit).unwrap_or(DEFAULT_DISK_FREE_LIMIT),
+            memory_high_watermark: match cli.memory_high_watermark.or_else(|| file.memory_high_watermark.map(|v| toml_scalar(&v))) {
+                Some(s) => Watermark::parse(&s).map_err(|e| ConfigError::Invalid(format!("--memory-high-watermark {e}")))?,
+                None => DEFAULT_MEMORY_HIGH_WATERMARK,
+            },
             log: cli.log.or(file.log).unwrap_or_else(|| std::env::var("RINGMQ_LOG").unwrap_or_else(|_| "info".into())),
             users: file.users.unwrap_or_else(access::default_users),
             vhosts: file.vhosts.unwrap_or_else(|| vec!["/".into()]),

@@ -191,7 +191,16 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     crate::broker::replicas::attach(&shared);
     {
         let inboxes = shared.inboxes.clone();
-        alarms::start_monitor(alarms, config.data_dir.clone(), move |raised| inboxes.send_all(|| NodeMsg::DiskAlarm(raised)))?;
+        let available = alarms::available_memory().unwrap_or(0);
+        let limit = config.memory_high_watermark.bytes(available);
+        alarms.memory_limit.store(limit, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            watermark = %config.memory_high_watermark,
+            limit_bytes = limit,
+            available_bytes = available,
+            "memory alarm threshold (0 = off)"
+        );
+        alarms::start_monitor(alarms, config.data_dir.clone(), move |blocked| inboxes.send_all(|| NodeMsg::ResourceAlarm(blocked)))?;
     }
     let metrics = {
         let shared = shared.clone();

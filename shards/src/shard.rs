@@ -201,6 +201,13 @@ impl Shard {
         Ok(())
     }
 
+    /// True while more than [`MAX_PENDING_CHUNKS`] MiB of appended data are not yet written
+    /// (and the shard is neither failed nor stopping): [`Shard::throttle`] would wait.
+    pub fn write_backlogged(&self) -> bool {
+        let st = self.inner.st.borrow();
+        st.failed.is_none() && !st.stop && st.next_seq - st.done_seq > MAX_PENDING_CHUNKS
+    }
+
     /// Waits while more than [`MAX_PENDING_CHUNKS`] MiB of appended data are not yet
     /// written, then yields once if writes are queued so the writer can submit
     /// them. Call it between batches of appends that are not followed by a sync.
@@ -400,6 +407,16 @@ impl Shard {
     /// `upto()` of the latest `Synced`: records below it are durable.
     pub fn durable_offset(&self) -> Offset {
         self.inner.st.borrow().durable_offset
+    }
+
+    /// Drops every cached record that is written (what is not yet written stays: it is read
+    /// from memory until it is); reads then go to disk. For memory pressure. Returns the bytes
+    /// the cache still holds.
+    pub fn drop_cache(&self) -> usize {
+        let mut st = self.inner.st.borrow_mut();
+        let written = st.written_offset;
+        st.cache.evict(0, written);
+        st.cache.bytes()
     }
 
     /// Bytes held by the memory cache (headers + bodies + 96 per record).

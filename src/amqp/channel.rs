@@ -63,11 +63,15 @@ pub struct PendingPublish {
     pub body: BytesMut,
     /// Body bytes received.
     pub received: u64,
+    /// The assembly buffer, counted apart by the memory alarm while the body is incomplete
+    /// (`broker::alarms::BodyAssembly`).
+    pub reserved: Option<crate::broker::alarms::BodyAssembly>,
 }
 
 impl PendingPublish {
     /// The whole body once complete.
     pub fn take_body(&mut self) -> Bytes {
+        self.reserved = None;
         match self.first.take() {
             Some(b) if self.body.is_empty() => b,
             Some(b) => {
@@ -92,6 +96,7 @@ impl PendingPublish {
             if let Some(f) = self.first.take() {
                 let declared = self.body_size.unwrap_or(0) as usize;
                 self.body.reserve(declared.max(f.len() + payload.len()));
+                self.reserved = Some(crate::broker::alarms::BodyAssembly::new(self.body.capacity()));
                 self.body.extend_from_slice(&f);
             }
             self.body.extend_from_slice(&payload);

@@ -68,6 +68,10 @@ pub struct ChannelDescription {
 pub struct ConnDescription {
     /// Its open channels, by number.
     pub channels: Vec<ChannelDescription>,
+    /// RabbitMQ's connection state: "running", "flow" (its reader waits for publish credit,
+    /// `broker::credit`), "blocked" (a resource alarm holds it) or "blocking" (an alarm is
+    /// raised and it has not published yet); empty when it did not answer.
+    pub state: &'static str,
 }
 
 /// The registry of this node's open connections.

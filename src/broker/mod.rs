@@ -32,6 +32,7 @@ pub mod access;
 pub mod alarms;
 pub mod auth;
 pub mod clients;
+pub mod credit;
 pub mod error;
 pub mod exchange;
 pub mod figures;
@@ -158,9 +159,9 @@ pub enum ClientEvent {
     },
     /// The broker is shutting down: close the connection (320 CONNECTION_FORCED).
     Shutdown,
-    /// The disk alarm was raised (true) or cleared: a connection that publishes is blocked
-    /// (connection.blocked, not read) or unblocked.
-    DiskAlarm(bool),
+    /// A resource alarm (memory, disk) now blocks publishers (true) or none does: a
+    /// connection that publishes is blocked (connection.blocked, not read) or unblocked.
+    ResourceAlarm(bool),
     /// Describe the connection's channels (the management API, `clients.rs`).
     Describe(Reply<clients::ConnDescription>),
     /// Close the connection with 320 CONNECTION_FORCED and this text (the management API's
@@ -316,6 +317,9 @@ pub enum QueueOp {
         /// When its basic.publish content was complete, for sampled messages (the
         /// publish→stored histogram; see `observe::sample`).
         published: Option<std::time::Instant>,
+        /// Its connection's publish credit, given back when the op is dropped (set for a
+        /// queue of another core; see [`credit`]).
+        credit: Option<std::sync::Arc<credit::CreditHeld>>,
     },
     /// basic.get: claim the next ready message.
     Get {

@@ -111,9 +111,12 @@ impl Shared {
             open_fds: load(&a.open_fds),
             max_fds: load(&a.max_fds),
             disk_free_bytes: load(&a.disk_free_bytes),
-            disk_free_limit: a.disk_free_limit,
+            disk_free_limit: a.disk_free_limit.load(Ordering::Relaxed),
             disk_alarm: a.disk_alarm(),
             fd_alarm: a.fd_alarm.load(Ordering::Relaxed),
+            memory_used: load(&a.memory_used),
+            memory_limit: load(&a.memory_limit),
+            memory_alarm: a.memory_alarm(),
             connections_refused: load(&a.connections_refused),
         };
         let m = self.meta.stats();
@@ -154,7 +157,7 @@ pub enum NodeMsg {
         op: QueueOp,
     },
     /// The disk alarm was raised (true) or cleared: tell every connection of this core.
-    DiskAlarm(bool),
+    ResourceAlarm(bool),
     /// A peer's operation on a queue this core owns (`broker::remote`).
     Remote {
         /// The peer.
@@ -251,9 +254,25 @@ impl Node {
                 self.queue_op(queue, op);
                 None
             }
-            NodeMsg::DiskAlarm(raised) => {
+            NodeMsg::ResourceAlarm(raised) => {
                 for tx in self.conns.borrow().values() {
-                    let _ = tx.send(ClientEvent::DiskAlarm(raised));
+                    let _ = tx.send(ClientEvent::ResourceAlarm(raised));
+                }
+                if raised && self.shared.alarms.memory_alarm() {
+                    // The queues' caches of stored messages go (their reads go to disk), and
+                    // what this core freed goes back at once, not at its next tick, so the
+                    // alarm lasts as long as memory is really held (`core::memory`).
+                    let (alarms, me) = (self.shared.alarms.clone(), self.clone());
+                    glommio::spawn_local(async move {
+                        while alarms.memory_alarm() {
+                            for q in me.open_queues() {
+                                q.borrow().shard.drop_cache();
+                            }
+                            crate::core::memory::collect_thread_heap();
+                            glommio::timer::sleep(Duration::from_millis(50)).await;
+                        }
+                    })
+                    .detach();
                 }
                 None
             }
@@ -637,6 +656,7 @@ impl Node {
                 }
             }
             glommio::timer::sleep(Duration::from_secs(1)).await;
+            crate::core::memory::collect_thread_heap();
             let now = Instant::now();
             for c in self.open_queues() {
                 let failure = c.borrow().store_failure();

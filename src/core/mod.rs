@@ -17,6 +17,7 @@
 
 pub mod accept;
 pub mod fatal;
+pub mod memory;
 pub mod mesh;
 pub mod placement;
 

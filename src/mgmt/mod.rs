@@ -324,6 +324,7 @@ impl Api {
             (["nodes", name], true) => self.node(name),
             (["ringmq", "latency"], true) => self.latency_node(),
             (["ringmq", "latency", v, q], true) => self.latency_queue(v, q),
+            (["ringmq", "nodes", n, setting], false) => self.node_setting(rq, n, setting),
             (["whoami"], true) => Ok(Reply::ok(json!({"name": rq.user.name, "tags": rq.user.tags}))),
             (["health", "checks", "alarms"] | ["health", "checks", "local-alarms"], true) => Ok(self.health_alarms()),
             (["health", "checks", "ready"], true) => Ok(self.health_ready()),

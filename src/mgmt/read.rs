@@ -399,10 +399,7 @@ impl Api {
         let mut v = json!({"name": self.node_name(id), "type": "disc", "running": running, "being_drained": false, "partitions": []});
         if here {
             let a = &self.shared.alarms;
-            let rss = std::fs::read_to_string("/proc/self/statm")
-                .ok()
-                .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
-                .map_or(0, |pages| pages * 4096);
+            let rss = crate::broker::alarms::resident_memory().unwrap_or(0);
             let extra = json!({
                 "uptime": self.started.elapsed().as_millis() as u64,
                 "processors": self.shared.cores,
@@ -410,11 +407,11 @@ impl Api {
                 "fd_used": a.open_fds.load(Ordering::Relaxed),
                 "fd_total": a.max_fds.load(Ordering::Relaxed),
                 "disk_free": a.disk_free_bytes.load(Ordering::Relaxed),
-                "disk_free_limit": a.disk_free_limit,
+                "disk_free_limit": a.disk_free_limit.load(Ordering::Relaxed),
                 "disk_free_alarm": a.disk_alarm(),
                 "mem_used": rss,
-                "mem_limit": 0,
-                "mem_alarm": false,
+                "mem_limit": a.memory_limit.load(Ordering::Relaxed),
+                "mem_alarm": a.memory_alarm(),
                 "rates_mode": "basic",
             });
             if let (Value::Object(m), Value::Object(e)) = (&mut v, extra) {
@@ -498,7 +495,7 @@ impl Api {
             "vhost": c.vhost,
             "protocol": "AMQP 0-9-1",
             "type": "network",
-            "state": "running",
+            "state": if d.state.is_empty() { "running" } else { d.state },
             "channels": d.channels.len(),
             "channel_max": c.channel_max,
             "frame_max": c.frame_max,
@@ -607,6 +604,9 @@ impl Api {
         let mut alarms = Vec::new();
         if a.disk_alarm() {
             alarms.push(json!({"node": node, "resource": "disk"}));
+        }
+        if a.memory_alarm() {
+            alarms.push(json!({"node": node, "resource": "memory"}));
         }
         if a.fd_alarm.load(Ordering::Relaxed) {
             alarms.push(json!({"node": node, "resource": "file_descriptor_limit"}));

@@ -298,7 +298,7 @@ pub(crate) async fn publish_to(node: &Rc<Node>, queues: Vec<QueueRef>, message: 
     let uid = node.shared.next_id();
     for (seq, q) in queues.iter().enumerate() {
         let confirm = ConfirmTo { tx: tx.clone(), conn: ConnId(uid), channel: ChannelId(0), chan_uid: uid, seq: seq as u64 };
-        node.send_from_connection(q, QueueOp::Publish { message: message.clone(), confirm: Some(confirm), published: None });
+        node.send_from_connection(q, QueueOp::Publish { message: message.clone(), confirm: Some(confirm), published: None, credit: None });
     }
     drop(tx);
     let mut ok = true;
@@ -344,4 +344,48 @@ async fn get_messages(
         node.send_from_connection(&q, QueueOp::Settle { chan_uid: uid, ack: Vec::new(), requeue: requeued, reject: rejected });
     }
     Ok(out)
+}
+
+impl Api {
+    /// `PUT /api/ringmq/nodes/{node}/{setting}` with `{"value": …}`: sets this node's
+    /// `vm_memory_high_watermark` (a fraction such as `0.4` or bytes such as `"512MiB"`) or
+    /// `disk_free_limit` (bytes, `"50MB"`) until it restarts, as RabbitMQ's
+    /// `rabbitmqctl set_vm_memory_high_watermark` / `set_disk_free_limit` do. The alarm is
+    /// re-evaluated within 10 ms. 204 when set.
+    ///
+    /// # Errors
+    /// 404 for an unknown node or setting; 400 for another node of the cluster (each node
+    /// sets its own, through its own API) or a value that does not parse.
+    pub(crate) fn node_setting(&self, rq: &Request<'_>, node: &str, setting: &str) -> Result<Reply, ApiError> {
+        if rq.method != "PUT" {
+            return Err(ApiError::method_not_allowed());
+        }
+        let me = self.node_name(self.shared.meta.node_id());
+        if node != me {
+            self.node(node)?;
+            return Err(ApiError::bad_request(format!("{node} is another node: set it through that node's management API (this is {me})")));
+        }
+        let body = rq.json()?;
+        let value = match body.get("value") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            _ => return Err(ApiError::bad_request("a \"value\" (number or string) is required")),
+        };
+        let alarms = &self.shared.alarms;
+        match setting {
+            "vm_memory_high_watermark" => {
+                let w = crate::config::Watermark::parse(&value).map_err(ApiError::bad_request)?;
+                let limit = w.bytes(crate::broker::alarms::available_memory().unwrap_or(0));
+                alarms.set_memory_limit(limit);
+                tracing::info!(user = %rq.user.name, watermark = %w, limit_bytes = limit, "memory high watermark set");
+            }
+            "disk_free_limit" => {
+                let bytes = crate::config::Watermark::parse_bytes(&value).map_err(ApiError::bad_request)?;
+                alarms.set_disk_free_limit(bytes);
+                tracing::info!(user = %rq.user.name, limit_bytes = bytes, "disk free limit set");
+            }
+            _ => return Err(ApiError::not_found()),
+        }
+        Ok(Reply::empty(204))
+    }
 }

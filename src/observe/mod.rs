@@ -183,6 +183,12 @@ pub struct Gauges {
     pub disk_alarm: bool,
     /// The file-descriptor alarm is raised.
     pub fd_alarm: bool,
+    /// Resident memory of the process, bytes.
+    pub memory_used: u64,
+    /// The memory alarm threshold, bytes (0 = off).
+    pub memory_limit: u64,
+    /// The memory alarm is raised.
+    pub memory_alarm: bool,
     /// Connections closed at accept because descriptors ran low (a counter).
     pub connections_refused: u64,
 }
@@ -381,6 +387,9 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
         ("rabbitmq_disk_space_available_limit_bytes", "Free disk space low watermark in bytes.", g(a.disk_free_limit)),
         ("rabbitmq_alarms_free_disk_space_watermark", "is 1 if free disk space watermark alarm is in effect", a.disk_alarm as i64),
         ("rabbitmq_alarms_file_descriptor_limit", "is 1 if file descriptor limit alarm is in effect", a.fd_alarm as i64),
+        ("rabbitmq_alarms_memory_used_watermark", "is 1 if VM memory watermark alarm is in effect", a.memory_alarm as i64),
+        ("rabbitmq_process_resident_memory_bytes", "Memory used in bytes", g(a.memory_used)),
+        ("rabbitmq_resident_memory_limit_bytes", "Memory high watermark in bytes", g(a.memory_limit)),
         ("ringmq_raft_is_leader", "1 when this node leads the metadata group.", raft.is_leader as i64),
         ("ringmq_raft_term", "Current Raft term of the metadata group.", g(raft.term)),
         ("ringmq_raft_leader_id", "Node id of the metadata group's leader (0: none known).", g(raft.leader)),

@@ -186,6 +186,11 @@ impl Broker {
         self.metrics_port
     }
 
+    /// The broker process's PID (None for an external broker).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Management API port (ringmq only; 0 for an external broker).
     pub fn management_port(&self) -> u16 {
         self.management_port

@@ -147,7 +147,7 @@ impl Session {
         };
         let Some(p) = p else { return Ok(()) };
         let first = !std::mem::replace(&mut self.st.borrow_mut().published, true);
-        if first && self.core.shared.alarms.disk_alarm() {
+        if first && self.core.shared.alarms.publishers_blocked() {
             self.set_blocked(true, None);
         }
         if let Err(e) = methods::basic::publish(self, channel, p) {

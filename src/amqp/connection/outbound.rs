@@ -243,7 +243,7 @@ impl Session {
                     let _ = self.unblocked.try_send(());
                 }
             }
-            ClientEvent::DiskAlarm(raised) => self.set_blocked(raised, Some(out)),
+            ClientEvent::ResourceAlarm(raised) => self.set_blocked(raised, Some(out)),
         }
     }
 
@@ -263,7 +263,16 @@ impl Session {
             })
             .collect();
         channels.sort_by_key(|c| c.number);
-        crate::broker::clients::ConnDescription { channels }
+        let state = if st.blocked {
+            "blocked"
+        } else if self.credit.exhausted() {
+            "flow"
+        } else if self.core.shared.alarms.publishers_blocked() {
+            "blocking"
+        } else {
+            "running"
+        };
+        crate::broker::clients::ConnDescription { channels, state }
     }
 
     fn channel_open(&self, channel: u16) -> bool {

@@ -1,7 +1,7 @@
 //! A connection's state and its reader half.
 //!
 //! Holds [`Session`] (what methods and queues see of a connection) with its mutable
-//! [`ConnState`], the reader loop, the disk-alarm blocked/unblocked state, error
+//! [`ConnState`], the reader loop, the blocked/unblocked state of the resource alarms, error
 //! reporting, and channel/connection teardown.
 //!
 //! Invariants:
@@ -11,9 +11,12 @@
 //! - A channel error closes only that channel (spec 1.5.2.5): its deliveries are
 //!   requeued and its consumers cancelled at once, and frames for it are dropped until
 //!   channel.close-ok.
-//! - While blocked by the disk alarm the reader takes no frame, not even from its buffer,
-//!   and does not read the socket (RabbitMQ's `connection.blocked` extension); closing
-//!   always wakes it.
+//! - While blocked by a resource alarm (memory, disk) the reader starts nothing: it takes no
+//!   method frame, not even from its buffer, and reads the socket only to finish the content
+//!   of a basic.publish already begun (RabbitMQ's `connection.blocked` extension; a message
+//!   held half-received would keep its memory for the whole alarm); closing always wakes it.
+//! - Flow control: the reader takes no frame while the connection's publish credit is used up
+//!   (`broker::credit`); queues give it back as they take the messages.
 //! - Every channel still open when the connection ends is closed for its queues, and the
 //!   connection's exclusive queues are deleted (spec 1.7.2.1 `exclusive`).
 
@@ -68,9 +71,9 @@ pub struct ConnState {
     pub confirms_ready: Vec<(u16, u64, bool)>,
     /// The client announced the `connection.blocked` capability.
     pub blocked_notify: bool,
-    /// This connection has sent basic.publish: the disk alarm blocks it.
+    /// This connection has sent basic.publish: a resource alarm blocks it.
     pub published: bool,
-    /// Blocked by the disk alarm: the reader takes no more frames until it clears.
+    /// Blocked by a resource alarm: the reader takes no more frames until it clears.
     pub blocked: bool,
     /// The user's permissions in the vhost, compiled (`broker::access::Grant`): every
     /// permission check of this connection reads it.
@@ -88,6 +91,9 @@ pub struct Session {
     /// Body bytes queues handed to this connection and the writer has not yet written
     /// (backpressure for its consumers, see `broker::queue::consumer::MAX_PENDING_BYTES`).
     pub pending_bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Publish credit: bytes of publishes queues have not yet taken (`broker::credit`); the
+    /// reader takes no frame while it is used up.
+    pub credit: std::sync::Arc<crate::broker::credit::PublishCredit>,
     /// Mutable state (never borrowed across an `.await`).
     pub st: RefCell<ConnState>,
     /// Wakes the reader when the connection is unblocked (or closing).
@@ -100,9 +106,15 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
     let mut tmp = vec![0u8; 64 * 1024];
     loop {
         loop {
-            // Blocked by the disk alarm: take no frame, not even from the buffer, until
-            // unblocked (the socket is not read either, so the client's TCP window closes).
-            s.wait_unblocked().await;
+            // Blocked by a resource alarm: take no frame that starts anything, not even from
+            // the buffer, until unblocked (the socket is not read either, so the client's TCP
+            // window closes). Content frames of a message already begun are taken: its body
+            // goes to the store instead of staying in memory for the whole alarm.
+            if !continues_content(&buf) {
+                s.wait_unblocked().await;
+            }
+            // Flow control: queues have not taken what this connection published yet.
+            s.credit.wait().await;
             let frame_max = s.st.borrow().frame_max;
             match decode_frame(&mut buf, frame_max) {
                 Ok(Some(frame)) => {
@@ -143,7 +155,9 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             // The writer flushes and ends the connection.
             std::future::pending::<()>().await;
         }
-        s.wait_unblocked().await;
+        if !s.content_in_progress() {
+            s.wait_unblocked().await;
+        }
         match r.read(&mut tmp).await {
             Ok(0) => return,
             Ok(n) => buf.extend_from_slice(&tmp[..n]),
@@ -155,6 +169,12 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             }
         }
     }
+}
+
+/// Whether the next frame in `buf` is a content header or body frame (spec 4.2.3: frame types
+/// 2 and 3), which can only continue a basic.publish already taken.
+fn continues_content(buf: &[u8]) -> bool {
+    matches!(buf.first(), Some(2 | 3))
 }
 
 impl Session {
@@ -347,7 +367,7 @@ impl Session {
         let _ = self.close_all();
     }
 
-    /// Blocks (the disk alarm was raised, and this connection publishes) or unblocks it:
+    /// Blocks (a resource alarm was raised, and this connection publishes) or unblocks it:
     /// connection.blocked / connection.unblocked to a client that announced the capability
     /// (RabbitMQ's reason text), and the reader stops or goes on. Into `out` when the
     /// writer calls it, else through the event channel.
@@ -359,14 +379,15 @@ impl Session {
         st.blocked = blocked;
         let notify = st.blocked_notify;
         drop(st);
+        let reason = self.core.shared.alarms.block_reason();
         if blocked {
-            tracing::info!(conn = %self.id, "connection blocked: disk alarm");
+            tracing::info!(conn = %self.id, reason, "connection blocked by a resource alarm");
         } else {
             let _ = self.unblocked.try_send(());
         }
         if notify {
             let m = if blocked {
-                AMQPClass::Connection(conn::AMQPMethod::Blocked(conn::Blocked { reason: "low on disk space".into() }))
+                AMQPClass::Connection(conn::AMQPMethod::Blocked(conn::Blocked { reason: reason.into() }))
             } else {
                 AMQPClass::Connection(conn::AMQPMethod::Unblocked(conn::Unblocked {}))
             };
@@ -377,7 +398,12 @@ impl Session {
         }
     }
 
-    /// Returns once the connection is not blocked by the disk alarm (or is closing).
+    /// True while some channel has a basic.publish whose content is not complete.
+    fn content_in_progress(&self) -> bool {
+        self.st.borrow().channels.values().any(|c| c.publish.is_some())
+    }
+
+    /// Returns once the connection is not blocked by a resource alarm (or is closing).
     async fn wait_unblocked(&self) {
         for _ in 0..u64::MAX {
             {

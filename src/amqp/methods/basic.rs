@@ -41,6 +41,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
                     first: None,
                     body: Default::default(),
                     received: 0,
+                    reserved: None,
                 });
             }
             Ok(())
@@ -472,10 +473,12 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
     let published = crate::observe::sample().then(std::time::Instant::now);
     let last = queues.len() - 1;
     let chan_uid = chan_uid(s, channel);
+    // One credit for the message, whatever the fanout (`broker::credit`).
+    let credit = s.credit.take(message.body.len() + message.header.len());
     let mut message = Some(message);
     for (i, q) in queues.iter().enumerate() {
         let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
         let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), conn: s.id, channel: ChannelId(channel), chan_uid, seq });
-        s.queue_send(q, QueueOp::Publish { message: m, confirm, published });
+        s.queue_send(q, QueueOp::Publish { message: m, confirm, published, credit: Some(credit.clone()) });
     }
 }

@@ -193,6 +193,19 @@ pub fn run(cli: &Cli, client: &Client) -> Result<String, CtlError> {
             client.delete(&format!("/api/connections/username/{}", seg(user)), &[("X-Reason", explanation)])?;
             done(format!("Closing connections of user {user}, reason: {explanation}..."))
         }
+        Cmd::SetVmMemoryHighWatermark { value } => {
+            let v = match value.as_slice() {
+                [f] => f.clone(),
+                [kind, bytes] if kind == "absolute" => bytes.clone(),
+                _ => return Err(CtlError::Usage("expected FRACTION or `absolute BYTES`".into())),
+            };
+            set_node_setting(client, "vm_memory_high_watermark", &v)?;
+            done(format!("Setting memory threshold on this node to {}", value.join(" ")))
+        }
+        Cmd::SetDiskFreeLimit { bytes } => {
+            set_node_setting(client, "disk_free_limit", bytes)?;
+            done(format!("Setting disk free limit on this node to {bytes} bytes"))
+        }
         Cmd::ExportDefinitions { file } => {
             let defs = client.get("/api/definitions")?;
             let text = serde_json::to_string_pretty(&defs).unwrap_or_default() + "\n";
@@ -264,6 +277,14 @@ fn put_policy(
 }
 
 /// `status`: the overview and this node's entry of /api/nodes.
+/// PUTs `setting` = `value` on the node whose API `client` talks to.
+fn set_node_setting(client: &Client, setting: &str, value: &str) -> Result<(), CtlError> {
+    let o = client.get("/api/overview")?;
+    let node = o.get("node").and_then(Value::as_str).unwrap_or_default().to_string();
+    client.put(&format!("/api/ringmq/nodes/{}/{setting}", seg(&node)), &json!({ "value": value }))?;
+    Ok(())
+}
+
 fn status(client: &Client, json: bool) -> Result<String, CtlError> {
     let o = client.get("/api/overview")?;
     let nodes = client.get("/api/nodes")?;

@@ -202,6 +202,18 @@ pub enum Cmd {
     /// Closes every connection of USER (on the node the API runs on).
     #[command(name = "close_all_user_connections")]
     CloseAllUserConnections { user: String, explanation: String },
+    /// Sets the memory alarm's threshold on the node the API runs on until it restarts: a
+    /// fraction of the available memory (`0.4`), or `absolute BYTES` (`absolute 512MiB`).
+    #[command(name = "set_vm_memory_high_watermark")]
+    SetVmMemoryHighWatermark {
+        /// `FRACTION`, or `absolute` and `BYTES`.
+        #[arg(num_args = 1..=2, required = true)]
+        value: Vec<String>,
+    },
+    /// Sets the disk alarm's free-space threshold on the node the API runs on until it
+    /// restarts: BYTES, with an optional unit (`50MB`, `1GiB`).
+    #[command(name = "set_disk_free_limit")]
+    SetDiskFreeLimit { bytes: String },
     /// Writes every definition (vhosts, users, permissions, policies, queues, exchanges,
     /// bindings) to FILE in RabbitMQ's format; `-` for standard output.
     #[command(name = "export_definitions")]

@@ -213,6 +213,9 @@ pub struct Queue {
     paged: std::collections::BTreeMap<u64, Record>,
     /// Appends or deletes not yet covered by a sync.
     dirty: bool,
+    /// Publish credit kept while the store's writer is behind (`durability.rs`,
+    /// [`Queue::hold_credit`]); given back, all at once, when it has caught up.
+    held_credit: Vec<std::sync::Arc<crate::broker::credit::CreditHeld>>,
     wake: flume::Sender<()>,
     /// Set once the queue is deleted; tasks holding a reference stop.
     pub deleted: bool,
@@ -364,6 +367,7 @@ impl Queue {
                 last_full_sync: Instant::now(),
                 paged: Default::default(),
                 dirty: false,
+                held_credit: Vec::new(),
                 wake,
                 deleted: false,
                 consumer_timeout_ms,
@@ -461,9 +465,12 @@ impl Queue {
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
         match op {
-            QueueOp::Publish { message, confirm, published } => {
+            QueueOp::Publish { message, confirm, published, credit } => {
                 q.counters.published += 1;
-                q.publish(cell, message, confirm, published)
+                q.publish(cell, message, confirm, published);
+                // The message is taken (stored, proposed or refused): its connection may send
+                // more, unless the store's writer is behind.
+                q.hold_credit(cell, credit);
             }
             QueueOp::Get { no_ack, holder, reply } => {
                 q.renew_lease();

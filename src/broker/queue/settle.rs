@@ -515,7 +515,7 @@ impl DeadLetterTarget {
         let published = crate::observe::sample().then(Instant::now);
         for target in &route.queues {
             let confirm = ConfirmTo { tx: tx.clone(), conn, channel: crate::broker::ChannelId(0), chan_uid: 0, seq };
-            self.env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published });
+            self.env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published, credit: None });
         }
         drop(tx);
         let mut stored = 0;

@@ -125,7 +125,7 @@ impl Remote {
                     chan_uid: local_id(from, c.chan_uid),
                     seq: c.seq,
                 });
-                QueueOp::Publish { message, confirm, published: None }
+                QueueOp::Publish { message, confirm, published: None, credit: None }
             }
             Request::Get { req, no_ack, holder, .. } => {
                 let chan_uid = local_id(from, holder.chan_uid);
@@ -310,7 +310,7 @@ async fn send_events(remote: Arc<Remote>, to: NodeId, conn: u64, rx: flume::Rece
             // Connection-wide events go to this node's own connections only.
             ClientEvent::Frames(_)
             | ClientEvent::Shutdown
-            | ClientEvent::DiskAlarm(_)
+            | ClientEvent::ResourceAlarm(_)
             | ClientEvent::Describe(_)
             | ClientEvent::Close(_) => continue,
         };
