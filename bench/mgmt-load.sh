@@ -35,7 +35,7 @@ broker="$root/target/release/ringmq"
 bench="$root/target/release/ringmq-bench"
 if [ ! -x "$broker" ] || [ ! -x "$bench" ]; then
     echo "mgmt-load.sh: building ringmq and ringmq-bench (release)" >&2
-    (cd "$root" && cargo build -j 2 --release --bin ringmq -p ringmq-bench >&2)
+    (cd "$root" && cargo build -j 2 --release --bin ringmq && cargo build -j 2 --release -p ringmq-bench >&2)
 fi
 command -v curl >/dev/null || { echo "mgmt-load.sh: needs curl" >&2; exit 1; }
 
