@@ -422,6 +422,37 @@ fn confirm_delivery_tags_count_up_from_one() {
     });
 }
 
+/// `n` channel.open (channels 1..=n) and then connection.close, as one pipelined burst.
+fn channel_opens_then_close(n: u16) -> Vec<u8> {
+    let mut burst = Vec::new();
+    for ch in 1..=n {
+        let mut a = Vec::new();
+        shortstr(&mut a, "");
+        burst.extend(frame(FRAME_METHOD, ch, &method(20, 10, &a)));
+    }
+    let mut close = Vec::new();
+    close.extend_from_slice(&200u16.to_be_bytes());
+    shortstr(&mut close, "bye");
+    close.extend_from_slice(&[0, 0, 0, 0]);
+    burst.extend(frame(FRAME_METHOD, 0, &method(10, 50, &close)));
+    burst
+}
+
+/// Reads (at most `max` frames) until connection.close-ok; the channel.open-ok seen before it.
+/// Panics on EOF before close-ok or on any other frame.
+fn open_oks_before_close_ok(c: &mut RawConn, max: usize) -> usize {
+    let mut open_ok = 0;
+    for _ in 0..max {
+        let f = c.read_frame().unwrap_or_else(|| panic!("EOF after {open_ok} channel.open-ok, before connection.close-ok"));
+        match f.method_id() {
+            Some((20, 11)) => open_ok += 1,
+            Some((10, 51)) => break,
+            other => panic!("unexpected frame {other:?} after {open_ok} open-ok"),
+        }
+    }
+    open_ok
+}
+
 /// A client that pipelines 1,100 channel.open and then connection.close without reading gets
 /// every open-ok and then the close-ok, before the socket closes (the fuzzer saw only 1,025
 /// replies and no close-ok: the writer stopped at its batch; issue 14).
@@ -429,27 +460,8 @@ fn confirm_delivery_tags_count_up_from_one() {
 fn a_close_after_a_burst_of_methods_answers_every_one_then_close_ok() {
     run(|addr| {
         let mut c = RawConn::open(addr);
-        let mut burst = Vec::new();
-        for ch in 1..=1100u16 {
-            let mut a = Vec::new();
-            shortstr(&mut a, "");
-            burst.extend(frame(FRAME_METHOD, ch, &method(20, 10, &a)));
-        }
-        let mut close = Vec::new();
-        close.extend_from_slice(&200u16.to_be_bytes());
-        shortstr(&mut close, "bye");
-        close.extend_from_slice(&[0, 0, 0, 0]);
-        burst.extend(frame(FRAME_METHOD, 0, &method(10, 50, &close)));
-        c.write(&burst);
-        let mut open_ok = 0;
-        for _ in 0..2000 {
-            let f = c.read_frame().unwrap_or_else(|| panic!("EOF after {open_ok} channel.open-ok, before connection.close-ok"));
-            match f.method_id() {
-                Some((20, 11)) => open_ok += 1,
-                Some((10, 51)) => break,
-                other => panic!("unexpected frame {other:?} after {open_ok} open-ok"),
-            }
-        }
+        c.write(&channel_opens_then_close(1100));
+        let open_ok = open_oks_before_close_ok(&mut c, 2000);
         assert_eq!(open_ok, 1100, "every channel.open answered before connection.close-ok");
         assert!(c.expect_eof(), "the socket closes after close-ok");
     });
@@ -462,28 +474,9 @@ fn a_close_after_a_burst_of_methods_answers_every_one_then_close_ok() {
 fn a_burst_then_close_then_eof_still_gets_every_reply_and_close_ok() {
     run(|addr| {
         let mut c = RawConn::open(addr);
-        let mut burst = Vec::new();
-        for ch in 1..=1500u16 {
-            let mut a = Vec::new();
-            shortstr(&mut a, "");
-            burst.extend(frame(FRAME_METHOD, ch, &method(20, 10, &a)));
-        }
-        let mut close = Vec::new();
-        close.extend_from_slice(&200u16.to_be_bytes());
-        shortstr(&mut close, "bye");
-        close.extend_from_slice(&[0, 0, 0, 0]);
-        burst.extend(frame(FRAME_METHOD, 0, &method(10, 50, &close)));
-        c.write(&burst);
+        c.write(&channel_opens_then_close(1500));
         c.sock.shutdown(std::net::Shutdown::Write).expect("shutdown(SHUT_WR)");
-        let mut open_ok = 0;
-        for _ in 0..3000 {
-            let f = c.read_frame().unwrap_or_else(|| panic!("EOF after {open_ok} channel.open-ok, before connection.close-ok"));
-            match f.method_id() {
-                Some((20, 11)) => open_ok += 1,
-                Some((10, 51)) => break,
-                other => panic!("unexpected frame {other:?} after {open_ok} open-ok"),
-            }
-        }
+        let open_ok = open_oks_before_close_ok(&mut c, 3000);
         assert_eq!(open_ok, 1500, "every channel.open answered before connection.close-ok");
         assert!(c.expect_eof(), "the socket closes after close-ok");
     });

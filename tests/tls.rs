@@ -215,11 +215,7 @@ fn a_plaintext_client_on_the_tls_port_is_closed_promptly_and_the_broker_serves_o
     s.write_all(b"AMQP\x00\x00\x09\x01").expect("header");
     let took = wait_closed(&mut s, Duration::from_secs(5));
     assert!(took < Duration::from_secs(3), "closed after {took:?}");
-    let deadline = Instant::now() + STEP_TIMEOUT;
-    while !b.log().contains("TLS handshake failed") {
-        assert!(Instant::now() < deadline, "no log line for the failed TLS handshake:\n{}", b.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    b.wait_for_log("TLS handshake failed", "the failed TLS handshake");
     assert!(b.log().contains("peer=127.0.0.1:"), "the log line names the peer:\n{}", b.log());
     let (ok, out) = pika(tls, "plain", &pki.ca, None);
     assert!(ok, "TLS after the plaintext client:\n{out}");
@@ -232,11 +228,7 @@ fn a_silent_connection_on_the_tls_port_is_closed_by_the_handshake_deadline() {
     let mut s = TcpStream::connect_timeout(&tls, Duration::from_secs(5)).expect("connect");
     let took = wait_closed(&mut s, Duration::from_secs(15));
     assert!(took >= Duration::from_secs(8), "closed after {took:?}, before the 10 s handshake deadline");
-    let deadline = Instant::now() + STEP_TIMEOUT;
-    while !b.log().contains("TLS handshake") {
-        assert!(Instant::now() < deadline, "no log line for the stalled TLS handshake:\n{}", b.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    b.wait_for_log("TLS handshake", "the stalled TLS handshake");
 }
 
 #[test]
@@ -273,11 +265,7 @@ fn a_client_certificate_from_another_ca_is_refused() {
     let (b, tls) = pki.broker(true, &[]);
     let (ok, out) = pika(tls, "refused", &pki.ca, Some(&pki.rogue));
     assert!(ok, "pika with a certificate of another CA:\n{out}\nbroker log:\n{}", b.log());
-    let deadline = Instant::now() + STEP_TIMEOUT;
-    while !b.log().contains("TLS handshake failed") {
-        assert!(Instant::now() < deadline, "no log line for the refused certificate:\n{}", b.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    b.wait_for_log("TLS handshake failed", "the refused certificate");
     let (ok, out) = pika(tls, "external", &pki.ca, Some(&pki.guest));
     assert!(ok, "a good certificate after the bad one:\n{out}");
 }

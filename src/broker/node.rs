@@ -216,6 +216,8 @@ pub struct Node {
     router: RefCell<Rc<Router>>,
     /// Open connections on this core and their event channels.
     pub conns: RefCell<HashMap<ConnId, ClientTx>>,
+    /// The memory alarm's collection loop runs on this core ([`Node::collect_during_memory_alarm`]).
+    collecting: std::cell::Cell<bool>,
 }
 
 impl Node {
@@ -229,7 +231,23 @@ impl Node {
             opened_this_run: RefCell::new(Default::default()),
             router: RefCell::new(Rc::new(router)),
             conns: RefCell::new(HashMap::new()),
+            collecting: std::cell::Cell::new(false),
         })
+    }
+
+    /// While the memory alarm lasts, every 50 ms: the queues' caches of stored messages go
+    /// (their reads go to disk), and what this core freed goes back at once, not at its next
+    /// tick, so the alarm lasts as long as memory is really held (`core::memory`). One loop
+    /// per core (`collecting`).
+    async fn collect_during_memory_alarm(self: Rc<Self>) {
+        while self.shared.alarms.memory_alarm() {
+            for q in self.open_queues() {
+                q.borrow().shard.drop_cache();
+            }
+            crate::core::memory::collect_thread_heap();
+            glommio::timer::sleep(Duration::from_millis(50)).await;
+        }
+        self.collecting.set(false);
     }
 
     /// This core's counters.
@@ -258,21 +276,8 @@ impl Node {
                 for tx in self.conns.borrow().values() {
                     let _ = tx.send(ClientEvent::ResourceAlarm(raised));
                 }
-                if raised && self.shared.alarms.memory_alarm() {
-                    // The queues' caches of stored messages go (their reads go to disk), and
-                    // what this core freed goes back at once, not at its next tick, so the
-                    // alarm lasts as long as memory is really held (`core::memory`).
-                    let (alarms, me) = (self.shared.alarms.clone(), self.clone());
-                    glommio::spawn_local(async move {
-                        while alarms.memory_alarm() {
-                            for q in me.open_queues() {
-                                q.borrow().shard.drop_cache();
-                            }
-                            crate::core::memory::collect_thread_heap();
-                            glommio::timer::sleep(Duration::from_millis(50)).await;
-                        }
-                    })
-                    .detach();
+                if raised && self.shared.alarms.memory_alarm() && !self.collecting.replace(true) {
+                    glommio::spawn_local(self.clone().collect_during_memory_alarm()).detach();
                 }
                 None
             }

@@ -399,7 +399,8 @@ impl Api {
         let mut v = json!({"name": self.node_name(id), "type": "disc", "running": running, "being_drained": false, "partitions": []});
         if here {
             let a = &self.shared.alarms;
-            let rss = crate::broker::alarms::resident_memory().unwrap_or(0);
+            // The alarm thread reads /proc every 10 ms; its figure is the one the alarm uses.
+            let rss = a.memory_used.load(Ordering::Relaxed);
             let extra = json!({
                 "uptime": self.started.elapsed().as_millis() as u64,
                 "processors": self.shared.cores,

@@ -186,6 +186,16 @@ impl Broker {
         self.metrics_port
     }
 
+    /// Waits (bounded by [`STEP_TIMEOUT`]) until the broker's log contains `text`; panics
+    /// with `what` and the log otherwise.
+    pub fn wait_for_log(&self, text: &str, what: &str) {
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        while !self.log().contains(text) {
+            assert!(Instant::now() < deadline, "no log line for {what}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The broker process's PID (None for an external broker).
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())

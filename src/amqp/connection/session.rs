@@ -155,7 +155,7 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             // The writer flushes and ends the connection.
             std::future::pending::<()>().await;
         }
-        if !s.content_in_progress() {
+        if s.st.borrow().blocked && !s.content_in_progress() {
             s.wait_unblocked().await;
         }
         match r.read(&mut tmp).await {
