@@ -373,7 +373,9 @@ impl Session {
     /// writer calls it, else through the event channel.
     pub(super) fn set_blocked(&self, blocked: bool, out: Option<&mut Vec<u8>>) {
         let mut st = self.st.borrow_mut();
-        if st.blocked == blocked || (blocked && !st.published) {
+        // A raise that is already over (the alarm cleared before this connection saw it) is
+        // stale: its clear follows.
+        if st.blocked == blocked || (blocked && (!st.published || !self.core.shared.alarms.publishers_blocked())) {
             return;
         }
         st.blocked = blocked;
