@@ -93,7 +93,13 @@ impl Inner {
         let dp = self.seg_file_path(base, FileKind::Del);
         let sp = self.seg_file_path(base, FileKind::Seg);
         let reserved = crate::space::slot_step(0, 1, capacity);
-        let seg_room = prealloc_target(align_up(SEG_HEADER_BYTES as u64 + first_len), self.cfg.segment_bytes);
+        // A segment started with no record to come (`Shard::prepare` at a queue's declare,
+        // `skip_to`) gets its header page only: an idle queue then takes ~40 KB of disk, not
+        // the 2 MiB of a first step. The first append allocates that step (`make_room`).
+        let seg_room = match first_len {
+            0 => align_up(SEG_HEADER_BYTES as u64),
+            _ => prealloc_target(align_up(SEG_HEADER_BYTES as u64 + first_len), self.cfg.segment_bytes),
+        };
         let cleanup = || {
             for p in [&ip, &dp, &sp] {
                 let _ = std::fs::remove_file(p);

@@ -270,7 +270,9 @@ async fn open_segment_for_dma(inner: &Rc<Inner>, seg_base: Offset, path: &Path) 
 /// end of the log.
 fn preallocate_ahead(inner: &Rc<Inner>, f: &Rc<DmaFile>, seg_base: Offset, end: u64) {
     let room = match inner.st.borrow().segs.iter().rev().find(|s| s.base == seg_base) {
-        Some(s) if !s.full => s.seg_room,
+        // A segment with no record yet is one `prepare` made: its header page is all it
+        // needs until a first append (`Inner::roll`).
+        Some(s) if !s.full && s.count > 0 => s.seg_room,
         _ => return,
     };
     let limit = inner.cfg.segment_bytes;

@@ -146,3 +146,41 @@ fn sealed_segments_give_back_their_preallocation() {
         }
     });
 }
+
+/// Bytes of disk the files of `dir` take (allocated blocks).
+fn disk_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().metadata().unwrap().blocks() * 512).sum()
+}
+
+/// A prepared, empty shard takes its header page, not a preallocation step; once every
+/// record is deleted, `shrink_if_empty` gives the grown segment back and offsets go on.
+#[test]
+fn an_empty_shard_takes_little_disk_and_shrinks_back_when_drained() {
+    let dir = tmpdir();
+    let path = dir.path().to_path_buf();
+    let big = || ShardConfig { segment_bytes: 64 << 20, ..cfg() };
+    let p = path.clone();
+    run(move || async move {
+        let (s, _) = Shard::open(&p, big()).await.unwrap();
+        s.prepare().await.unwrap();
+        assert!(disk_bytes(&p) <= 32 * 1024, "a prepared shard takes {} bytes", disk_bytes(&p));
+        let offsets: Vec<u64> = (0..500).map(|_| put(&s, 1000)).collect();
+        s.sync().await.unwrap();
+        assert!(disk_bytes(&p) >= 1 << 20, "500 KB of records preallocate a step");
+        s.shrink_if_empty().await.unwrap();
+        assert_eq!(seg_files(&p).len(), 1, "nothing shrinks while records are live");
+        s.delete_by_offsets(&offsets).unwrap();
+        s.sync().await.unwrap();
+        s.shrink_if_empty().await.unwrap();
+        assert!(disk_bytes(&p) <= 32 * 1024, "a drained shard takes {} bytes", disk_bytes(&p));
+        assert_eq!(put(&s, 10), 500, "offsets go on after the shrink");
+        s.close().await.unwrap();
+    });
+    run(move || async move {
+        let (s, rep) = Shard::open(&path, big()).await.unwrap();
+        assert!(rep.dropped.is_empty(), "{rep:?}");
+        assert_eq!(s.live_offsets(), vec![500]);
+        assert_eq!(s.read(500).await.unwrap().unwrap().body.len(), 10);
+    });
+}

@@ -88,7 +88,7 @@ pub fn table_depth_ok(t: &FieldTable) -> bool {
 }
 
 /// The field tables a client may send in a method's arguments.
-fn method_tables(m: &AMQPClass) -> Option<&FieldTable> {
+pub(crate) fn method_tables(m: &AMQPClass) -> Option<&FieldTable> {
     use amq_protocol::protocol::{basic, connection, exchange, queue};
     Some(match m {
         AMQPClass::Connection(connection::AMQPMethod::StartOk(x)) => &x.client_properties,

@@ -12,12 +12,14 @@
 //! - [`unacked`]: the pure ledger of unsettled deliveries.
 //! - [`transaction`]: the pure state of a transactional channel (class `tx`).
 //! - [`methods`]: one file per AMQP class.
+//! - [`fuzz`]: the fuzz targets (`fuzz/`), replayed over their corpus by `cargo test`.
 //! - [`error`]: [`error::AmqpError`], reply codes and scopes.
 
 pub mod channel;
 pub mod codec;
 pub mod connection;
 pub mod error;
+pub mod fuzz;
 pub mod methods;
 pub mod transaction;
 pub mod unacked;

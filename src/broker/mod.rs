@@ -37,6 +37,7 @@ pub mod error;
 pub mod exchange;
 pub mod figures;
 pub mod grow;
+mod idle;
 pub mod ids;
 pub mod message;
 pub mod node;

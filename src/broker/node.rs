@@ -196,8 +196,10 @@ impl std::fmt::Debug for OnCore {
     }
 }
 
-enum Slot {
+pub(super) enum Slot {
     Open(QueueCell),
+    /// Closed for being idle (`idle.rs`), with its message counters of this run.
+    Idle(super::queue::Counters),
     Opening(Vec<QueueOp>),
     Deleting,
 }
@@ -208,7 +210,9 @@ pub struct Node {
     pub id: u32,
     /// Shared state.
     pub shared: Arc<Shared>,
-    queues: RefCell<rustc_hash::FxHashMap<QueueKey, Slot>>,
+    pub(super) queues: RefCell<rustc_hash::FxHashMap<QueueKey, Slot>>,
+    /// Counters of idle queues being opened again, restored once open (`idle.rs`).
+    pub(super) resumed: RefCell<rustc_hash::FxHashMap<QueueKey, super::queue::Counters>>,
     /// Durable queues of this core whose messages were opened since the broker started:
     /// only a queue's first open in a run drops its transient messages (a restart); a
     /// reopen after a store failure keeps them, as the queue held them.
@@ -228,6 +232,7 @@ impl Node {
             id,
             shared,
             queues: RefCell::new(Default::default()),
+            resumed: RefCell::new(Default::default()),
             opened_this_run: RefCell::new(Default::default()),
             router: RefCell::new(Rc::new(router)),
             conns: RefCell::new(HashMap::new()),
@@ -326,6 +331,14 @@ impl Node {
             return;
         }
         let mut queues = self.queues.borrow_mut();
+        if let Some(Slot::Idle(counters)) = queues.get(&qref.key) {
+            let counters = *counters;
+            if let QueueOp::Info { reply, .. } = op {
+                return drop(reply.send(super::idle::idle_info(counters)));
+            }
+            queues.remove(&qref.key);
+            self.resumed.borrow_mut().insert(qref.key.clone(), counters);
+        }
         match queues.get_mut(&qref.key) {
             Some(Slot::Open(cell)) => {
                 let cell = cell.clone();
@@ -345,7 +358,7 @@ impl Node {
             }
             Some(Slot::Opening(pending)) => pending.push(op),
             Some(Slot::Deleting) => refuse(&qref.key, op),
-            None => {
+            Some(Slot::Idle(_)) | None => {
                 let topo = self.router();
                 let Some(def) = topo.topology.queue(&qref.key.vhost, &qref.key.name).cloned() else {
                     drop(queues);
@@ -387,8 +400,9 @@ impl Node {
 
     /// Opens a queue's store, starts the queue and runs the operations that waited for it;
     /// if the store cannot open, answers them as [`refuse_unstored`] says.
-    async fn open_and_run(self: Rc<Self>, def: QueueDef, qref: QueueRef) {
+    pub(super) async fn open_and_run(self: Rc<Self>, def: QueueDef, qref: QueueRef) {
         let opened = self.open_queue(&def, &qref).await;
+        let counters = self.resumed.borrow_mut().remove(&qref.key);
         let pending = match self.queues.borrow_mut().remove(&qref.key) {
             Some(Slot::Opening(p)) => p,
             _ => Vec::new(),
@@ -398,6 +412,9 @@ impl Node {
                 let env: Rc<dyn QueueEnv> = self.clone();
                 let timeout = self.shared.config.consumer_timeout_ms;
                 let cell = Queue::start(def, qref.clone(), shard, index, recovered, timeout, env);
+                if let Some(c) = counters {
+                    cell.borrow_mut().counters = c;
+                }
                 self.queues.borrow_mut().insert(qref.key.clone(), Slot::Open(cell.clone()));
                 for op in pending {
                     self.run_op(&cell, op);
@@ -564,9 +581,13 @@ impl Node {
     }
 
     /// The queue `key` of this core: `Some(Some(cell))` when open, `Some(None)` while it opens
-    /// or is deleted, `None` when nothing opened it.
+    /// or is deleted, `None` when nothing opened it or it was closed for being idle.
     pub(super) fn queue_slot(&self, key: &QueueKey) -> Option<Option<QueueCell>> {
-        self.queues.borrow().get(key).map(|s| if let Slot::Open(c) = s { Some(c.clone()) } else { None })
+        match self.queues.borrow().get(key)? {
+            Slot::Open(c) => Some(Some(c.clone())),
+            Slot::Idle(_) => None,
+            _ => Some(None),
+        }
     }
 
     /// True while a queue of this core is being opened.
@@ -663,6 +684,7 @@ impl Node {
             glommio::timer::sleep(Duration::from_secs(1)).await;
             crate::core::memory::collect_thread_heap();
             let now = Instant::now();
+            self.close_idle_queues(now).await;
             for c in self.open_queues() {
                 let failure = c.borrow().store_failure();
                 if let Some(why) = failure {
@@ -690,7 +712,7 @@ impl Node {
 /// Answers an operation on a queue that does not exist (any more): 404, except that a
 /// confirm-mode publish is confirmed (RabbitMQ confirms a message whose queue vanished
 /// while it was routed).
-fn refuse(key: &QueueKey, op: QueueOp) {
+pub(super) fn refuse(key: &QueueKey, op: QueueOp) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {
             c.answer(true);

@@ -367,7 +367,10 @@ fn check_max_priority(def: &QueueDef) -> Result<(), TopologyError> {
 
 /// Rejects queue arguments of the wrong type or value (406, as RabbitMQ does for the x-
 /// arguments it knows).
-fn validate_queue_arguments(def: &QueueDef) -> Result<(), TopologyError> {
+///
+/// # Errors
+/// 406 PRECONDITION_FAILED naming the argument, in RabbitMQ's words.
+pub fn validate_queue_arguments(def: &QueueDef) -> Result<(), TopologyError> {
     let args = &def.arguments;
     let invalid = |key: &str, why: &str| {
         TopologyError::precondition_failed(format!("invalid arg '{key}' for queue '{}' in vhost '{}': {why}", def.name, def.vhost))

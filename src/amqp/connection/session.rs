@@ -101,9 +101,15 @@ pub struct Session {
     pub(super) unblocked_rx: flume::Receiver<()>,
 }
 
+/// Bytes of the first read of a connection's socket, and of its largest (see [`reader`]).
+const READ_MIN: usize = 4 * 1024;
+const READ_MAX: usize = 64 * 1024;
+
 /// The reader half: frames from the socket, carried out one by one.
 pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, mut r: R, mut buf: BytesMut) {
-    let mut tmp = vec![0u8; 64 * 1024];
+    // Reads start at 4 KiB and double (to 64 KiB) while they fill it: an idle connection
+    // keeps 4 KiB here instead of 64 (10,000 connections: 600 MB less resident).
+    let mut tmp = vec![0u8; READ_MIN];
     loop {
         loop {
             // Blocked by a resource alarm: take no frame that starts anything, not even from
@@ -160,7 +166,12 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
         }
         match r.read(&mut tmp).await {
             Ok(0) => return,
-            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            Ok(n) => {
+                buf.extend_from_slice(&tmp[..n]);
+                if n == tmp.len() && n < READ_MAX {
+                    tmp = vec![0u8; n * 2];
+                }
+            }
             Err(e) => {
                 if e.kind() == std::io::ErrorKind::TimedOut {
                     tracing::info!(conn = %s.id, "missed heartbeats from client, closing TCP connection");

@@ -19,6 +19,7 @@
 //! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
 //! - [`priority`]: `x-max-priority`, the levels of a priority queue's ready set;
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
+//! - `idle`: whether an empty, unused queue may be closed (its core closes it).
 //!
 //! # Invariants
 //! - An offset is in exactly one of: the ready set, the outstanding set, `paging`
@@ -34,6 +35,7 @@ pub mod delivery_limit;
 pub mod dispatch;
 pub mod durability;
 pub mod expiry;
+mod idle;
 pub mod index;
 pub mod limits;
 pub mod priority;
@@ -204,6 +206,8 @@ pub struct Queue {
     index_trash: Vec<u64>,
     /// When the last full sync (appends and deletes) of the message shard started.
     last_full_sync: Instant,
+    /// When an operation other than [`QueueOp::Info`] last reached it (`idle.rs`).
+    last_used: Instant,
     /// The index flusher task runs (see [`Queue::flush_unsynced_soon`]).
     index_flushing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
@@ -365,6 +369,7 @@ impl Queue {
                 index_of,
                 index_trash: Vec::new(),
                 last_full_sync: Instant::now(),
+                last_used: Instant::now(),
                 paged: Default::default(),
                 dirty: false,
                 held_credit: Vec::new(),
@@ -464,6 +469,9 @@ impl Queue {
     /// Executes one operation. Called by the owner core in arrival order.
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
+        if !matches!(op, QueueOp::Info { .. }) {
+            q.last_used = Instant::now();
+        }
         match op {
             QueueOp::Publish { message, confirm, published, credit } => {
                 q.counters.published += 1;
