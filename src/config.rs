@@ -25,9 +25,11 @@ use serde::Deserialize;
 mod access;
 mod memory;
 pub use memory::{Watermark, DEFAULT_MEMORY_HIGH_WATERMARK};
+mod management_tls;
 mod tls;
 pub use access::{PermissionSeed, PolicySeed, User, APPLY_TO_NAMES};
-pub use tls::{Tls, TlsSettings};
+pub use management_tls::{ManagementTls, ManagementTlsSettings};
+pub use tls::{Tls, TlsArgs, TlsSettings};
 
 /// Command-line flags. Every flag can also be set in the TOML file given by `--config`
 /// (same names with `_` for `-`); a flag given on the command line wins.
@@ -38,25 +40,9 @@ pub struct Cli {
     /// and `[::]:5672`) [default: 127.0.0.1:5672 and [::1]:5672, loopback in both families]
     #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
     pub listen: Vec<SocketAddr>,
-    /// AMQP-over-TLS (amqps) listen address, conventionally port 5671; give it more than once
-    /// to listen on several. Needs --tls-cert and --tls-key [default: none, no TLS listener]
-    #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
-    pub tls_listen: Vec<SocketAddr>,
-    /// PEM file with the server's certificate chain, leaf first (for --tls-listen)
-    #[arg(long, value_name = "FILE")]
-    pub tls_cert: Option<PathBuf>,
-    /// PEM file with the server's private key: PKCS#8, RSA (PKCS#1) or EC (SEC1)
-    #[arg(long, value_name = "FILE")]
-    pub tls_key: Option<PathBuf>,
-    /// PEM file with CA certificates: clients are asked for a certificate, which must verify
-    /// against them, and a client with one may log in with EXTERNAL as the user named by
-    /// its subject's common name [default: none, no client certificates asked for]
-    #[arg(long, value_name = "FILE")]
-    pub tls_ca: Option<PathBuf>,
-    /// With --tls-ca: refuse a TLS client that presents no certificate (RabbitMQ's
-    /// fail_if_no_peer_cert)
-    #[arg(long)]
-    pub tls_fail_if_no_peer_cert: bool,
+    /// The TLS listeners' flags (amqps and the management API's HTTPS).
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Data directory (metadata and queue segments) [default: ./data]
     #[arg(long, value_name = "PATH")]
     pub data_dir: Option<PathBuf>,
@@ -191,6 +177,11 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
     tls_fail_if_no_peer_cert: Option<bool>,
+    management_tls_listen: Option<SocketAddr>,
+    management_tls_cert: Option<PathBuf>,
+    management_tls_key: Option<PathBuf>,
+    management_tls_ca: Option<PathBuf>,
+    management_tls_fail_if_no_peer_cert: Option<bool>,
     data_dir: Option<PathBuf>,
     cores: Option<u32>,
     metrics_listen: Option<SocketAddr>,
@@ -236,6 +227,8 @@ pub struct Config {
     pub metrics_listen: SocketAddr,
     /// Management API listen address; `None` when turned off (`--management-listen off`).
     pub management_listen: Option<SocketAddr>,
+    /// The management API's HTTPS listener; `None` without `--management-tls-listen`.
+    pub management_tls: Option<ManagementTls>,
     /// Heartbeat offered, seconds.
     pub heartbeat: u16,
     /// frame_max offered, bytes (≥ 4096).
@@ -347,6 +340,7 @@ impl Config {
     /// Flags over `file` over defaults, then the checks [`Config::load`] documents.
     fn merge(cli: Cli, file: FileConfig) -> Result<Config, ConfigError> {
         let cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+        let (tls, management_tls) = tls::load(cli.tls, &file)?;
         // The flag's list replaces the file's table as a whole.
         let peers = match (cli.peers, file.peers) {
             (Some(list), _) => parse_peer_list(&list)?,
@@ -361,26 +355,15 @@ impl Config {
             (_, None) => Vec::new(),
         };
         let listen_is_default = listen.is_empty();
-        let tls = TlsSettings {
-            listen: match (cli.tls_listen, file.tls_listen) {
-                (given, _) if !given.is_empty() => given,
-                (_, Some(OneOrMany::One(a))) => vec![a],
-                (_, Some(OneOrMany::Many(list))) => list,
-                (_, None) => Vec::new(),
-            },
-            cert: cli.tls_cert.or(file.tls_cert),
-            key: cli.tls_key.or(file.tls_key),
-            ca: cli.tls_ca.or(file.tls_ca),
-            fail_if_no_peer_cert: cli.tls_fail_if_no_peer_cert || file.tls_fail_if_no_peer_cert.unwrap_or(false),
-        };
         let mut c = Config {
             listen: if listen_is_default { DEFAULT_LISTEN.iter().map(|a| a.parse().expect("literal")).collect() } else { listen },
             listen_is_default,
-            tls: tls.build()?,
+            tls,
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
             management_listen: parse_management_listen(cli.management_listen.or(file.management_listen).as_deref())?,
+            management_tls,
             heartbeat: cli.heartbeat.or(file.heartbeat).unwrap_or(60),
             frame_max: cli.frame_max.or(file.frame_max).unwrap_or(131_072),
             channel_max: cli.channel_max.or(file.channel_max).unwrap_or(2047),
@@ -427,11 +410,7 @@ impl Config {
         if c.replicas == 0 {
             return Err(ConfigError::Invalid("replicas must be at least 1".into()));
         }
-        if let Some(tls) = &c.tls {
-            if let Some((t, p)) = tls.listen.iter().find_map(|t| c.listen.iter().find(|p| same_socket(*t, **p)).map(|p| (t, p))) {
-                return Err(ConfigError::Invalid(format!("the TLS listen address {t} is also the AMQP listen address {p}")));
-            }
-        }
+        tls::check_addresses(&c)?;
         let policies: Vec<&PolicySeed> = c.policies.iter().chain(&c.operator_policies).collect();
         access::check(&c.users, &c.vhosts, c.permissions.as_deref(), &policies)?;
         c.cluster_listen = c.check_cluster()?;
@@ -477,6 +456,9 @@ impl Config {
         }
         if self.management_listen.is_some_and(|m| same_socket(cluster, m)) {
             return invalid(format!("the cluster address {cluster} is also the management listen address"));
+        }
+        if let Some(m) = self.management_tls.as_ref().map(|m| m.listen).filter(|&m| same_socket(cluster, m)) {
+            return invalid(format!("the cluster address {cluster} is also the management TLS listen address {m}"));
         }
         if same_socket(cluster, self.metrics_listen) {
             return invalid(format!("the cluster address {cluster} is also the metrics listen address {}", self.metrics_listen));
@@ -772,7 +754,7 @@ pub(crate) mod tests {
         assert!(refused(&["--tls-listen", "127.0.0.1:5671"], "").contains("needs tls_cert"));
         assert!(refused(&[], "tls_listen = \"127.0.0.1:5671\"\ntls_cert = \"/nonexistent/c.pem\"\ntls_key = \"k.pem\"")
             .contains("/nonexistent/c.pem"));
-        assert!(refused(&["--tls-ca", "ca.pem"], "").contains("need tls_listen"));
+        assert!(refused(&["--tls-ca", "ca.pem"], "").contains("tls_ca is used by no listener: it needs tls_listen"));
         let m = refused(&["--listen", "127.0.0.1:5671", "--tls-listen", "0.0.0.0:5671", "--tls-cert", "c", "--tls-key", "k"], "");
         assert!(m.contains("cannot read c"), "files are read first: {m}");
     }

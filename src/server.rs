@@ -214,17 +214,17 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             None => format!("metrics off (cannot bind {})", config.metrics_listen),
         }
     };
-    // The management API: logins against the metadata's users, as the AMQP handshake's.
-    let management = match config.management_listen {
-        None => "management API off".to_owned(),
-        Some(addr) => {
-            let users = Arc::new(crate::broker::auth::MetaUsers { meta: shared.meta.clone(), config: config.clone() });
-            match crate::mgmt::serve(addr, shared.clone(), users) {
-                Ok(bound) => format!("management API on http://{bound}/api/"),
-                Err(e) => {
-                    tracing::warn!(%addr, error = %e, "management API disabled: cannot bind");
-                    format!("management API off (cannot bind {addr}: {e})")
-                }
+    // The management API (plain and HTTPS): logins against the metadata's users, as the AMQP
+    // handshake's.
+    let management = if config.management_listen.is_none() && config.management_tls.is_none() {
+        "management API off".to_owned()
+    } else {
+        let users = Arc::new(crate::broker::auth::MetaUsers { meta: shared.meta.clone(), config: config.clone() });
+        match crate::mgmt::serve(config.management_listen, config.management_tls.as_ref(), shared.clone(), users) {
+            Ok(bound) => management_line(&config, &bound),
+            Err(e) => {
+                tracing::warn!(error = %e, "management API disabled: its thread cannot start");
+                format!("management API off ({e})")
             }
         }
     };
@@ -279,6 +279,29 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     // process exits right after this returns, which closes them.
     drop(handles);
     Ok(())
+}
+
+/// The ready line's words for the management listeners of `config`: each one's URL, or why
+/// it is off (a bind failure is also logged at warn here).
+fn management_line(config: &Config, bound: &crate::mgmt::Bound) -> String {
+    let describe =
+        |listener: &Option<std::io::Result<std::net::SocketAddr>>, asked: Option<std::net::SocketAddr>, name: &str, scheme: &str| {
+            let asked = asked.map_or_else(String::new, |a| a.to_string());
+            match listener {
+                None => None,
+                Some(Ok(addr)) => Some(format!("{name} on {scheme}://{addr}/api/")),
+                Some(Err(e)) => {
+                    tracing::warn!(addr = %asked, error = %e, "{name} disabled: cannot bind");
+                    Some(format!("{name} off (cannot bind {asked}: {e})"))
+                }
+            }
+        };
+    let https = config.management_tls.as_ref().map(|t| t.listen);
+    let parts = [
+        describe(&bound.http, config.management_listen, "management API", "http"),
+        describe(&bound.https, https, "management API over TLS", "https"),
+    ];
+    parts.into_iter().flatten().collect::<Vec<_>>().join(", ")
 }
 
 /// One core's life: its inbox loop, its tick, and a connection task per accepted socket

@@ -10,80 +10,23 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::pki::{client_config, path, Pem, Pki};
 use common::python::{clients_dir, python, run_bounded};
 use common::raw::{frame, longstr, method, shortstr};
 use common::*;
 use futures_rustls::rustls;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 
-/// A certificate and its key as PEM files.
-struct Pem {
-    cert: PathBuf,
-    key: PathBuf,
+/// The amqps broker of a test PKI.
+trait AmqpsBroker {
+    fn broker(&self, verify: bool, extra: &[&str]) -> (Broker, SocketAddr);
 }
 
-/// The test PKI: a CA, a server certificate and client certificates it signed, and a client
-/// certificate from another CA.
-struct Pki {
-    _dir: tempfile::TempDir,
-    ca: PathBuf,
-    server: Pem,
-    /// CN=guest, signed by the CA.
-    guest: Pem,
-    /// CN=nobody (no such user), signed by the CA.
-    nobody: Pem,
-    /// CN=guest, signed by another CA.
-    rogue: Pem,
-}
-
-fn ca_params(name: &str) -> rcgen::CertificateParams {
-    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-    p.distinguished_name.push(rcgen::DnType::CommonName, name);
-    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    p.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign, rcgen::KeyUsagePurpose::DigitalSignature];
-    p
-}
-
-fn write_pem(dir: &Path, name: &str, cert: &rcgen::Certificate, key: &rcgen::KeyPair) -> Pem {
-    let pem = Pem { cert: dir.join(format!("{name}.crt")), key: dir.join(format!("{name}.key")) };
-    std::fs::write(&pem.cert, cert.pem()).expect("write cert");
-    std::fs::write(&pem.key, key.serialize_pem()).expect("write key");
-    pem
-}
-
-/// A leaf certificate for `sans` with subject CN `cn`, signed by `issuer`.
-fn leaf(dir: &Path, name: &str, cn: &str, sans: &[&str], issuer: &rcgen::Issuer<'_, rcgen::KeyPair>) -> Pem {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let mut p = rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).expect("params");
-    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-    p.use_authority_key_identifier_extension = true;
-    let cert = p.signed_by(&key, issuer).expect("sign");
-    write_pem(dir, name, &cert, &key)
-}
-
-impl Pki {
-    fn new() -> Pki {
-        let dir = tempfile::Builder::new().prefix("ringmq-tls-").tempdir().expect("tempdir");
-        let d = dir.path();
-        let ca_key = rcgen::KeyPair::generate().expect("key");
-        let ca_cert = ca_params("ringmq test CA").self_signed(&ca_key).expect("ca");
-        let ca = write_pem(d, "ca", &ca_cert, &ca_key).cert;
-        let issuer = rcgen::Issuer::new(ca_params("ringmq test CA"), ca_key);
-        let server = leaf(d, "server", "localhost", &["localhost", "127.0.0.1"], &issuer);
-        let guest = leaf(d, "guest", "guest", &[], &issuer);
-        let nobody = leaf(d, "nobody", "nobody", &[], &issuer);
-        let rogue_key = rcgen::KeyPair::generate().expect("key");
-        let rogue_issuer = rcgen::Issuer::new(ca_params("some other CA"), rogue_key);
-        let rogue = leaf(d, "rogue", "guest", &[], &rogue_issuer);
-        Pki { _dir: dir, ca, server, guest, nobody, rogue }
-    }
-
+impl AmqpsBroker for Pki {
     /// A broker with an amqps listener on a free port (and `--tls-ca` when `verify`).
     fn broker(&self, verify: bool, extra: &[&str]) -> (Broker, SocketAddr) {
         let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
@@ -97,10 +40,6 @@ impl Pki {
         assert!(b.log().contains(&format!("AMQP over TLS on {tls}")), "ready line names the TLS listener:\n{}", b.log());
         (b, tls)
     }
-}
-
-fn path(p: &Path) -> String {
-    p.to_str().expect("utf-8 path").to_owned()
 }
 
 /// tests/clients/tls.py MODE against `tls`, with the client certificate `client`.
@@ -119,22 +58,8 @@ fn pika(tls: SocketAddr, mode: &str, ca: &Path, client: Option<&Pem>) -> (bool, 
 
 /// A blocking rustls client to `tls` trusting `ca`, presenting `client` if given.
 fn tls_client(tls: SocketAddr, ca: &Path, client: Option<&Pem>) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(ca).expect("ca") {
-        roots.add(c.expect("ca cert")).expect("add");
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots);
-    let config = match client {
-        Some(c) => {
-            let chain = CertificateDer::pem_file_iter(&c.cert).expect("cert").collect::<Result<Vec<_>, _>>().expect("cert");
-            builder.with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(&c.key).expect("key")).expect("client auth")
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let conn = rustls::ClientConnection::new(Arc::new(config), ServerName::try_from("localhost").expect("name")).expect("client");
+    let config = client_config(ca, client, &[]);
+    let conn = rustls::ClientConnection::new(config, ServerName::try_from("localhost").expect("name")).expect("client");
     let tcp = TcpStream::connect_timeout(&tls, Duration::from_secs(5)).expect("connect");
     tcp.set_read_timeout(Some(STEP_TIMEOUT)).expect("timeout");
     rustls::StreamOwned::new(conn, tcp)

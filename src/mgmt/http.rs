@@ -9,6 +9,10 @@
 //! did: 4 of 1,000 parallel declares waited 11 minutes). Here an idle connection costs a
 //! socket and a small task, not a thread.
 //!
+//! Listeners: the plain `--management-listen` and the HTTPS `--management-tls-listen`, both
+//! on this one thread; an HTTPS socket's task runs the TLS handshake first ([`super::tls`]),
+//! then the same HTTP service.
+//!
 //! Limits: request headers must arrive within [`HEADER_TIMEOUT`]; bodies over
 //! [`super::MAX_BODY`] bytes are answered 413.
 
@@ -24,7 +28,10 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 
-use super::{Answer, Api};
+use futures_rustls::TlsAcceptor;
+
+use super::{Answer, Api, Bound};
+use crate::config::ManagementTls;
 
 /// Most requests worked on at once (tokio's blocking pool); more wait their turn.
 pub const MAX_HANDLERS: usize = 32;
@@ -33,15 +40,45 @@ pub const MAX_HANDLERS: usize = 32;
 /// the previous answer (idle keep-alive connections are closed after it too).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Binds `addr` and starts the server thread for `api`. Returns the bound address.
+/// The listeners to bind: the plain HTTP address and the HTTPS one with its rustls config.
+pub(super) struct Listeners<'a> {
+    /// `--management-listen`.
+    pub http: Option<SocketAddr>,
+    /// `--management-tls-listen` and its files.
+    pub https: Option<&'a ManagementTls>,
+}
+
+/// Binds each of `listeners` and starts the server thread for `api` (both listeners on it).
+/// Returns each listener's bound address or bind error (the port is taken, the address is
+/// not this host's): a listener that cannot bind leaves the other serving.
 ///
 /// # Errors
-/// The bind's error (the port is taken, the address is not this host's), or the thread's
-/// or runtime's when they cannot start.
-pub(super) fn start(addr: SocketAddr, api: Arc<Api>) -> std::io::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind(addr)?;
-    listener.set_nonblocking(true)?;
-    let local = listener.local_addr()?;
+/// The thread's or runtime's when they cannot start.
+pub(super) fn start(listeners: Listeners<'_>, api: Arc<Api>) -> std::io::Result<Bound> {
+    let bind = |addr: SocketAddr| -> std::io::Result<(std::net::TcpListener, SocketAddr)> {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        Ok((listener, local))
+    };
+    let mut bound = Vec::new();
+    let http = listeners.http.map(|addr| {
+        bind(addr).map(|(l, local)| {
+            bound.push((l, None));
+            local
+        })
+    });
+    let https = listeners.https.map(|tls| {
+        bind(tls.listen).map(|(l, local)| {
+            tracing::info!(%local, certificate = tls.cert_from, verify_peer = tls.verify_peer, "management API over TLS");
+            bound.push((l, Some(TlsAcceptor::from(tls.server.clone()))));
+            local
+        })
+    });
+    let answer = Bound { http, https };
+    if bound.is_empty() {
+        return Ok(answer);
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
@@ -50,20 +87,20 @@ pub(super) fn start(addr: SocketAddr, api: Arc<Api>) -> std::io::Result<SocketAd
         .build()?;
     std::thread::Builder::new().name("ringmq-mgmt".into()).spawn(move || {
         runtime.block_on(async move {
-            let listener = match tokio::net::TcpListener::from_std(listener) {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!(error = %e, "management API: cannot register its socket; the API is off");
-                    return;
+            for (listener, tls) in bound {
+                match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => drop(tokio::spawn(accept_loop(l, tls, api.clone()))),
+                    Err(e) => tracing::error!(error = %e, "management API: cannot register a listening socket; that listener is off"),
                 }
-            };
-            accept_loop(listener, api).await;
+            }
+            std::future::pending::<()>().await
         });
     })?;
-    Ok(local)
+    Ok(answer)
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, api: Arc<Api>) {
+/// Accepts on `listener` for ever; each socket's task shakes hands first when `tls` is given.
+async fn accept_loop(listener: tokio::net::TcpListener, tls: Option<TlsAcceptor>, api: Arc<Api>) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -75,17 +112,29 @@ async fn accept_loop(listener: tokio::net::TcpListener, api: Arc<Api>) {
             }
         };
         let _ = stream.set_nodelay(true);
-        let api = api.clone();
+        let (api, tls) = (api.clone(), tls.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |rq| serve_one(api.clone(), rq, peer));
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "management API connection ended");
+            match tls {
+                None => serve_connection(TokioIo::new(stream), peer, api).await,
+                Some(acceptor) => {
+                    if let Some(stream) = super::tls::accept(&acceptor, stream, peer).await {
+                        serve_connection(TokioIo::new(stream), peer, api).await;
+                    }
+                }
             }
         });
+    }
+}
+
+/// Serves HTTP/1.1 on one connection (plain or TLS) until it closes.
+async fn serve_connection<I>(io: I, peer: SocketAddr, api: Arc<Api>)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service = service_fn(move |rq| serve_one(api.clone(), rq, peer));
+    let conn = http1::Builder::new().timer(TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT).serve_connection(io, service);
+    if let Err(e) = conn.await {
+        tracing::debug!(%peer, error = %e, "management API connection ended");
     }
 }
 

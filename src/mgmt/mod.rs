@@ -1,8 +1,10 @@
 //! The management HTTP API, compatible with RabbitMQ's for the fields tools read
-//! (rabbitmqadmin, monitoring agents, Kubernetes probes), on `--management-listen`.
+//! (rabbitmqadmin, monitoring agents, Kubernetes probes), on `--management-listen` and, over
+//! HTTPS, on `--management-tls-listen`.
 //!
 //! # Layout
 //! - this file: basic auth, routing, errors; [`http`]: the HTTP/1.1 transport (hyper);
+//!   [`tls`]: the HTTPS listener's TLS handshake (rustls);
 //! - [`read`]: the GET endpoints (overview, nodes, vhosts, queues, exchanges, bindings,
 //!   consumers, connections, health checks) and the figures they gather from the cores;
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
@@ -39,6 +41,7 @@ pub(crate) mod http;
 mod json;
 mod listing;
 mod read;
+mod tls;
 mod ui;
 mod write;
 
@@ -55,6 +58,7 @@ use crate::broker::auth::{AuthError, AuthUser, UserStore};
 use crate::broker::node::{Node, NodeMsg, OnCore, Shared};
 use crate::broker::topology::TopologyError;
 use crate::broker::QueueError;
+use crate::config::ManagementTls;
 
 /// Largest request body read, bytes (a definitions import of many thousand objects fits).
 const MAX_BODY: u64 = 64 << 20;
@@ -81,14 +85,31 @@ pub struct Api {
     started: Instant,
 }
 
-/// Starts the API on `addr` with `users` for logins (the transport: `http`). Returns the
-/// address it listens on.
+/// Where the API listens: each listener's bound address, or why it could not bind; `None`
+/// for a listener not asked for.
+#[derive(Debug)]
+pub struct Bound {
+    /// The plain HTTP listener (`--management-listen`).
+    pub http: Option<std::io::Result<SocketAddr>>,
+    /// The HTTPS listener (`--management-tls-listen`, RabbitMQ's `management.ssl.port`).
+    pub https: Option<std::io::Result<SocketAddr>>,
+}
+
+/// Starts the API with `users` for logins on `http` (plain) and `https` (TLS, its rustls
+/// configuration built at load), either or both; one thread serves both (the transport:
+/// `http`, the handshake: `tls`). A listener that cannot bind is reported in [`Bound`] and
+/// leaves the other serving.
 ///
 /// # Errors
-/// The bind's error (the port is taken, the address is not this host's).
-pub fn serve(addr: SocketAddr, shared: Arc<Shared>, users: Arc<dyn UserStore>) -> std::io::Result<SocketAddr> {
+/// The server thread or its runtime cannot start.
+pub fn serve(
+    http: Option<SocketAddr>,
+    https: Option<&ManagementTls>,
+    shared: Arc<Shared>,
+    users: Arc<dyn UserStore>,
+) -> std::io::Result<Bound> {
     let api = Arc::new(Api { shared, users, rates: Mutex::new(HashMap::new()), next_core: AtomicUsize::new(0), started: Instant::now() });
-    http::start(addr, api)
+    http::start(http::Listeners { http, https }, api)
 }
 
 /// An HTTP answer as the transport sends it: status, headers, body bytes.

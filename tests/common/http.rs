@@ -67,7 +67,12 @@ pub fn try_request_with(
     s.write_all(head.as_bytes()).and_then(|_| s.write_all(body.as_bytes())).map_err(|e| format!("write: {e}"))?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).map_err(|e| format!("read: {e}"))?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
+    parse(&raw)
+}
+
+/// Parses one raw HTTP/1.1 answer (status line, headers, body; chunked bodies decoded).
+pub fn parse(raw: &[u8]) -> Result<Response, String> {
+    let text = String::from_utf8_lossy(raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").ok_or_else(|| format!("no header end in {text:?}"))?;
     let mut lines = head.lines();
     let status = lines

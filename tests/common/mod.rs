@@ -28,6 +28,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 pub mod cluster;
 pub mod http;
 pub use http::http_get;
+pub mod pki;
 pub mod python;
 pub mod raw;
 pub mod script;
