@@ -108,9 +108,34 @@ struct Ledger {
     outstanding: HashMap<u32, Holder>,
     violations: Vec<String>,
     violation_count: u64,
+    /// The round under way (0 before the first, `rounds + 1` in the drain).
+    round: u32,
+    /// The broker of this round has been killed.
+    killed: bool,
+    /// Per message id: what happened to it, in order (round, after its kill, event, holder),
+    /// for a violation's report.
+    history: HashMap<u32, Vec<(u32, bool, &'static str, Holder)>>,
 }
 
 impl Ledger {
+    /// Round `round` starts: every holder of the last one went with the killed broker.
+    fn start_round(&mut self, round: u32) {
+        (self.round, self.killed) = (round, false);
+        self.outstanding.clear();
+    }
+
+    fn note(&mut self, id: u32, event: &'static str, holder: Holder) {
+        let (round, killed) = (self.round, self.killed);
+        self.history.entry(id).or_default().push((round, killed, event, holder));
+    }
+
+    /// The history of `id` as text.
+    fn history_of(&self, id: u32) -> String {
+        let events = self.history.get(&id).map(Vec::as_slice).unwrap_or_default();
+        let at = |r: &u32, k: &bool| format!("r{r}{}", if *k { "+killed" } else { "" });
+        events.iter().map(|(r, k, e, h)| format!("{}:{e}@{h}", at(r, k))).collect::<Vec<_>>().join(" ")
+    }
+
     fn violation(&mut self, what: String) {
         eprintln!("VIOLATION: {what}");
         self.violation_count += 1;
@@ -127,8 +152,10 @@ impl Ledger {
             self.violation(format!("{how}: message {id} was never published"));
         }
         if !self.delivered.insert(id) && !redelivered {
-            self.violation(format!("{how}: message {id} delivered again without redelivered=true"));
+            let seen = self.history_of(id);
+            self.violation(format!("{how}: message {id} delivered again without redelivered=true (to {holder}; before: {seen})"));
         }
+        self.note(id, if redelivered { "redelivered" } else { "delivered" }, holder);
         if self.acked.contains(&id) {
             self.undone_acks += 1;
         }
@@ -142,6 +169,7 @@ impl Ledger {
         if self.outstanding.get(&id) == Some(&holder) {
             self.outstanding.remove(&id);
         }
+        self.note(id, how.name(), holder);
         match how {
             Settle::Ack => {
                 self.acked.insert(id);
@@ -161,7 +189,11 @@ impl Ledger {
 
     /// `holder` closes its channel or lost it: it holds nothing from now on.
     fn holder_gone(&mut self, holder: Holder) {
-        self.outstanding.retain(|_, h| *h != holder);
+        let held: Vec<u32> = self.outstanding.iter().filter(|(_, h)| **h == holder).map(|(id, _)| *id).collect();
+        for id in held {
+            self.outstanding.remove(&id);
+            self.note(id, "given-up", holder);
+        }
     }
 }
 
@@ -171,6 +203,16 @@ enum Settle {
     Ack,
     Requeue,
     Reject,
+}
+
+impl Settle {
+    fn name(self) -> &'static str {
+        match self {
+            Settle::Ack => "ack",
+            Settle::Requeue => "requeue",
+            Settle::Reject => "reject",
+        }
+    }
 }
 
 /// A client's pick for a delivery: 70% ack, 12% nack(requeue), 10% reject, 8% hold (then ack).
@@ -464,9 +506,8 @@ async fn kill9_rounds_under_a_mixed_load_lose_nothing_confirmed() {
     let mut aborted_clients = 0;
     for round in 1..=rounds {
         assert!(started.elapsed() < budget, "over the time budget of {budget:?} after {} rounds; seed {seed}", round - 1);
+        ledger.lock().unwrap().start_round(round);
         let before = Figures::of(&ledger.lock().unwrap());
-        // Every holder of the last round went with the killed broker.
-        ledger.lock().unwrap().outstanding.clear();
         let attached = Arc::new(AtomicUsize::new(0));
         let client =
             |seed: u64| Client { uri: b.uri(), names: names.clone(), ledger: ledger.clone(), seed, ready: Ready(attached.clone()) };
@@ -482,6 +523,7 @@ async fn kill9_rounds_under_a_mixed_load_lose_nothing_confirmed() {
         }
         let delay = rng.range(50, 1500);
         tokio::time::sleep(Duration::from_millis(delay)).await;
+        ledger.lock().unwrap().killed = true;
         let pid = b.pid().expect("broker pid");
         assert!(process_alive(pid), "round {round}: the broker died before its kill; seed {seed}; log:\n{}", log_tail(&b.log(), 60));
         let killed = Instant::now();
@@ -513,8 +555,8 @@ async fn kill9_rounds_under_a_mixed_load_lose_nothing_confirmed() {
         );
     }
     let in_rounds = Figures::of(&ledger.lock().unwrap());
+    ledger.lock().unwrap().start_round(rounds + 1);
     // The drain: `ttl` first (what it still holds), then `work`, then `dlq`, where both send.
-    ledger.lock().unwrap().outstanding.clear();
     let max = ledger.lock().unwrap().published as usize * 4 + 1000;
     let mut drained = HashSet::new();
     for queue in [&names.ttl, &names.work] {
