@@ -60,7 +60,7 @@ const CLIENT_STEP: Duration = Duration::from_secs(3);
 
 /// Every 8th message id goes to the `ttl` queue, the others to `work`.
 fn to_ttl(id: u32) -> bool {
-    id % 8 == 0
+    id.is_multiple_of(8)
 }
 
 /// The message id a body carries (4 bytes, big-endian), if it is one.
@@ -423,7 +423,7 @@ async fn declare(b: &Broker, names: &Names) {
     .await
     .unwrap();
     let dlx = ("x-dead-letter-exchange", AMQPValue::LongString(LongString::from(names.dlx.as_str())));
-    declare_queue(&ch, &names.work, QueueDeclareOptions::durable(), args(&[dlx.clone()])).await;
+    declare_queue(&ch, &names.work, QueueDeclareOptions::durable(), args(std::slice::from_ref(&dlx))).await;
     let ttl = ("x-message-ttl", AMQPValue::LongLongInt(TTL_MS));
     declare_queue(&ch, &names.ttl, QueueDeclareOptions::durable(), args(&[dlx, ttl])).await;
     t("close", c.close(200, "".into())).await.unwrap();

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use ringmq_shards::{Record, Shard};
 
 use super::consumer;
-use super::durability::{commit_cursor, reply_get};
+use super::durability::{commit_cursor, reply_get, GetSync};
 use super::index::{now_ms, IndexRecord};
 use super::settle::Outstanding;
 use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
@@ -390,7 +390,7 @@ impl Queue {
     /// Claims `rec` for a basic.get; returns the reply and, when the delivery got an
     /// unacked-index record, the index to sync before answering with the superseded records
     /// that sync lets go.
-    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<(Rc<Shard>, Vec<u64>)>) {
+    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<GetSync>) {
         let offset = rec.offset;
         let redelivered = self.ready.is_redelivered(offset);
         let mut sync = None;

@@ -238,14 +238,14 @@ pub(super) async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
     }
 }
 
+/// What a basic.get's answer waits for: the unacked index to sync, and the records its new
+/// record superseded, deleted after that sync.
+pub(super) type GetSync = (Rc<Shard>, Vec<u64>);
+
 /// Answers a basic.get, after syncing the unacked index when the delivery has a record
 /// there (the same rule as [`Queue::flush_unsynced`]); then deletes the records `superseded`
 /// by records appended before that sync.
-pub(super) fn reply_get(
-    r: GetReply,
-    sync: Option<(Rc<Shard>, Vec<u64>)>,
-    reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>,
-) {
+pub(super) fn reply_get(r: GetReply, sync: Option<GetSync>, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     match sync {
         None => drop(reply.send(Ok(Some(r)))),
         Some((index, superseded)) => {
