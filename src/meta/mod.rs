@@ -66,6 +66,8 @@ pub mod snapshot;
 pub mod state;
 pub mod storage;
 pub mod topology;
+#[cfg(test)]
+mod torn_tests;
 pub mod wire;
 pub mod writer;
 

@@ -31,6 +31,7 @@ pub use http::http_get;
 pub mod pki;
 pub mod python;
 pub mod raw;
+pub mod rounds;
 pub mod script;
 
 /// How long the broker gets to accept its first connection after being spawned.
@@ -40,15 +41,15 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 /// Default per-step timeout used by [`t`].
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The ringmq binary. In the repo, cargo sets `CARGO_BIN_EXE_ringmq` for integration tests; a
-/// scratch crate that includes these files can point `RINGMQ_BIN` at a built binary instead.
+/// The ringmq binary: `RINGMQ_BIN` when set (a release build, as tests/crash-rounds.sh runs),
+/// else the one cargo built for these tests (`CARGO_BIN_EXE_ringmq`).
 pub fn broker_binary() -> PathBuf {
-    if let Some(p) = option_env!("CARGO_BIN_EXE_ringmq") {
+    if let Ok(p) = std::env::var("RINGMQ_BIN") {
         return PathBuf::from(p);
     }
-    match std::env::var("RINGMQ_BIN") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => panic!("no ringmq binary: set RINGMQ_BIN or RINGMQ_TEST_BROKER"),
+    match option_env!("CARGO_BIN_EXE_ringmq") {
+        Some(p) => PathBuf::from(p),
+        None => panic!("no ringmq binary: set RINGMQ_BIN or RINGMQ_TEST_BROKER"),
     }
 }
 

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use ringmq_shards::{Record, Shard};
 
 use super::consumer;
-use super::durability::{commit_cursor, reply_get};
+use super::durability::{commit_cursor, reply_get, GetSync};
 use super::index::{now_ms, IndexRecord};
 use super::settle::Outstanding;
 use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
@@ -339,10 +339,11 @@ impl Queue {
         };
         match index.append(0, &rec.encode(), &Bytes::new()) {
             Ok(i) => {
-                // A record from an earlier delivery (requeued since) is replaced; the new
-                // one is synced before this delivery leaves, the old one may go any time.
+                // A record from an earlier delivery (requeued since) is replaced: the new
+                // one is synced before this delivery leaves, the old one goes only after
+                // that sync (`index_superseded`), so a crash in between leaves one of them.
                 if let Some(old) = self.index_of.insert(offset, i) {
-                    let _ = index.delete_by_offsets(&[old]);
+                    self.index_superseded.push(old);
                 }
                 Some(i)
             }
@@ -387,8 +388,9 @@ impl Queue {
     }
 
     /// Claims `rec` for a basic.get; returns the reply and, when the delivery got an
-    /// unacked-index record, the index to sync before answering.
-    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<Rc<Shard>>) {
+    /// unacked-index record, the index to sync before answering with the superseded records
+    /// that sync lets go.
+    fn finish_get(&mut self, rec: Record, no_ack: bool, holder: Holder) -> (GetReply, Option<GetSync>) {
         let offset = rec.offset;
         let redelivered = self.ready.is_redelivered(offset);
         let mut sync = None;
@@ -398,7 +400,7 @@ impl Queue {
         } else {
             let index_offset = self.index_delivery(offset, rec.flags, &holder);
             if index_offset.is_some() {
-                sync = self.index.clone();
+                sync = self.index.clone().map(|index| (index, std::mem::take(&mut self.index_superseded)));
             }
             self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered });
         }

@@ -78,6 +78,19 @@ pub fn release_index_records(index: &Shard, records: &[u64], _proof: &MessagesSy
     }
 }
 
+/// Rule 2 across a redelivery: deletes the index records of earlier deliveries that records
+/// covered by `_proof` replaced (a message delivered again keeps a durable record at every
+/// moment). Without the proof they stay: a later open drops a record of a message no longer
+/// live, and a live one comes back flagged, as delivered it was.
+pub fn release_superseded(index: &Shard, records: &[u64], _proof: &IndexSynced) {
+    if records.is_empty() {
+        return;
+    }
+    if let Err(e) = index.delete_by_offsets(records) {
+        tracing::error!(error = %e, "unacked index delete failed");
+    }
+}
+
 /// Longest time deletes (acks) wait for a full sync while publisher confirms keep the
 /// group commit busy with append-only syncs.
 pub const FULL_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
@@ -225,16 +238,22 @@ pub(super) async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
     }
 }
 
+/// What a basic.get's answer waits for: the unacked index to sync, and the records its new
+/// record superseded, deleted after that sync.
+pub(super) type GetSync = (Rc<Shard>, Vec<u64>);
+
 /// Answers a basic.get, after syncing the unacked index when the delivery has a record
-/// there (the same rule as [`Queue::flush_unsynced`]).
-pub(super) fn reply_get(r: GetReply, sync: Option<Rc<Shard>>, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
+/// there (the same rule as [`Queue::flush_unsynced`]); then deletes the records `superseded`
+/// by records appended before that sync.
+pub(super) fn reply_get(r: GetReply, sync: Option<GetSync>, reply: crate::broker::Reply<Result<Option<GetReply>, QueueError>>) {
     match sync {
         None => drop(reply.send(Ok(Some(r)))),
-        Some(index) => {
+        Some((index, superseded)) => {
             glommio::spawn_local(async move {
-                if let Err(e) = IndexSynced::appends(&index).await {
+                match IndexSynced::appends(&index).await {
+                    Ok(synced) => release_superseded(&index, &superseded, &synced),
                     // As in `Queue::flush_unsynced`: answered all the same.
-                    tracing::error!(error = %e, "unacked index sync failed; basic.get answered without a durable index record");
+                    Err(e) => tracing::error!(error = %e, "unacked index sync failed; basic.get answered without a durable index record"),
                 }
                 let _ = reply.send(Ok(Some(r)));
             })
@@ -319,21 +338,23 @@ impl Queue {
     /// synced. A delivery whose consumer went away meanwhile is requeued.
     async fn flush_unsynced(weak: &Weak<RefCell<Queue>>) {
         let Some(cell) = weak.upgrade() else { return };
-        let (batch, index) = {
+        let (batch, index, superseded) = {
             let mut q = cell.borrow_mut();
             if q.unsynced.is_empty() {
                 return;
             }
             crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
-            (std::mem::take(&mut q.unsynced), q.index.clone())
+            (std::mem::take(&mut q.unsynced), q.index.clone(), std::mem::take(&mut q.index_superseded))
         };
         drop(cell);
         if let Some(index) = index {
-            if let Err(e) = IndexSynced::appends(&index).await {
+            match IndexSynced::appends(&index).await {
+                // The replacements of the superseded records were appended before this sync.
+                Ok(synced) => release_superseded(&index, &superseded, &synced),
                 // The deliveries go out all the same (the messages themselves are stored):
                 // after a crash they may come back without redelivered=true, a duplicate
                 // and never a loss. The queue reopens its store (see `Queue::store_failure`).
-                tracing::error!(error = %e, "unacked index sync failed; deliveries sent without a durable index record");
+                Err(e) => tracing::error!(error = %e, "unacked index sync failed; deliveries sent without a durable index record"),
             }
         }
         let Some(cell) = weak.upgrade() else { return };

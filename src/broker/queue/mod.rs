@@ -204,6 +204,12 @@ pub struct Queue {
     /// sync, so an index record never disappears before its message does (else a crash in
     /// between would redeliver a delivered message unflagged).
     index_trash: Vec<u64>,
+    /// Index records of earlier deliveries of messages delivered again (requeued since):
+    /// deleted only after an index sync that began once their replacements were appended
+    /// returns (`Queue::flush_unsynced`, `durability::reply_get`). A deletion-bitmap bit is
+    /// in the page cache as soon as it is set, so a kill -9 keeps it even unsynced: deleted
+    /// before its replacement is durable, the message would come back unflagged (rule 2).
+    index_superseded: Vec<u64>,
     /// When the last full sync (appends and deletes) of the message shard started.
     last_full_sync: Instant,
     /// When an operation other than [`QueueOp::Info`] last reached it (`idle.rs`).
@@ -368,6 +374,7 @@ impl Queue {
                 unsynced: Vec::new(),
                 index_of,
                 index_trash: Vec::new(),
+                index_superseded: Vec::new(),
                 last_full_sync: Instant::now(),
                 last_used: Instant::now(),
                 paged: Default::default(),
