@@ -41,8 +41,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 /// Default per-step timeout used by [`t`].
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The ringmq binary: `RINGMQ_BIN` when set (a release build, as tests/crash-rounds.sh runs),
-/// else the one cargo built for these tests (`CARGO_BIN_EXE_ringmq`).
+/// The ringmq binary: `RINGMQ_BIN` when set (tests/crash-rounds.sh), else cargo's for these tests.
 pub fn broker_binary() -> PathBuf {
     if let Ok(p) = std::env::var("RINGMQ_BIN") {
         return PathBuf::from(p);

@@ -31,6 +31,7 @@ impl Queue {
             && self.held_credit.is_empty()
             && self.index_of.is_empty()
             && self.index_trash.is_empty()
+            && self.index_superseded.is_empty()
             && !self.syncing
             && !self.dirty
             && !self.index_flushing
