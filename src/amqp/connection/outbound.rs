@@ -33,7 +33,9 @@ use crate::observe::Stats;
 /// The writer half: drains the event channel into the socket until the connection ends.
 /// `flush`: the transport buffers writes (TLS), so each batch is flushed once written.
 pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, rx: flume::Receiver<ClientEvent>, mut w: W, flush: bool) {
-    let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
+    // Grows with the batches it carries (a burst of deliveries) and keeps what it grew to up
+    // to 4 MiB; an idle connection holds 4 KiB here (10,000 connections: 600 MB less).
+    let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     let hb = s.st.borrow().heartbeat;
     let mut last_write = Instant::now();
     loop {
