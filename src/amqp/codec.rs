@@ -119,6 +119,9 @@ fn is_known_method(class_id: u16, method_id: u16) -> bool {
     }
 }
 
+/// Most bytes [`decode_frame`] reserves for a frame still arriving, ahead of its bytes.
+const RESERVE_AHEAD: usize = 1 << 20;
+
 /// Decodes one frame from the front of `buf`.
 ///
 /// Returns `Ok(None)` when `buf` does not yet hold a whole frame. `frame_max` is the
@@ -147,7 +150,10 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
         return Err(AmqpError::frame_error(format!("heartbeat frame with a payload of {size} bytes")));
     }
     if buf.len() < 7 + size + 1 {
-        buf.reserve(7 + size + 1 - buf.len());
+        // Room for the rest of the frame, but never more than RESERVE_AHEAD before the
+        // bytes come: a peer's size field alone must not make the broker allocate (with
+        // frame_max 0, or a large --frame-max, it may claim 4 GiB; found by fuzz/frames).
+        buf.reserve((7 + size + 1 - buf.len()).min(RESERVE_AHEAD));
         return Ok(None);
     }
     if buf[7 + size] != FRAME_END {
@@ -322,6 +328,17 @@ mod tests {
             f => panic!("unexpected {f:?}"),
         }
         assert!(b.is_empty());
+    }
+
+    /// A size field alone reserves at most RESERVE_AHEAD (fuzz/regressions/frames/oom-*:
+    /// a 4 GiB claim with no frame_max made the buffer reserve 4 GiB at once).
+    #[test]
+    fn a_huge_size_field_reserves_little_before_its_bytes_come() {
+        for frame_max in [0, u32::MAX] {
+            let mut b = BytesMut::from(&[FRAME_BODY, 0, 1, 0xff, 0xff, 0xff, 0xf0, 1, 2, 3][..]);
+            assert!(decode_frame(&mut b, frame_max).unwrap().is_none());
+            assert!(b.capacity() <= 2 * RESERVE_AHEAD, "reserved {} bytes", b.capacity());
+        }
     }
 
     #[test]
