@@ -33,7 +33,12 @@ for t in "${targets[@]}"; do
         done
         tail -40 "artifacts/$t.log"
     fi
+    # Minimise, keeping the hand-made seeds (seeds.py) whatever cmin thinks of them.
+    mkdir -p "seeds.tmp/$t"
+    mv "corpus/$t"/seed-* "seeds.tmp/$t/" 2> /dev/null || true
     cargo +nightly fuzz cmin "$t" "corpus/$t" -- -max_len="$max_len" > /dev/null 2>&1 || true
+    mv "seeds.tmp/$t"/* "corpus/$t/" 2> /dev/null || true
+    rm -rf seeds.tmp
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "artifacts/$t.log" | grep -o '[0-9]*$' || echo '?')
     cov=$(grep -o 'cov: [0-9]*' "artifacts/$t.log" | tail -1 || true)
     echo "$t: $(( $(date +%s) - start )) s, $runs runs, $cov, corpus $before -> $(ls "corpus/$t" | wc -l)"
