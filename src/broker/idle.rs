@@ -49,25 +49,14 @@ impl Node {
                     tracing::warn!(queue = %key.name, error = %e, "closing an idle queue's store failed");
                 }
             }
-            let waiting = match self.queues.borrow_mut().remove(&key) {
-                Some(Slot::Opening(pending)) => pending,
-                _ => Vec::new(),
-            };
-            if waiting.is_empty() {
+            let used = matches!(self.queues.borrow().get(&key), Some(Slot::Opening(waiting)) if !waiting.is_empty());
+            if !used {
                 tracing::debug!(queue = %key.name, vhost = %key.vhost, "closed an idle queue");
                 self.queues.borrow_mut().insert(key, Slot::Idle(counters));
                 continue;
             }
             // Used while it closed: open again for what waits.
-            let topo = self.router();
-            let (Some(def), Some(qref)) = (topo.topology.queue(&key.vhost, &key.name).cloned(), topo.queue_ref(&key.vhost, &key.name))
-            else {
-                for op in waiting {
-                    super::node::refuse(&key, op);
-                }
-                continue;
-            };
-            self.queues.borrow_mut().insert(key.clone(), Slot::Opening(waiting));
+            let Some((def, qref)) = self.reopen_target(&key) else { continue };
             self.resumed.borrow_mut().insert(key, counters);
             glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
         }

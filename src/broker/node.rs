@@ -623,17 +623,25 @@ impl Node {
                 tracing::warn!(queue = %key.name, error = %e, "closing a queue to reopen it failed");
             }
         }
+        if let Some((def, qref)) = self.reopen_target(&key) {
+            self.clone().open_and_run(def, qref).await;
+        }
+    }
+
+    /// The definition and reference of queue `key`, whose slot is `Opening`, to open it
+    /// again; `None` when it was deleted meanwhile, after answering every operation waiting
+    /// in the slot as for a queue that is gone (and dropping the slot).
+    pub(super) fn reopen_target(&self, key: &QueueKey) -> Option<(QueueDef, QueueRef)> {
         let topo = self.router();
-        let (Some(def), Some(qref)) = (topo.topology.queue(&key.vhost, &key.name).cloned(), topo.queue_ref(&key.vhost, &key.name)) else {
-            // Deleted meanwhile: what waited is answered as for a queue that is gone.
-            if let Some(Slot::Opening(pending)) = self.queues.borrow_mut().remove(&key) {
-                for op in pending {
-                    refuse(&key, op);
-                }
+        if let (Some(def), Some(qref)) = (topo.topology.queue(&key.vhost, &key.name).cloned(), topo.queue_ref(&key.vhost, &key.name)) {
+            return Some((def, qref));
+        }
+        if let Some(Slot::Opening(pending)) = self.queues.borrow_mut().remove(key) {
+            for op in pending {
+                refuse(key, op);
             }
-            return;
-        };
-        self.clone().open_and_run(def, qref).await;
+        }
+        None
     }
 
     /// Opens this core's queues with an x-expires lease or an x-message-ttl that are not open
