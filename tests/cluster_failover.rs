@@ -510,7 +510,7 @@ fn grow_number(body: &str) -> usize {
 
 /// Publishes the bodies of `range` ([`grow_body`]) to `queue`, `window` at a time in flight,
 /// asserting each is confirmed.
-async fn publish_grow_bodies(ch: &Channel, queue: &str, range: std::ops::Range<usize>, window: usize) {
+async fn publish_grow_bodies(ch: &Channel, queue: &str, range: std::ops::Range<usize>, window: usize, confirm_limit: Duration) {
     for chunk in range.collect::<Vec<_>>().chunks(window) {
         let mut pending = Vec::new();
         for &i in chunk {
@@ -519,7 +519,7 @@ async fn publish_grow_bodies(ch: &Channel, queue: &str, range: std::ops::Range<u
             pending.push(t("basic.publish", sent).await.expect("publish"));
         }
         for pc in pending {
-            assert!(t("confirm", pc).await.expect("confirm").is_ack(), "a publish was not confirmed");
+            assert!(tt("confirm", confirm_limit, pc).await.expect("confirm").is_ack(), "a publish was not confirmed");
         }
     }
 }
@@ -572,7 +572,7 @@ fn a_replica_set_grows_back_after_a_node_is_forgotten_and_the_copy_survives_kill
         const N: usize = 10_000;
         const MORE: usize = 2_000;
         let pub1 = confirming(&n1).await;
-        publish_grow_bodies(&pub1, &q, 0..N, 500).await;
+        publish_grow_bodies(&pub1, &q, 0..N, 500, STEP_TIMEOUT).await;
         let first = settled_stores(&c, &q, 2).await;
         let other = *first.iter().find(|&&i| i != 0).expect("a second replica");
         // Gaps in the offsets: of the first 600, the even ones are acked, the odd ones go back.
@@ -608,7 +608,10 @@ fn a_replica_set_grows_back_after_a_node_is_forgotten_and_the_copy_survives_kill
         // and acks race it (settles of offsets the copy has not reached yet).
         let publisher = {
             let (pub1, q) = (pub1.clone(), q.clone());
-            tokio::spawn(async move { publish_grow_bodies(&pub1, &q, N..N + MORE, 20).await })
+            // A node killed once it joined is one of the two replicas that must both store a
+            // message before it is confirmed: confirms wait for its restart (as long as the
+            // join may take below).
+            tokio::spawn(async move { publish_grow_bodies(&pub1, &q, N..N + MORE, 20, Duration::from_secs(60)).await })
         };
         let consumer = {
             let (ch, q) = (channel(&n1).await, q.clone());
