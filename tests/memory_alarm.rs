@@ -21,7 +21,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::http::{get_json, ringmqctl as ctl};
+use common::http::{get_json, http_get, ringmqctl as ctl};
+use common::rss::{rss_of, PeakRss};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
@@ -165,52 +166,6 @@ async fn ringmqctl_refuses_thresholds_that_do_not_parse() {
         Some(("guest", "guest")),
     );
     assert_eq!(r.status, 404, "{}", r.body);
-}
-
-/// Samples a process's resident memory (VmRSS, bytes) every 5 ms until dropped; the peak.
-struct PeakRss {
-    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-fn rss_of(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|k| k.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024
-}
-
-impl PeakRss {
-    fn start(pid: u32) -> PeakRss {
-        use std::sync::atomic::Ordering::Relaxed;
-        let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (p, s) = (peak.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            // Bounded: ten minutes of samples at most.
-            for _ in 0..120_000 {
-                if s.load(Relaxed) {
-                    break;
-                }
-                p.fetch_max(rss_of(pid), Relaxed);
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
-        PeakRss { peak, stop, thread: Some(thread) }
-    }
-
-    fn finish(mut self) -> u64 {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        self.peak.load(std::sync::atomic::Ordering::Relaxed)
-    }
 }
 
 /// Publishes `count` bodies of `size` bytes to `queue` on a connection of its own, without

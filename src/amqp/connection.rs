@@ -154,7 +154,7 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
         id,
         tx,
         pending_bytes: Default::default(),
-        credit: crate::broker::credit::PublishCredit::new(),
+        credit: crate::broker::credit::PublishCredit::new(id.0),
         st: RefCell::new(ConnState {
             vhost: Rc::from(tuned.vhost.as_str()),
             grant: crate::broker::access::Grant::new(&tuned.user, &tuned.vhost),

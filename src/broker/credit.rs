@@ -14,12 +14,22 @@
 //! so its socket is not read and TCP slows the client, as RabbitMQ's `flow` state does. A
 //! queue that cannot keep up slows the connections that publish to it, not the node.
 //!
+//! A publish to another node's queue (`remote`) keeps its credit on the client's node (A)
+//! until the queue's node (B) says its queue took the message: B gives each forwarded
+//! publish credit of a pool of its own ([`PublishCredit::counting`]) whose releases it counts
+//! and sends back to A in batches (`Event::Taken`), and A then drops as many of the
+//! connection's held credits, oldest first. So a publisher on A waits for B's queue (and
+//! B's store writer) as it would for a queue of its own node, and neither A's data lane nor
+//! B's inboxes hold more than the connection's credit of its messages.
+//!
 //! Shapes: one [`PublishCredit`] per connection (an `Arc`: the queue's core gives credit back);
 //! one [`CreditHeld`] per routed publish, shared by the ops of a fanout (an `Arc`, released
 //! with the last of them).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
+
+use super::{ClientEvent, ClientTx};
 
 /// Most bytes of publishes one connection may have in flight to other cores' queues (bodies,
 /// headers and [`OP_WEIGHT`] each). One message larger than this still goes (alone).
@@ -31,10 +41,15 @@ pub const OP_WEIGHT: usize = 512;
 /// A connection's publish credit (see the module doc).
 #[derive(Debug)]
 pub struct PublishCredit {
+    /// The connection's id (`ConnId`), 0 for a [`PublishCredit::counting`] pool.
+    conn: u64,
     in_flight: AtomicUsize,
     limit: usize,
     wake_tx: flume::Sender<()>,
     wake_rx: flume::Receiver<()>,
+    /// A counting pool's releases since its owner last took them, and where a first one
+    /// is announced ([`ClientEvent::PublishesTaken`]).
+    counted: Option<(AtomicU32, ClientTx)>,
 }
 
 /// Credit taken by one publish; given back when dropped (on whichever core).
@@ -45,15 +60,40 @@ pub struct CreditHeld {
 }
 
 impl PublishCredit {
-    /// Credit of [`MAX_IN_FLIGHT_BYTES`].
-    pub fn new() -> Arc<PublishCredit> {
-        PublishCredit::with_limit(MAX_IN_FLIGHT_BYTES)
+    /// Credit of [`MAX_IN_FLIGHT_BYTES`] for connection `conn` (its `ConnId`).
+    pub fn new(conn: u64) -> Arc<PublishCredit> {
+        PublishCredit::with_limit(conn, MAX_IN_FLIGHT_BYTES)
     }
 
-    /// Credit of `limit` bytes.
-    pub fn with_limit(limit: usize) -> Arc<PublishCredit> {
+    /// Credit of `limit` bytes for connection `conn`.
+    pub fn with_limit(conn: u64, limit: usize) -> Arc<PublishCredit> {
         let (wake_tx, wake_rx) = flume::bounded(1);
-        Arc::new(PublishCredit { in_flight: AtomicUsize::new(0), limit, wake_tx, wake_rx })
+        Arc::new(PublishCredit { conn, in_flight: AtomicUsize::new(0), limit, wake_tx, wake_rx, counted: None })
+    }
+
+    /// An unlimited pool that counts its releases for a peer's connection (module doc): the
+    /// first release after [`PublishCredit::take_counted`] emptied the count sends
+    /// [`ClientEvent::PublishesTaken`] on `tx`.
+    pub fn counting(tx: ClientTx) -> Arc<PublishCredit> {
+        let (wake_tx, wake_rx) = flume::bounded(1);
+        Arc::new(PublishCredit {
+            conn: 0,
+            in_flight: AtomicUsize::new(0),
+            limit: usize::MAX,
+            wake_tx,
+            wake_rx,
+            counted: Some((AtomicU32::new(0), tx)),
+        })
+    }
+
+    /// A counting pool's releases since the last call (0 for another pool).
+    pub fn take_counted(&self) -> u32 {
+        self.counted.as_ref().map_or(0, |(n, _)| n.swap(0, Ordering::AcqRel))
+    }
+
+    /// The connection this credit belongs to (`ConnId`; 0 for a counting pool).
+    pub fn conn(&self) -> u64 {
+        self.conn
     }
 
     /// Takes credit for a publish of `bytes` (body and header; [`OP_WEIGHT`] is added).
@@ -86,11 +126,23 @@ impl PublishCredit {
     }
 }
 
+impl CreditHeld {
+    /// The connection whose credit this is (`ConnId`; 0 for a counting pool's).
+    pub fn conn(&self) -> u64 {
+        self.pool.conn
+    }
+}
+
 impl Drop for CreditHeld {
     fn drop(&mut self) {
         let old = self.pool.in_flight.fetch_sub(self.bytes, Ordering::Relaxed);
         if old >= self.pool.limit && old - self.bytes < self.pool.limit {
             let _ = self.pool.wake_tx.try_send(());
+        }
+        if let Some((n, tx)) = &self.pool.counted {
+            if n.fetch_add(1, Ordering::AcqRel) == 0 {
+                let _ = tx.send(ClientEvent::PublishesTaken);
+            }
         }
     }
 }
@@ -101,7 +153,7 @@ mod tests {
 
     #[test]
     fn credit_comes_back_when_the_last_holder_drops() {
-        let c = PublishCredit::with_limit(10_000);
+        let c = PublishCredit::with_limit(1, 10_000);
         let a = c.take(4_000);
         let fanout = a.clone();
         assert_eq!(c.in_flight(), 4_000 + OP_WEIGHT);
@@ -118,7 +170,7 @@ mod tests {
 
     #[test]
     fn a_waiting_reader_wakes_when_another_thread_gives_credit_back() {
-        let c = PublishCredit::with_limit(1_000);
+        let c = PublishCredit::with_limit(1, 1_000);
         let held = c.take(5_000);
         assert!(futures_lite::future::block_on(futures_lite::future::poll_once(c.wait())).is_none(), "waits while used up");
         let t = std::thread::spawn(move || {
@@ -129,5 +181,22 @@ mod tests {
         assert!(!c.exhausted());
         t.join().expect("thread");
         assert!(futures_lite::future::block_on(futures_lite::future::poll_once(c.wait())).is_some(), "no wait when credit is left");
+    }
+
+    #[test]
+    fn a_counting_pool_announces_the_first_release_and_counts_the_rest() {
+        let (tx, rx) = flume::unbounded();
+        let c = PublishCredit::counting(tx);
+        let held: Vec<_> = (0..5).map(|_| c.take(1 << 20)).collect();
+        assert!(!c.exhausted(), "a counting pool never holds a reader back");
+        let fanout = held[0].clone();
+        drop(held);
+        assert_eq!(rx.try_iter().count(), 1, "one wake-up for a batch of releases");
+        assert_eq!(c.take_counted(), 4, "a fanout copy still holds the fifth");
+        drop(fanout);
+        assert!(matches!(rx.try_recv(), Ok(ClientEvent::PublishesTaken)), "announced again after the count was taken");
+        assert_eq!(c.take_counted(), 1);
+        assert_eq!(c.take_counted(), 0);
+        assert_eq!(c.in_flight(), 0);
     }
 }

@@ -168,6 +168,10 @@ pub enum ClientEvent {
     /// Close the connection with 320 CONNECTION_FORCED and this text (the management API's
     /// `DELETE /api/connections/{name}`).
     Close(String),
+    /// A peer's publishes to this node's queues were taken: the proxy of the peer's
+    /// connection sends their count back ([`credit::PublishCredit::counting`], `remote`).
+    /// A connection of this node never gets it.
+    PublishesTaken,
 }
 
 /// A message handed to a consumer.

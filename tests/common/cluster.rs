@@ -32,7 +32,8 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
-use super::{broker_binary, confirm_mode, declare_queue, free_port, http_get, publish_confirmed, t};
+use super::http::http_get;
+use super::{broker_binary, confirm_mode, declare_queue, free_port, publish_confirmed, t};
 
 /// How long a start (of the whole cluster, or of one node) may take until every started node
 /// is ready.

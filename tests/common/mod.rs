@@ -27,11 +27,11 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 pub mod cluster;
 pub mod http;
-pub use http::http_get;
 pub mod pki;
 pub mod python;
 pub mod raw;
 pub mod rounds;
+pub mod rss;
 pub mod script;
 
 /// How long the broker gets to accept its first connection after being spawned.
@@ -763,7 +763,7 @@ impl OwnBroker {
 
     /// GET /metrics (plain HTTP over a TcpStream, bounded to 5 s); the whole response text.
     pub fn metrics(&self) -> Result<String, String> {
-        http_get(self.metrics_port, "/metrics")
+        http::http_get(self.metrics_port, "/metrics")
     }
 }
 

@@ -231,6 +231,7 @@ impl Session {
                 }
             }
             ClientEvent::Describe(reply) => drop(reply.send(self.describe())),
+            ClientEvent::PublishesTaken => {}
             ClientEvent::Shutdown | ClientEvent::Close(_) => {
                 let e = match ev {
                     ClientEvent::Close(reason) => AmqpError::connection_forced(reason),

@@ -272,14 +272,16 @@ impl Queue {
     }
 
     /// Flow control (`broker::credit`): while the store has more than
-    /// [`ringmq_shards::MAX_PENDING_CHUNKS`] MiB appended and not yet written, a publish's
-    /// credit stays here until the writer catches up, so its connection is not read and the
-    /// bodies wait in the client, not in write buffers (measured without it: 2 GiB of 1 MiB
-    /// transient messages from one pika publisher held 4.5 GB of RSS in them). Otherwise the
-    /// credit is given back at once (dropped).
+    /// [`ringmq_shards::MAX_PENDING_CHUNKS`] MiB appended and not yet written, or a
+    /// replicated queue has more than [`super::replica::MAX_REPLICATION_BACKLOG`] bytes of
+    /// publishes not yet committed, a publish's credit stays here until the writer (and the
+    /// group) caught up, so its connection is not read and the bodies wait in the client, not
+    /// in write buffers or Raft proposals (measured without it: 2 GiB of 1 MiB transient
+    /// messages from one pika publisher held 4.5 GB of RSS in them). Otherwise the credit is
+    /// given back at once (dropped).
     pub(super) fn hold_credit(&mut self, cell: &QueueCell, credit: Option<std::sync::Arc<crate::broker::credit::CreditHeld>>) {
         let Some(credit) = credit else { return };
-        if !self.shard.write_backlogged() {
+        if !self.shard.write_backlogged() && !self.repl.as_ref().is_some_and(|r| r.backlogged()) {
             return;
         }
         let first = self.held_credit.is_empty();
@@ -289,10 +291,20 @@ impl Queue {
         }
         let (weak, shard) = (Rc::downgrade(cell), self.shard.clone());
         glommio::spawn_local(async move {
-            shard.throttle().await;
-            if let Some(cell) = weak.upgrade() {
-                let held = std::mem::take(&mut cell.borrow_mut().held_credit);
-                drop(held);
+            // A spawned task may run at once, while the caller still borrows the queue.
+            futures_lite::future::yield_now().await;
+            loop {
+                shard.throttle().await;
+                let Some(cell) = weak.upgrade() else { return };
+                let drained = cell.borrow_mut().repl.as_mut().filter(|r| r.backlogged()).map(|r| r.when_drained());
+                let Some(drained) = drained else {
+                    let held = std::mem::take(&mut cell.borrow_mut().held_credit);
+                    drop(held);
+                    return;
+                };
+                drop(cell);
+                // Closed when the queue goes: the upgrade above then ends the task.
+                let _ = drained.recv_async().await;
             }
         })
         .detach();

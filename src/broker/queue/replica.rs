@@ -60,6 +60,7 @@ use crate::meta::state::{Command, Outcome};
 thread_local! {
     static SETTLE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
     static RESERVE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    static TOO_LARGE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
 }
 
 /// True when `def` is replicated in a cluster: durable and not exclusive (an exclusive
@@ -73,6 +74,31 @@ const MAX_BATCH: usize = 4096;
 
 /// Most `Enqueue` batches of one queue waiting for their commit at once (step 1).
 pub const MAX_BATCHES_IN_FLIGHT: usize = 4;
+
+/// Most bytes of publishes (bodies, headers and [`crate::broker::credit::OP_WEIGHT`] each) a
+/// replicated queue keeps waiting to be proposed or committed before it holds its
+/// publishers' credit (`durability.rs`, `Queue::hold_credit`): a group that commits slower
+/// than they publish (a slow follower, a lost majority) slows them instead of filling memory.
+pub const MAX_REPLICATION_BACKLOG: u64 = 16 << 20;
+
+/// Most bytes of publishes ([`backlog_weight`] each, at least one publish) in one `Enqueue`
+/// batch: a batch is one proposal, and the metadata driver never splits a proposal across
+/// entries, so this bounds the entry (as its own `MAX_ENTRY_BYTES` bounds a merged one).
+/// Without it a flood of 1 MiB messages made 4,096-message entries, Raft messages of 174 MB
+/// to 1.4 GB that the transport refuses (64 MiB frames): replication stopped and the leader
+/// was lost.
+const MAX_BATCH_BYTES: u64 = crate::meta::driver::MAX_ENTRY_BYTES as u64;
+
+/// Largest message (header and body, bytes) a replicated queue takes: its `Enqueue` must fit
+/// a Raft message of the cluster transport ([`crate::cluster::frame::MAX_FRAME_BYTES`]) with
+/// room to spare. A larger one is refused (nacked), never proposed: an entry no frame can
+/// carry would stop the metadata group's replication.
+pub const MAX_REPLICATED_MESSAGE: usize = crate::cluster::frame::MAX_FRAME_BYTES / 2;
+
+/// What one waiting publish weighs in [`MAX_REPLICATION_BACKLOG`], bytes.
+fn backlog_weight(header: &[u8], body: &[u8]) -> u64 {
+    (header.len() + body.len() + crate::broker::credit::OP_WEIGHT) as u64
+}
 
 /// Shortest reach of a delivery reservation past the deliveries (offsets; step 5): at most
 /// this many undelivered messages come flagged redelivered=true after a failover at low rates.
@@ -129,6 +155,11 @@ pub struct Replication {
     /// Messages (and their body bytes) a length limit admitted (`limits.rs`) whose `Enqueue`
     /// this member has not applied yet, nor seen fail: they count toward the limit.
     unapplied: (u64, u64),
+    /// Bytes of the publishes waiting to be proposed or committed ([`backlog_weight`] each).
+    backlog: u64,
+    /// Told once the backlog is back under [`MAX_REPLICATION_BACKLOG`] (the task holding
+    /// publishers' credit, `durability.rs`).
+    drained: Option<flume::Sender<()>>,
 }
 
 impl Replication {
@@ -144,12 +175,38 @@ impl Replication {
     /// out of service here (the publisher sends them again); waiting basic.gets are
     /// answered empty.
     pub(super) fn refuse_waiting(&mut self) {
-        for (_, c, _) in self.enqueues.drain(..) {
+        for (cmd, c, _) in self.enqueues.drain(..) {
+            if let Command::Enqueue { header, body, .. } = &cmd {
+                self.backlog = self.backlog.saturating_sub(backlog_weight(header, body));
+            }
             if let Some(c) = c {
                 c.answer(false);
             }
         }
+        self.backlog_shrank();
         self.answer_gets_empty();
+    }
+
+    /// True while more than [`MAX_REPLICATION_BACKLOG`] bytes of publishes wait to be
+    /// proposed or committed.
+    pub(super) fn backlogged(&self) -> bool {
+        self.backlog > MAX_REPLICATION_BACKLOG
+    }
+
+    /// A receiver told once the backlog is back under [`MAX_REPLICATION_BACKLOG`] (or the
+    /// queue's replication state goes: the channel closes).
+    pub(super) fn when_drained(&mut self) -> flume::Receiver<()> {
+        let (tx, rx) = flume::bounded(1);
+        self.drained = Some(tx);
+        rx
+    }
+
+    fn backlog_shrank(&mut self) {
+        if !self.backlogged() {
+            if let Some(tx) = self.drained.take() {
+                let _ = tx.try_send(());
+            }
+        }
     }
 
     /// Holds (or lets go) the enqueuer: while held, publishes wait and no new `Enqueue`
@@ -200,7 +257,22 @@ impl Replication {
 impl Queue {
     /// Step 1: queues `message` for the next `Enqueue` batch of this queue.
     pub(super) fn propose_enqueue(&mut self, cell: &QueueCell, message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+        let counted = self.limits.is_some_and(|l| l.rejects_publish());
+        let name = self.qref.key.name.clone();
         let Some(repl) = &mut self.repl else { return };
+        let size = message.header.len() + message.body.len();
+        if size > MAX_REPLICATED_MESSAGE {
+            if once_a_second(&TOO_LARGE_LOGGED) {
+                tracing::warn!(queue = %name, bytes = size, limit = MAX_REPLICATED_MESSAGE, "message too large for a replicated queue: refused (nacked)");
+            }
+            if counted {
+                repl.settled_admission(message.body.len() as u64);
+            }
+            if let Some(c) = confirm {
+                c.answer(false);
+            }
+            return;
+        }
         let cmd = Command::Enqueue {
             vhost: self.qref.key.vhost.to_string(),
             queue: self.qref.key.name.to_string(),
@@ -208,6 +280,9 @@ impl Queue {
             header: message.header,
             body: message.body,
         };
+        if let Command::Enqueue { header, body, .. } = &cmd {
+            repl.backlog += backlog_weight(header, body);
+        }
         repl.enqueues.push((cmd, confirm, published));
         repl.kick_enqueuer(Rc::downgrade(cell));
     }
@@ -419,7 +494,19 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
                 repl.enqueuing = false;
                 return;
             }
-            let n = repl.enqueues.len().min(MAX_BATCH);
+            let mut bytes = 0;
+            let n = repl
+                .enqueues
+                .iter()
+                .take(MAX_BATCH)
+                .take_while(|(c, _, _)| {
+                    let first = bytes == 0;
+                    if let Command::Enqueue { header, body, .. } = c {
+                        bytes += backlog_weight(header, body);
+                    }
+                    first || bytes <= MAX_BATCH_BYTES
+                })
+                .count();
             let batch: Vec<_> = repl.enqueues.drain(..n).collect();
             repl.batches_in_flight += 1;
             (batch, env.meta().clone(), env)
@@ -428,11 +515,11 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
         let (cmds, tickets): (Vec<Command>, Vec<_>) = batch
             .into_iter()
             .map(|(c, t, p)| {
-                let len = match &c {
-                    Command::Enqueue { body, .. } => body.len() as u64,
-                    _ => 0,
+                let (len, weight) = match &c {
+                    Command::Enqueue { header, body, .. } => (body.len() as u64, backlog_weight(header, body)),
+                    _ => (0, 0),
                 };
-                (c, (t, p, len))
+                (c, (t, p, len, weight))
             })
             .unzip();
         // Only this task submits, and it awaits each submission: batches reach the driver in order.
@@ -443,13 +530,14 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
 
 /// Answers one `Enqueue` batch's confirms with its outcome (a queue deleted meanwhile
 /// confirms: RabbitMQ's reading), then lets the enqueuer propose what waited. `tickets`:
-/// (confirm, publish time, body bytes) per message.
+/// (confirm, publish time, body bytes, [`backlog_weight`]) per message.
 async fn answer_batch(
     weak: Weak<std::cell::RefCell<Queue>>,
     env: Rc<dyn QueueEnv>,
     submitted: Result<crate::meta::Proposal, crate::meta::MetaError>,
-    tickets: Vec<(Option<ConfirmTo>, Option<Instant>, u64)>,
+    tickets: Vec<(Option<ConfirmTo>, Option<Instant>, u64, u64)>,
 ) {
+    let weight: u64 = tickets.iter().map(|t| t.3).sum();
     let result = match submitted {
         Ok(p) => p.outcomes().await,
         Err(e) => Err(e),
@@ -459,7 +547,7 @@ async fn answer_batch(
     let mut failed = Vec::new();
     match result {
         Ok(outcomes) => {
-            for ((ticket, published, len), o) in tickets.into_iter().zip(outcomes) {
+            for ((ticket, published, len, _), o) in tickets.into_iter().zip(outcomes) {
                 let ok = matches!(o, Outcome::Enqueued { .. } | Outcome::NotFound);
                 if !ok {
                     failed.push(len);
@@ -480,7 +568,7 @@ async fn answer_batch(
                 tracing::warn!(error = %e, messages = tickets.len(), "replicated publish not committed (nacked)");
             }
             crate::observe::Stats::add(&env.stats().store_refused, tickets.len() as u64);
-            for (ticket, _, len) in tickets {
+            for (ticket, _, len, _) in tickets {
                 failed.push(len);
                 if let Some(c) = ticket {
                     c.answer(false);
@@ -498,6 +586,8 @@ async fn answer_batch(
             }
         }
         repl.batches_in_flight = repl.batches_in_flight.saturating_sub(1);
+        repl.backlog = repl.backlog.saturating_sub(weight);
+        repl.backlog_shrank();
         repl.kick_enqueuer(weak.clone());
     }
 }

@@ -1,12 +1,13 @@
 //! A's side: forwarding a connection's operations to the queue's node, and handing events and
 //! replies back to the connection (module doc of `remote`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::wire::{Event, Frame, GotMessage, RemoteConfirm, RemoteConsumer, RemoteHolder, Reply as WireReply, Request};
 use super::Remote;
+use crate::broker::credit::CreditHeld;
 use crate::broker::queue::consumer::pending_weight;
 use crate::broker::{
     ChannelId, ClientEvent, ClientTx, ConnId, ConsumerTag, Delivery, GetReply, Offset, QueueError, QueueOp, QueueRef, Reply,
@@ -63,6 +64,11 @@ pub struct ClientSide {
     /// Confirms not answered yet: (peer, conn, chan_uid, seq) → (channel, answers due: one
     /// per target queue on that peer).
     confirms: HashMap<(NodeId, u64, u64, u64), (u16, u32)>,
+    /// Publish credit of this node's connections held for their publishes to a peer's
+    /// queues, oldest first, until the peer says they were taken (`Event::Taken`;
+    /// `broker::credit`): (peer, conn) → credits. An entry stays while the connection lives
+    /// (it names the peers to tell when the connection closes).
+    held: HashMap<(NodeId, u64), VecDeque<Arc<CreditHeld>>>,
 }
 
 impl ClientSide {
@@ -88,13 +94,19 @@ impl Remote {
         let queue = qref.key.clone();
         let mut cl = self.client.lock();
         let (req, waiting) = match op {
-            QueueOp::Publish { message, confirm, .. } => {
+            QueueOp::Publish { message, confirm, credit, .. } => {
                 let rc = confirm.as_ref().map(|c| {
                     cl.conn(c.conn, &c.tx, peer);
                     cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
                     RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
                 });
-                let sent = self.send_request(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc }));
+                let credit = credit.filter(|c| c.conn() != 0);
+                let credit_conn = credit.as_ref().map_or(0, |c| c.conn());
+                let sent = self.send_request(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc, credit: credit_conn }));
+                if let (Ok(()), Some(credit)) = (&sent, credit) {
+                    // Held until the peer's queue took it (`Event::Taken`).
+                    cl.held.entry((peer, credit_conn)).or_default().push_back(credit);
+                }
                 if let (Err(why), Some(c)) = (sent, confirm) {
                     tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
                     let key = (peer, c.conn.0, c.chan_uid, c.seq);
@@ -205,6 +217,17 @@ impl Remote {
     /// An event from `from` for this node's connection `conn` (on a transport thread).
     pub(super) fn client_event(&self, from: NodeId, conn: u64, event: Event) {
         let mut cl = self.client.lock();
+        if let Event::Taken { count } = event {
+            // The oldest go first: the peer's queues may take a connection's publishes out
+            // of order, but the credit is the connection's either way.
+            let released: Vec<Arc<CreditHeld>> = match cl.held.get_mut(&(from, conn)) {
+                Some(h) => h.drain(..(count as usize).min(h.len())).collect(),
+                None => Vec::new(),
+            };
+            drop(cl);
+            drop(released);
+            return;
+        }
         let Some(c) = cl.conns.get(&conn) else { return };
         let tx = c.tx.clone();
         let ev = match event {
@@ -251,6 +274,7 @@ impl Remote {
             Event::AckTimeout { channel, chan_uid, timeout_ms } => {
                 ClientEvent::AckTimeout { channel: ChannelId(channel), chan_uid, timeout_ms }
             }
+            Event::Taken { .. } => return,
         };
         drop(cl);
         let _ = tx.send(ev);
@@ -304,6 +328,8 @@ impl Remote {
                 }
             }
         }
+        // The credit held for the peer comes back: what it had not taken is lost with it.
+        let released: Vec<_> = cl.held.iter_mut().filter(|((p, _), _)| *p == peer).flat_map(|(_, h)| h.drain(..)).collect();
         let unanswered: Vec<_> = cl.confirms.keys().filter(|k| k.0 == peer).copied().collect();
         for key in unanswered {
             let Some((channel, due)) = cl.confirms.remove(&key) else { continue };
@@ -315,6 +341,7 @@ impl Remote {
             }
         }
         drop(cl);
+        drop(released);
         for (qref, w) in failed {
             w.fail(unreachable(&qref, "the link to it went down"));
         }
@@ -327,11 +354,15 @@ impl Remote {
     /// peers it used forget it.
     pub fn connection_closed(&self, conn: ConnId) {
         let mut cl = self.client.lock();
-        let Some(c) = cl.conns.remove(&conn.0) else { return };
+        let mut peers = cl.conns.remove(&conn.0).map(|c| c.peers).unwrap_or_default();
+        let credited: Vec<(NodeId, u64)> = cl.held.keys().filter(|k| k.1 == conn.0).copied().collect();
+        let released: Vec<_> = credited.into_iter().filter_map(|k| cl.held.remove(&k).map(|h| (k.0, h))).collect();
+        peers.extend(released.iter().map(|(p, _)| *p));
         cl.consumers.retain(|_, k| k.conn != conn.0);
         cl.confirms.retain(|k, _| k.1 != conn.0);
         drop(cl);
-        for peer in c.peers {
+        drop(released);
+        for peer in peers {
             let _ = self.send_request(peer, &Frame::Request(Request::ConnectionClosed { conn: conn.0 }));
         }
     }

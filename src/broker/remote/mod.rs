@@ -26,6 +26,10 @@
 //!    and cancels its consumers of B's queues (basic.cancel to clients that asked for it).
 //! 4. B never runs an operation on a queue it does not own: the metadata decides (the
 //!    queue's `owner_node`).
+//! 5. A publish's credit (`broker::credit`) stays on A until B answers `Event::Taken` for it:
+//!    B counts the releases of the credit its queues took for A's connection, whatever became
+//!    of the publish (stored, proposed, refused, a direct reply-to), and A gives back as
+//!    many; a lost link gives back all A held for that peer.
 
 mod client;
 mod owner;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::wire::{Event, Frame, GotMessage, Reply as WireReply, Request};
 use super::Remote;
+use crate::broker::credit::PublishCredit;
 use crate::broker::node::{Node, NodeMsg};
 use crate::broker::queue::consumer::pending_weight;
 use crate::broker::{
@@ -44,6 +45,9 @@ struct Proxy {
     credits: HashMap<u16, Arc<ChannelCredit>>,
     /// (queue, local channel incarnation) it may hold deliveries in: closed when the link dies.
     touched: HashSet<(QueueRef, u64)>,
+    /// The credit its publishes take here: its releases go back to the peer as
+    /// `Event::Taken` (`broker::credit`, module doc).
+    credit: Arc<PublishCredit>,
 }
 
 /// B's forwarding state (under `Remote::owner`).
@@ -57,7 +61,7 @@ impl Remote {
     /// core (invariant 4: only when this node owns the queue); a connection's end is handled
     /// here.
     pub(super) fn route_request(&self, from: NodeId, req: Request) {
-        if let Request::Publish { queue, message, confirm } = &req {
+        if let Request::Publish { queue, message, confirm, credit } = &req {
             if crate::broker::reply_to::parse(&queue.name).is_some() {
                 // A reply to one of this node's direct reply-to names (`broker::reply_to`).
                 let target =
@@ -67,6 +71,7 @@ impl Remote {
                     let event = Event::Stored { channel: c.channel, chan_uid: c.chan_uid, seq: c.seq, ok: true };
                     let _ = self.send_frame(from, &Frame::Event { conn: c.conn, event });
                 }
+                self.taken_at_once(from, *credit);
                 return;
             }
         }
@@ -100,9 +105,12 @@ impl Remote {
     /// Answers a request that cannot run here.
     fn refuse(&self, from: NodeId, req: Request, why: QueueError) {
         let reply = match req {
-            Request::Publish { confirm: Some(c), .. } => {
-                let event = Event::Stored { channel: c.channel, chan_uid: c.chan_uid, seq: c.seq, ok: false };
-                let _ = self.send_frame(from, &Frame::Event { conn: c.conn, event });
+            Request::Publish { confirm, credit, .. } => {
+                if let Some(c) = confirm {
+                    let event = Event::Stored { channel: c.channel, chan_uid: c.chan_uid, seq: c.seq, ok: false };
+                    let _ = self.send_frame(from, &Frame::Event { conn: c.conn, event });
+                }
+                self.taken_at_once(from, credit);
                 return;
             }
             Request::Get { req, .. } => (req, WireReply::Get(Err(why))),
@@ -114,10 +122,25 @@ impl Remote {
         let _ = self.send_frame(from, &Frame::Reply { req: reply.0, reply: reply.1 });
     }
 
+    /// A publish of `from`'s connection `conn` (0: none) holding credit there was taken
+    /// without reaching a queue here (refused, or a direct reply-to): its credit goes back.
+    fn taken_at_once(&self, from: NodeId, conn: u64) {
+        if conn != 0 {
+            let _ = self.send_frame(from, &Frame::Event { conn, event: Event::Taken { count: 1 } });
+        }
+    }
+
     /// Runs `req` from `from` on `qref`, on the queue's core (`node`).
     pub fn run_request(self: &Arc<Self>, node: &Rc<Node>, from: NodeId, qref: QueueRef, req: Request) {
         let op = match req {
-            Request::Publish { message, confirm, .. } => {
+            Request::Publish { message, confirm, credit, .. } => {
+                // The peer's connection waits for this credit to come back (module doc of
+                // `broker::credit`); the queue keeps it while its store's writer is behind.
+                let credit = (credit != 0).then(|| {
+                    self.proxy_tx(from, credit);
+                    let pool = self.owner.lock().proxies.get(&(from, credit)).map(|p| p.credit.clone());
+                    pool.map(|p| p.take(message.body.len() + message.header.len()))
+                });
                 let confirm = confirm.map(|c| ConfirmTo {
                     tx: self.proxy_tx(from, c.conn),
                     conn: ConnId(local_id(from, c.conn)),
@@ -125,7 +148,7 @@ impl Remote {
                     chan_uid: local_id(from, c.chan_uid),
                     seq: c.seq,
                 });
-                QueueOp::Publish { message, confirm, published: None, credit: None }
+                QueueOp::Publish { message, confirm, published: None, credit: credit.flatten() }
             }
             Request::Get { req, no_ack, holder, .. } => {
                 let chan_uid = local_id(from, holder.chan_uid);
@@ -237,11 +260,13 @@ impl Remote {
         }
         let (tx, rx) = flume::unbounded();
         let pending = Arc::new(AtomicUsize::new(0));
-        owner
-            .proxies
-            .insert((from, conn), Proxy { tx: tx.clone(), pending: pending.clone(), credits: HashMap::new(), touched: HashSet::new() });
+        let credit = PublishCredit::counting(tx.clone());
+        let proxy =
+            Proxy { tx: tx.clone(), pending: pending.clone(), credits: HashMap::new(), touched: HashSet::new(), credit: credit.clone() };
+        owner.proxies.insert((from, conn), proxy);
         drop(owner);
-        glommio::spawn_local(send_events(self.clone(), from, conn, rx, pending)).detach();
+        // The task keeps a weak handle: the pool's sender must not keep its own receiver alive.
+        glommio::spawn_local(send_events(self.clone(), from, conn, rx, pending, Arc::downgrade(&credit))).detach();
         tx
     }
 
@@ -273,10 +298,22 @@ impl Remote {
 
 /// The task behind a proxy: sends each event the queues put on it to the peer, in order,
 /// until every sender is gone (the connection closed and its queues let go of it).
-async fn send_events(remote: Arc<Remote>, to: NodeId, conn: u64, rx: flume::Receiver<ClientEvent>, pending: Arc<AtomicUsize>) {
+async fn send_events(
+    remote: Arc<Remote>,
+    to: NodeId,
+    conn: u64,
+    rx: flume::Receiver<ClientEvent>,
+    pending: Arc<AtomicUsize>,
+    credit: std::sync::Weak<PublishCredit>,
+) {
     while let Ok(ev) = rx.recv_async().await {
         let mut weight = 0;
         let event = match ev {
+            // Every release since the last batch, in one event.
+            ClientEvent::PublishesTaken => match credit.upgrade().map(|c| c.take_counted()) {
+                Some(count) if count > 0 => Event::Taken { count },
+                _ => continue,
+            },
             ClientEvent::Deliver(d) => {
                 weight = pending_weight(d.message.body.len());
                 Event::Deliver {

@@ -94,6 +94,10 @@ pub enum Request {
         message: Message,
         /// Confirm-mode publisher.
         confirm: Option<RemoteConfirm>,
+        /// A's connection whose publish credit this publish holds (`broker::credit`), 0 for
+        /// none (the broker's own publishes): B answers [`Event::Taken`] for it once the
+        /// queue has taken the message.
+        credit: u64,
     },
     /// basic.get.
     Get {
@@ -251,6 +255,12 @@ pub enum Event {
         /// The timeout, ms.
         timeout_ms: u64,
     },
+    /// B's queues took `count` more of the connection's publishes that hold credit (stored,
+    /// proposed or refused them): A gives that credit back (`broker::credit`).
+    Taken {
+        /// Publishes taken, since the last `Taken` for the connection.
+        count: u32,
+    },
 }
 
 /// A basic.get answer's message.
@@ -304,7 +314,7 @@ pub enum Frame {
 }
 
 /// The format's version, the first byte of every frame.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 
 /// A payload that is not a frame [`encode`] wrote. `at` is the byte offset in the payload
 /// where decoding failed.
@@ -550,7 +560,7 @@ impl Field for GotMessage {
 impl Field for Request {
     fn put(&self, out: &mut Vec<u8>) {
         match self {
-            Request::Publish { queue, message, confirm } => put!(out, 0; queue, message, confirm),
+            Request::Publish { queue, message, confirm, credit } => put!(out, 0; queue, message, confirm, credit),
             Request::Get { req, queue, no_ack, holder } => put!(out, 1; req, queue, no_ack, holder),
             Request::Consume { req, queue, consumer } => put!(out, 2; req, queue, consumer),
             Request::Cancel { queue, consumer, send_ok } => put!(out, 3; queue, consumer, send_ok),
@@ -565,7 +575,7 @@ impl Field for Request {
     }
     fn get(r: &mut Reader<'_>) -> Result<Self, WireError> {
         Ok(match r.tag("request", 10)? {
-            0 => Request::Publish { queue: r.get()?, message: r.get()?, confirm: r.get()? },
+            0 => Request::Publish { queue: r.get()?, message: r.get()?, confirm: r.get()?, credit: r.get()? },
             1 => Request::Get { req: r.get()?, queue: r.get()?, no_ack: r.get()?, holder: r.get()? },
             2 => Request::Consume { req: r.get()?, queue: r.get()?, consumer: r.get()? },
             3 => Request::Cancel { queue: r.get()?, consumer: r.get()?, send_ok: r.get()? },
@@ -591,10 +601,11 @@ impl Field for Event {
             Event::Cancelled { channel, consumer_tag } => put!(out, 3; channel, consumer_tag),
             Event::Stored { channel, chan_uid, seq, ok } => put!(out, 4; channel, chan_uid, seq, ok),
             Event::AckTimeout { channel, chan_uid, timeout_ms } => put!(out, 5; channel, chan_uid, timeout_ms),
+            Event::Taken { count } => put!(out, 6; count),
         }
     }
     fn get(r: &mut Reader<'_>) -> Result<Self, WireError> {
-        Ok(match r.tag("event", 5)? {
+        Ok(match r.tag("event", 6)? {
             0 => Event::Deliver {
                 channel: r.get()?,
                 chan_uid: r.get()?,
@@ -611,7 +622,8 @@ impl Field for Event {
             2 => Event::CancelOk { channel: r.get()?, consumer_tag: r.get()? },
             3 => Event::Cancelled { channel: r.get()?, consumer_tag: r.get()? },
             4 => Event::Stored { channel: r.get()?, chan_uid: r.get()?, seq: r.get()?, ok: r.get()? },
-            _ => Event::AckTimeout { channel: r.get()?, chan_uid: r.get()?, timeout_ms: r.get()? },
+            5 => Event::AckTimeout { channel: r.get()?, chan_uid: r.get()?, timeout_ms: r.get()? },
+            _ => Event::Taken { count: r.get()? },
         })
     }
 }

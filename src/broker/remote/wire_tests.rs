@@ -92,10 +92,11 @@ fn request() -> impl Strategy<Value = Request> {
         },
     );
     prop_oneof![
-        (key(), message(), proptest::option::of(confirm)).prop_map(|(queue, message, confirm)| Request::Publish {
+        (key(), message(), proptest::option::of(confirm), int()).prop_map(|(queue, message, confirm, credit)| Request::Publish {
             queue,
             message,
-            confirm
+            confirm,
+            credit
         }),
         (int(), key(), any::<bool>(), holder()).prop_map(|(req, queue, no_ack, holder)| Request::Get { req, queue, no_ack, holder }),
         (int(), key(), consumer).prop_map(|(req, queue, consumer)| Request::Consume { req, queue, consumer }),
@@ -143,6 +144,7 @@ fn event() -> impl Strategy<Value = Event> {
         (any::<u16>(), text()).prop_map(|(channel, consumer_tag)| Event::Cancelled { channel, consumer_tag }),
         (any::<u16>(), int(), int(), any::<bool>()).prop_map(|(channel, chan_uid, seq, ok)| Event::Stored { channel, chan_uid, seq, ok }),
         (any::<u16>(), int(), int()).prop_map(|(channel, chan_uid, timeout_ms)| Event::AckTimeout { channel, chan_uid, timeout_ms }),
+        any::<u32>().prop_map(|count| Event::Taken { count }),
     ]
 }
 
@@ -256,7 +258,7 @@ fn a_huge_offset_count_errors_before_allocating() {
 #[test]
 fn decode_bytes_slices_the_input() {
     let message = Message { header: Bytes::from_static(b"hdr"), body: Bytes::from(vec![9u8; 1000]), flags: 1 };
-    let f = Frame::Request(Request::Publish { queue: QueueKey::new("/", "q"), message, confirm: None });
+    let f = Frame::Request(Request::Publish { queue: QueueKey::new("/", "q"), message, confirm: None, credit: 0 });
     let input = Bytes::from(enc(&f));
     let range = input.as_ptr_range();
     let Frame::Request(Request::Publish { message: m, .. }) = decode_bytes(&input).unwrap() else { panic!("not a publish") };
@@ -277,10 +279,10 @@ fn ascending_offsets_cost_a_byte_each() {
 #[test]
 fn malformed_fields_are_named() {
     assert_eq!(decode(&[]), Err(WireError::Truncated { at: 0 }));
-    assert_eq!(decode(&[2, 0]), Err(WireError::Version(2)));
+    assert_eq!(decode(&[VERSION + 1, 0]), Err(WireError::Version(VERSION + 1)));
     assert_eq!(decode(&[VERSION, 3]), Err(WireError::UnknownTag { at: 1, what: "frame", tag: 3 }));
     assert_eq!(decode(&[VERSION, 0, 11]), Err(WireError::UnknownTag { at: 2, what: "request", tag: 11 }));
-    assert_eq!(decode(&[VERSION, 1, 0, 6]), Err(WireError::UnknownTag { at: 3, what: "event", tag: 6 }));
+    assert_eq!(decode(&[VERSION, 1, 0, 7]), Err(WireError::UnknownTag { at: 3, what: "event", tag: 7 }));
     assert_eq!(decode(&[VERSION, 2, 0, 4]), Err(WireError::UnknownTag { at: 3, what: "reply", tag: 4 }));
     assert_eq!(decode(&[VERSION, 2, 0, 1, 2]), Err(WireError::UnknownTag { at: 4, what: "result", tag: 2 }));
     assert_eq!(decode(&[VERSION, 2, 0, 1, 1, 5, 0]), Err(WireError::UnknownTag { at: 5, what: "queue error", tag: 5 }));
