@@ -14,10 +14,14 @@
 #   --rounds N       rounds per side (default 3, at least 3 for a median worth the name)
 #   --bench PATH     ringmq-bench binary (default: target/release/ringmq-bench, built if missing)
 #   --out DIR        keep the JSON lines (a.jsonl, b.jsonl) there (default: a temp dir)
+#   --floor          also run `ringmq-bench floor` with the same flags in every round (the
+#                    bench's own relay: this machine's latency floor) and report A and B
+#                    against it (floor.jsonl)
 #
 # Example:
 #   bench/compare.sh --rabbitmq -- throughput --duration 10
 #   bench/compare.sh --rabbitmq --a none -- latency --duration 10
+#   bench/compare.sh --rabbitmq --floor -- latency --duration 10
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -30,19 +34,21 @@ rounds=3
 bench=''
 out=''
 rabbitmq=0
+floor=0
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --a) uri_a="$2"; shift 2 ;;
         --b) uri_b="$2"; shift 2 ;;
         --rabbitmq) rabbitmq=1; shift ;;
+        --floor) floor=1; shift ;;
         --label-a) label_a="$2"; shift 2 ;;
         --label-b) label_b="$2"; shift 2 ;;
         --rounds) rounds="$2"; shift 2 ;;
         --bench) bench="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown option $1 (scenario flags go after --)" >&2; exit 1 ;;
     esac
 done
@@ -63,6 +69,7 @@ workdir="$(mktemp -d "${TMPDIR:-/tmp}/ringmq-compare.XXXXXX")"
 mkdir -p "$out"
 : > "$out/a.jsonl"
 : > "$out/b.jsonl"
+: > "$out/floor.jsonl"
 
 # --- RabbitMQ on a free loopback port -------------------------------------------------
 rmq_dir=''
@@ -200,9 +207,24 @@ for r in $(seq 1 "$rounds"); do
         rmq_signal CONT
     fi
     one B "$uri_b" "$label_b" "$out/b.jsonl" "$@"
+    if [ "$floor" = 1 ]; then
+        # The relay replaces --uri; the scenario's flags stay.
+        rmq_signal STOP
+        one F "(the bench's relay)" floor "$out/floor.jsonl" floor "${@:2}"
+        rmq_signal CONT
+    fi
 done
 
 echo
 echo "scenario: ringmq-bench $*"
 "$bench" report --label-a "$label_a" --label-b "$label_b" "$out/a.jsonl" "$out/b.jsonl"
+if [ "$floor" = 1 ]; then
+    for side in a b; do
+        [ -s "$out/$side.jsonl" ] || continue
+        label=$([ "$side" = a ] && echo "$label_a" || echo "$label_b")
+        echo
+        echo "$label against this machine's floor (ringmq-bench floor ${*:2}):"
+        "$bench" report --label-a "$label" --label-b floor "$out/$side.jsonl" "$out/floor.jsonl" || true
+    done
+fi
 echo "(JSON lines in $out)"

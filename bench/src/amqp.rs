@@ -158,6 +158,10 @@ pub fn broker_pid(cfg: &Config) -> Option<u32> {
     if cfg.broker_pid.is_some() {
         return cfg.broker_pid;
     }
+    if cfg.scenario == crate::cli::Scenario::Floor {
+        // The relay is this process: no broker to measure.
+        return None;
+    }
     let uri: lapin::uri::AMQPUri = cfg.uri.parse().ok()?;
     let host = uri.authority.host.as_str();
     let local = matches!(host, "localhost" | "127.0.0.1" | "::1" | "[::1]") || host.starts_with("127.");

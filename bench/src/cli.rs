@@ -28,6 +28,10 @@ pub enum Command {
     Throughput(Flags),
     /// Fixed rate (1,000 msgs/s, 1 KiB, confirm window 100, manual ack, prefetch 100).
     Latency(Flags),
+    /// The latency scenario (same defaults and flags) against the bench's own relay on
+    /// loopback instead of --uri: publish in, deliver out, no broker logic — this machine's
+    /// floor for every latency figure (`floor.rs`; `compare.sh --floor`).
+    Floor(Flags),
     /// 1 producer → fanout exchange → 3 queues, one consumer each.
     Fanout(Flags),
     /// 1,000 queues × 10 msgs/s, one producer and one consumer per queue.
@@ -199,6 +203,8 @@ pub enum Scenario {
     Throughput,
     /// See [`Command::Latency`].
     Latency,
+    /// See [`Command::Floor`].
+    Floor,
     /// See [`Command::Fanout`].
     Fanout,
     /// See [`Command::ManyQueues`].
@@ -220,6 +226,7 @@ impl Scenario {
             Scenario::Run => "run",
             Scenario::Throughput => "throughput",
             Scenario::Latency => "latency",
+            Scenario::Floor => "floor",
             Scenario::Fanout => "fanout",
             Scenario::ManyQueues => "many-queues",
             Scenario::Backlog => "backlog",
@@ -320,7 +327,7 @@ impl Config {
         // manual-ack, prefetch, duration, messages, drain).
         let (dp, dc, dq, dsize, drate, dconf, dmanual, dpref, ddur, dmsgs, ddrain) = match scenario {
             Run | Throughput => (1, 1, 1, 16, 0.0, 0, false, 0, 10.0, None, 10.0),
-            Latency => (1, 1, 1, 1024, 1000.0, 100, true, 100, 10.0, None, 10.0),
+            Latency | Floor => (1, 1, 1, 1024, 1000.0, 100, true, 100, 10.0, None, 10.0),
             Fanout => (1, 3, 3, 16, 0.0, 0, false, 0, 10.0, None, 10.0),
             ManyQueues => (1000, 1000, 1000, 16, 10.0, 0, false, 0, 10.0, None, 10.0),
             Backlog => (1, 1, 1, 16, 0.0, 0, false, 0, 600.0, Some(1_000_000), 600.0),

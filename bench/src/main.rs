@@ -5,6 +5,7 @@
 //! - `run`      publish/consume engine (throughput, latency, fanout, many-queues, backlog)
 //! - `churn`    connection-churn and queue-churn
 //! - `amqp`     connect and topology helpers over lapin
+//! - `floor`    the relay behind `floor`: publish in, deliver out, no broker logic
 //! - `body`     message body layout: run, producer, sequence number, send time
 //! - `clock`    CLOCK_MONOTONIC ns and the timerfd pacer of fixed-rate mode
 //! - `stats`    counters and HDR histograms; `tracker` sequence tracking
@@ -27,6 +28,7 @@ mod churn;
 mod cli;
 mod clock;
 mod error;
+mod floor;
 mod procfs;
 mod report;
 mod run;
@@ -61,6 +63,7 @@ fn main() {
         Command::Run(f) => (Scenario::Run, f),
         Command::Throughput(f) => (Scenario::Throughput, f),
         Command::Latency(f) => (Scenario::Latency, f),
+        Command::Floor(f) => (Scenario::Floor, f),
         Command::Fanout(f) => (Scenario::Fanout, f),
         Command::ManyQueues(f) => (Scenario::ManyQueues, f),
         Command::Backlog(f) => (Scenario::Backlog, f),
@@ -68,13 +71,22 @@ fn main() {
         Command::QueueChurn(f) => (Scenario::QueueChurn, f),
         Command::TtlDlx(f) => (Scenario::TtlDlx, f),
     };
-    let cfg = match Config::resolve(scenario, flags) {
+    let mut cfg = match Config::resolve(scenario, flags) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
             std::process::exit(1)
         }
     };
+    if scenario == Scenario::Floor {
+        match floor::start() {
+            Ok(addr) => cfg.uri = format!("amqp://guest:guest@{addr}/%2f"),
+            Err(e) => {
+                eprintln!("floor: cannot start the relay: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
     prepare_process();
     start_watchdog(cfg.duration_s + cfg.drain_timeout_s * 2.0 + SETUP_AND_TEARDOWN_S);
 

@@ -176,7 +176,9 @@ fn cpu_figures(span: CpuSpan, j: &mut Map<String, Value>, h: &mut String) {
             pid.unwrap_or(0),
             rss_max / 1_000_000
         )),
-        None => h.push_str("  broker CPU unknown (not a local process; pass --broker-pid)\n"),
+        None => h.push_str(
+            "  broker CPU unknown (no local broker process: a remote one, or the floor's relay in this process; else pass --broker-pid)\n",
+        ),
     }
     h.push_str(&format!(
         "  bench  CPU {:.2} s = {} µs/{unit}\n",
