@@ -3,7 +3,8 @@
 #
 #   bash bench/scale/run.sh queues [N]        # N idle durable queues (default 10000)
 #   bash bench/scale/run.sh connections [N]   # N connections with a channel each (default 10000)
-#   bash bench/scale/run.sh stall [N]         # a 1,000 msgs/s flow's latency, quiet and while N open
+#   bash bench/scale/run.sh stall [N]         # a 1,000 msgs/s flow's latency, quiet and while N open,
+#                                             # through ringmq and through the bench's relay (the floor)
 #
 # queues: declares N durable queues through one pika connection, then reports the broker's
 # RSS, open descriptors and disk (du) right after, after 15 s idle (idle queues close), and
@@ -51,11 +52,17 @@ connections)
 stall)
     (cd "$root" && cargo build --release -q -p ringmq-bench)
     uri="amqp://guest:guest@127.0.0.1:$port/%2f"
-    flow() { "$root/target/release/ringmq-bench" run --uri "$uri" --size 1024 --rate 1000 --confirm 100 --duration 14 2>&1 | grep -E "^ +(published|integrity|e2e|confirm) "; }
+    flow() { "$root/target/release/ringmq-bench" run --uri "$uri" --size 1024 --rate 1000 --confirm 100 --duration 14 2>&1 | grep -E "^\[|^ +(published|integrity|e2e|confirm) "; }
+    # The same flow through the bench's own relay (`ringmq-bench floor`): the machine's floor.
+    floor() { "$root/target/release/ringmq-bench" floor --size 1024 --rate 1000 --confirm 100 --duration 14 2>&1 | grep -E "^\[|^ +(published|integrity|e2e|confirm) "; }
+    opening() { (sleep 1; python3 "$here/connections.py" $port "$n" $pid ch > "$data.conns" 2>&1) & opener=$!; }
     echo "== quiet"; flow
-    (sleep 1; python3 "$here/connections.py" $port "$n" $pid ch > "$data.conns" 2>&1) &
-    opener=$!
+    echo "== floor, quiet"; floor
+    opening
     echo "== while $n connections open"; flow
+    wait $opener; cat "$data.conns"
+    opening
+    echo "== floor while $n connections open to ringmq"; floor
     wait $opener; cat "$data.conns"; rm -f "$data.conns"
     ;;
 *) echo "usage: $0 queues|connections|stall [N]" >&2; exit 64 ;;
