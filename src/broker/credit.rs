@@ -91,11 +91,6 @@ impl PublishCredit {
         self.counted.as_ref().map_or(0, |(n, _)| n.swap(0, Ordering::AcqRel))
     }
 
-    /// The connection this credit belongs to (`ConnId`; 0 for a counting pool).
-    pub fn conn(&self) -> u64 {
-        self.conn
-    }
-
     /// Takes credit for a publish of `bytes` (body and header; [`OP_WEIGHT`] is added).
     /// Never waits: the reader waits before its next frame ([`PublishCredit::wait`]).
     pub fn take(self: &Arc<Self>, bytes: usize) -> Arc<CreditHeld> {

@@ -95,9 +95,13 @@ const MAX_BATCH_BYTES: u64 = crate::meta::driver::MAX_ENTRY_BYTES as u64;
 /// carry would stop the metadata group's replication.
 pub const MAX_REPLICATED_MESSAGE: usize = crate::cluster::frame::MAX_FRAME_BYTES / 2;
 
-/// What one waiting publish weighs in [`MAX_REPLICATION_BACKLOG`], bytes.
-fn backlog_weight(header: &[u8], body: &[u8]) -> u64 {
-    (header.len() + body.len() + crate::broker::credit::OP_WEIGHT) as u64
+/// What one waiting publish (an `Enqueue`; 0 for another command) weighs in
+/// [`MAX_REPLICATION_BACKLOG`] and [`MAX_BATCH_BYTES`], bytes.
+fn backlog_weight(cmd: &Command) -> u64 {
+    match cmd {
+        Command::Enqueue { header, body, .. } => (header.len() + body.len() + crate::broker::credit::OP_WEIGHT) as u64,
+        _ => 0,
+    }
 }
 
 /// Shortest reach of a delivery reservation past the deliveries (offsets; step 5): at most
@@ -176,9 +180,7 @@ impl Replication {
     /// answered empty.
     pub(super) fn refuse_waiting(&mut self) {
         for (cmd, c, _) in self.enqueues.drain(..) {
-            if let Command::Enqueue { header, body, .. } = &cmd {
-                self.backlog = self.backlog.saturating_sub(backlog_weight(header, body));
-            }
+            self.backlog = self.backlog.saturating_sub(backlog_weight(&cmd));
             if let Some(c) = c {
                 c.answer(false);
             }
@@ -280,9 +282,7 @@ impl Queue {
             header: message.header,
             body: message.body,
         };
-        if let Command::Enqueue { header, body, .. } = &cmd {
-            repl.backlog += backlog_weight(header, body);
-        }
+        repl.backlog += backlog_weight(&cmd);
         repl.enqueues.push((cmd, confirm, published));
         repl.kick_enqueuer(Rc::downgrade(cell));
     }
@@ -501,9 +501,7 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
                 .take(MAX_BATCH)
                 .take_while(|(c, _, _)| {
                     let first = bytes == 0;
-                    if let Command::Enqueue { header, body, .. } = c {
-                        bytes += backlog_weight(header, body);
-                    }
+                    bytes += backlog_weight(c);
                     first || bytes <= MAX_BATCH_BYTES
                 })
                 .count();
@@ -515,10 +513,11 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
         let (cmds, tickets): (Vec<Command>, Vec<_>) = batch
             .into_iter()
             .map(|(c, t, p)| {
-                let (len, weight) = match &c {
-                    Command::Enqueue { header, body, .. } => (body.len() as u64, backlog_weight(header, body)),
-                    _ => (0, 0),
+                let len = match &c {
+                    Command::Enqueue { body, .. } => body.len() as u64,
+                    _ => 0,
                 };
+                let weight = backlog_weight(&c);
                 (c, (t, p, len, weight))
             })
             .unzip();

@@ -136,11 +136,10 @@ impl Remote {
             Request::Publish { message, confirm, credit, .. } => {
                 // The peer's connection waits for this credit to come back (module doc of
                 // `broker::credit`); the queue keeps it while its store's writer is behind.
-                let credit = (credit != 0).then(|| {
-                    self.proxy_tx(from, credit);
-                    let pool = self.owner.lock().proxies.get(&(from, credit)).map(|p| p.credit.clone());
-                    pool.map(|p| p.take(message.body.len() + message.header.len()))
-                });
+                let credit = match credit {
+                    0 => None,
+                    conn => self.proxy_credit(from, conn).map(|pool| pool.take(message.body.len() + message.header.len())),
+                };
                 let confirm = confirm.map(|c| ConfirmTo {
                     tx: self.proxy_tx(from, c.conn),
                     conn: ConnId(local_id(from, c.conn)),
@@ -148,7 +147,7 @@ impl Remote {
                     chan_uid: local_id(from, c.chan_uid),
                     seq: c.seq,
                 });
-                QueueOp::Publish { message, confirm, published: None, credit: credit.flatten() }
+                QueueOp::Publish { message, confirm, published: None, credit }
             }
             Request::Get { req, no_ack, holder, .. } => {
                 let chan_uid = local_id(from, holder.chan_uid);
@@ -268,6 +267,13 @@ impl Remote {
         // The task keeps a weak handle: the pool's sender must not keep its own receiver alive.
         glommio::spawn_local(send_events(self.clone(), from, conn, rx, pending, Arc::downgrade(&credit))).detach();
         tx
+    }
+
+    /// The credit pool of `from`'s connection `conn` ([`Remote::proxy_tx`] creates its
+    /// proxy); `None` when the connection's close removed the proxy meanwhile.
+    fn proxy_credit(self: &Arc<Self>, from: NodeId, conn: u64) -> Option<Arc<PublishCredit>> {
+        self.proxy_tx(from, conn);
+        self.owner.lock().proxies.get(&(from, conn)).map(|p| p.credit.clone())
     }
 
     /// [`Remote::proxy_tx`], recording that the channel may hold deliveries of `qref`.
