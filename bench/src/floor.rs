@@ -25,10 +25,8 @@ use std::sync::{Arc, Mutex};
 use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, parse_class, queue, AMQPClass};
 use amq_protocol::types::{FieldTable, LongString};
 
-const FRAME_METHOD: u8 = 1;
-const FRAME_HEADER: u8 = 2;
-const FRAME_BODY: u8 = 3;
-const FRAME_END: u8 = 0xCE;
+use crate::wire::{frame, method, FRAME_BODY, FRAME_HEADER, FRAME_METHOD};
+
 /// frame_max offered in connection.tune, bytes (RabbitMQ's default).
 const FRAME_MAX: u32 = 131_072;
 
@@ -107,22 +105,6 @@ impl Hub {
         }
         let _ = out.lock().expect("socket lock").write_all(&buf);
     }
-}
-
-/// Appends one frame.
-fn frame(out: &mut Vec<u8>, kind: u8, channel: u16, payload: &[u8]) {
-    out.push(kind);
-    out.extend_from_slice(&channel.to_be_bytes());
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(payload);
-    out.push(FRAME_END);
-}
-
-/// Appends one method frame.
-fn method(out: &mut Vec<u8>, channel: u16, m: &AMQPClass) {
-    // Writing into a Vec cannot fail short of allocation failure.
-    let payload = cookie_factory::gen_simple(amq_protocol::protocol::gen_class(m), Vec::new()).expect("encode a method");
-    frame(out, FRAME_METHOD, channel, &payload);
 }
 
 /// A publish being received on a channel: (exchange, routing key, content header payload,

@@ -5,6 +5,8 @@
 //! - `run`      publish/consume engine (throughput, latency, fanout, many-queues, backlog)
 //! - `churn`    connection-churn and queue-churn
 //! - `amqp`     connect and topology helpers over lapin
+//! - `raw`      the raw engine: the bench's own AMQP client for producers and consumers
+//! - `wire`     AMQP framing shared by `raw` and `floor`
 //! - `floor`    the relay behind `floor`: publish in, deliver out, no broker logic
 //! - `body`     message body layout: run, producer, sequence number, send time
 //! - `clock`    CLOCK_MONOTONIC ns and the timerfd pacer of fixed-rate mode
@@ -30,11 +32,13 @@ mod clock;
 mod error;
 mod floor;
 mod procfs;
+mod raw;
 mod report;
 mod run;
 mod signal;
 mod stats;
 mod tracker;
+mod wire;
 
 use clap::Parser;
 use cli::{Cli, Command, Config, Flags, Scenario};

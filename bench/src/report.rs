@@ -103,6 +103,7 @@ fn thousands(n: f64) -> String {
 fn setup_json(cfg: &Config, j: &mut Map<String, Value>) {
     j.insert("scenario".into(), json!(cfg.scenario.name()));
     j.insert("label".into(), json!(cfg.label));
+    j.insert("engine".into(), json!(cfg.engine.name()));
     j.insert("uri".into(), json!(cfg.uri_redacted()));
     j.insert("producers".into(), json!(cfg.producers));
     j.insert("consumers".into(), json!(cfg.consumers));
@@ -124,7 +125,7 @@ fn setup_json(cfg: &Config, j: &mut Map<String, Value>) {
 
 fn setup_human(cfg: &Config) -> String {
     format!(
-        "{} producer(s), {} consumer(s), {} queue(s), {} B, rate {}, confirm {}, {}, prefetch {}, {}{}, exchange {:?} ({})",
+        "{} producer(s), {} consumer(s), {} queue(s), {} B, rate {}, confirm {}, {}, prefetch {}, {}{}, exchange {:?} ({}), engine {}",
         cfg.producers,
         cfg.consumers,
         cfg.queues.len(),
@@ -137,6 +138,7 @@ fn setup_human(cfg: &Config) -> String {
         if cfg.mandatory { ", mandatory" } else { "" },
         cfg.exchange.name,
         cfg.exchange.kind.name(),
+        cfg.engine.name(),
     )
 }
 

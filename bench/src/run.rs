@@ -19,7 +19,7 @@
 
 use crate::amqp::{self, within};
 use crate::body::{self, Tag};
-use crate::cli::{Config, ExchangeType, Scenario};
+use crate::cli::{Config, Engine, ExchangeType, Scenario};
 use crate::clock::{now_ns, Pacer};
 use crate::error::BenchError;
 use crate::procfs;
@@ -92,23 +92,25 @@ impl Env {
         }
     }
 
-    fn check_drained(&self) {
+    /// Fires `drained` once producers are done and every expected message arrived.
+    pub(crate) fn check_drained(&self) {
         if self.producers_done.get() && self.arrived() >= self.expected() {
             self.drained.fire();
         }
     }
 
-    /// Accounts one delivery seen at `now` (ns) on queue index `qi`.
-    fn on_delivery(&self, qi: usize, data: &[u8], redelivered: bool, now: u64) {
+    /// Accounts one delivery of `len` body bytes seen at `now` (ns) on queue index `qi`;
+    /// `head` is the body or its first [`body::HEADER_LEN`] bytes.
+    pub(crate) fn on_delivery(&self, qi: usize, head: &[u8], len: u64, redelivered: bool, now: u64) {
         let s = &self.stats;
         Stats::bump(&s.received, 1);
-        Stats::bump(&s.received_bytes, data.len() as u64);
+        Stats::bump(&s.received_bytes, len);
         s.last_receive_ns.set(now);
         if redelivered {
             Stats::bump(&s.redelivered, 1);
         }
         if self.tracking {
-            match body::decode(data) {
+            match body::decode(head) {
                 Some((tag, sent)) if tag.run == self.run_id => {
                     s.record_e2e(now.saturating_sub(sent));
                     self.tracker.borrow_mut().record(qi, tag.producer, tag.seq);
@@ -152,16 +154,18 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     }
     let backlog = cfg.scenario == Scenario::Backlog;
 
+    let raw = cfg.engine == Engine::Raw;
     let mut conns: Vec<Connection> = Vec::new();
     let mut consumer_tasks = Vec::new();
     if !backlog {
         consumer_tasks = start_consumers(&env, &mut conns).await?;
     }
-    let producers = open_producers(&env, &mut conns).await?;
+    let (producers, raw_producers) =
+        if raw { (Vec::new(), crate::raw::open_producers(&env).await?) } else { (open_producers(&env, &mut conns).await?, Vec::new()) };
 
     let mut w = Window::start(env.broker_pid);
     let ticker = tokio::task::spawn_local(ticker(env.clone(), w.t0_ns));
-    let n_producers = producers.len();
+    let n_producers = if raw { cfg.producers as usize } else { producers.len() };
     let finished = Rc::new(Cell::new(0usize));
     let all_finished = Rc::new(Signal::default());
     let return_channels: Rc<RefCell<Vec<Channel>>> = Rc::default();
@@ -169,18 +173,25 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     // them are spawned (20 ms + 20 µs per producer), so that setting up 1,000 producers
     // is not reported as the first messages' latency.
     let schedule_start = now_ns() + 20_000_000 + 20_000 * n_producers as u64;
+    let (f, done) = (finished.clone(), all_finished.clone());
+    let on_finished: Rc<dyn Fn()> = Rc::new(move || {
+        f.set(f.get() + 1);
+        if f.get() == n_producers {
+            done.fire();
+        }
+    });
     for (i, (ch, ex, rk, props)) in producers.into_iter().enumerate() {
-        let (env, finished, all_finished, return_channels) = (env.clone(), finished.clone(), all_finished.clone(), return_channels.clone());
+        let (env, on_finished, return_channels) = (env.clone(), on_finished.clone(), return_channels.clone());
         tokio::task::spawn_local(async move {
             if let Some(ch) = producer(env, ch, i as u16, schedule_start, ex, rk, props).await {
                 return_channels.borrow_mut().push(ch);
             }
-            finished.set(finished.get() + 1);
-            if finished.get() == n_producers {
-                all_finished.fire();
-            }
+            on_finished();
         });
     }
+    // Raw producer connections live until consumers stop (they count late returns), and
+    // are awaited with the consumers.
+    let mut producer_tasks = crate::raw::start_producers(raw_producers, schedule_start, on_finished);
     if n_producers == 0 {
         all_finished.fire();
     }
@@ -210,6 +221,7 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
         w.drain_cpu0 = Some(Window::cpu_now(env.broker_pid));
         consumer_tasks = start_consumers(&env, &mut conns).await?;
     }
+    consumer_tasks.append(&mut producer_tasks);
 
     // Drain. Producers without confirms but with --mandatory hand back their channel so
     // late basic.return frames are still counted (they lower the expected count).
@@ -312,29 +324,39 @@ async fn open_producers(env: &Env, conns: &mut Vec<Connection>) -> Result<Vec<Ta
                 .await
                 .map_err(BenchError::Setup)?;
         }
-        let queue = &cfg.queues[i % cfg.queues.len()];
-        let mut props = BasicProperties::default();
-        if cfg.persistent {
-            props = props.with_delivery_mode(2);
-        }
-        if let Some(ms) = cfg.expiration {
-            props = props.with_expiration(ms.to_string().into());
-        }
-        let rk: ShortString = match cfg.exchange.kind {
-            ExchangeType::Fanout => "".into(),
-            ExchangeType::Headers => {
-                props = props.with_headers(amqp::headers_for(queue, false));
-                "".into()
-            }
-            _ => queue.as_str().into(),
-        };
+        let (rk, props) = target(cfg, i);
         out.push((ch, cfg.exchange.name.as_str().into(), rk, props));
     }
     Ok(out)
 }
 
+/// Routing key and properties of producer `i`'s publishes (its queue is `i` modulo the
+/// queue count).
+pub(crate) fn target(cfg: &Config, i: usize) -> (ShortString, BasicProperties) {
+    let queue = &cfg.queues[i % cfg.queues.len()];
+    let mut props = BasicProperties::default();
+    if cfg.persistent {
+        props = props.with_delivery_mode(2);
+    }
+    if let Some(ms) = cfg.expiration {
+        props = props.with_expiration(ms.to_string().into());
+    }
+    let rk: ShortString = match cfg.exchange.kind {
+        ExchangeType::Fanout => "".into(),
+        ExchangeType::Headers => {
+            props = props.with_headers(amqp::headers_for(queue, false));
+            "".into()
+        }
+        _ => queue.as_str().into(),
+    };
+    (rk, props)
+}
+
 async fn start_consumers(env: &Rc<Env>, conns: &mut Vec<Connection>) -> Result<Vec<tokio::task::JoinHandle<()>>, BenchError> {
     let cfg = &env.cfg;
+    if cfg.engine == Engine::Raw {
+        return crate::raw::start_consumers(env).await;
+    }
     let chans = channels_for(env, conns, "consumer", cfg.consumers).await?;
     let mut tasks = Vec::with_capacity(chans.len());
     for (i, ch) in chans.into_iter().enumerate() {
@@ -386,7 +408,7 @@ async fn consume(env: Rc<Env>, ch: Channel, mut consumer: lapin::Consumer, qi: u
             }
             Some(Ok(d)) => d,
         };
-        env.on_delivery(qi, &d.data, d.redelivered, now_ns());
+        env.on_delivery(qi, &d.data, d.data.len() as u64, d.redelivered, now_ns());
         if manual {
             pending += 1;
             last_tag = d.delivery_tag;
