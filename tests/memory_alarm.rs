@@ -21,6 +21,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::flood::{consume_all, flood};
 use common::http::{get_json, http_get, ringmqctl as ctl};
 use common::rss::{rss_of, PeakRss};
 use common::*;
@@ -168,50 +169,6 @@ async fn ringmqctl_refuses_thresholds_that_do_not_parse() {
     assert_eq!(r.status, 404, "{}", r.body);
 }
 
-/// Publishes `count` bodies of `size` bytes to `queue` on a connection of its own, without
-/// confirms (what floods a broker); returns the connection's blocked reasons seen.
-async fn flood(uri: String, queue: String, count: usize, size: usize, limit: Duration) -> Vec<String> {
-    let conn = t("connect", lapin::Connection::connect(&uri, lapin::ConnectionProperties::default())).await.expect("connect");
-    let mut events = conn.events_listener();
-    let ch = t("channel", conn.create_channel()).await.expect("channel");
-    let body = vec![b'f'; size];
-    let started = Instant::now();
-    for i in 0..count {
-        let r = tokio::time::timeout(
-            limit,
-            ch.basic_publish("".into(), queue.as_str().into(), Default::default(), &body, BasicProperties::default()),
-        )
-        .await;
-        assert!(matches!(r, Ok(Ok(_))), "publish {i} of {count} to {queue}: {r:?} after {:?}", started.elapsed());
-    }
-    let mut reasons = Vec::new();
-    while let Some(Some(e)) = futures_lite::future::poll_once(events.next()).await {
-        if let Event::ConnectionBlocked(r) = e {
-            reasons.push(r);
-        }
-    }
-    t("close", conn.close(200, "done".into())).await.expect("close");
-    reasons
-}
-
-/// Consumes every message of `queue` (auto-ack) until `n` arrived; how many did.
-async fn consume_all(ch: &lapin::Channel, queue: &str, n: usize) -> usize {
-    let mut c = t(
-        "consume",
-        ch.basic_consume(queue.into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
-    )
-    .await
-    .expect("consume");
-    let mut got = 0;
-    while got < n {
-        match tokio::time::timeout(Duration::from_secs(30), c.next()).await {
-            Ok(Some(Ok(_))) => got += 1,
-            _ => break,
-        }
-    }
-    got
-}
-
 #[tokio::test]
 async fn publishers_faster_than_the_store_are_held_back() {
     const QUEUES: usize = 3;
@@ -228,7 +185,10 @@ async fn publishers_faster_than_the_store_are_held_back() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let baseline = rss_of(pid);
     let sampler = PeakRss::start(pid);
-    let floods: Vec<_> = queues.iter().map(|q| tokio::spawn(flood(b.uri(), q.clone(), EACH, SIZE, Duration::from_secs(60)))).collect();
+    let floods: Vec<_> = queues
+        .iter()
+        .map(|q| tokio::spawn(flood(b.uri(), q.clone(), EACH, SIZE, BasicProperties::default(), Duration::from_secs(60))))
+        .collect();
     for f in floods {
         f.await.expect("flood task");
     }
@@ -248,7 +208,7 @@ async fn publishers_faster_than_the_store_are_held_back() {
         published >> 20
     );
     for q in &queues {
-        assert_eq!(consume_all(&ch, q, EACH).await, EACH, "{q}: every message delivered");
+        assert_eq!(consume_all(&ch, q, EACH, None).await, EACH, "{q}: every message delivered");
     }
     drop(conn);
 }
@@ -270,7 +230,9 @@ async fn a_real_flood_raises_the_alarm_and_it_clears() {
     let (code, out, err) = ctl(mport, &["set_vm_memory_high_watermark", "absolute", &watermark.to_string()]);
     assert_eq!(code, 0, "{out}{err}");
     let sampler = PeakRss::start(pid);
-    let floods: Vec<_> = (0..CONNS).map(|_| tokio::spawn(flood(b.uri(), q.clone(), EACH, SIZE, Duration::from_secs(120)))).collect();
+    let floods: Vec<_> = (0..CONNS)
+        .map(|_| tokio::spawn(flood(b.uri(), q.clone(), EACH, SIZE, BasicProperties::default(), Duration::from_secs(120))))
+        .collect();
     let mut reasons = Vec::new();
     for f in floods {
         reasons.extend(f.await.expect("flood task"));
@@ -295,6 +257,6 @@ async fn a_real_flood_raises_the_alarm_and_it_clears() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(memory_alarm_metric(&b), 0.0, "the alarm cleared within 10 s of the flood's end");
-    assert_eq!(consume_all(&ch, &q, CONNS * EACH).await, CONNS * EACH, "every message delivered");
+    assert_eq!(consume_all(&ch, &q, CONNS * EACH, None).await, CONNS * EACH, "every message delivered");
     drop(conn);
 }

@@ -2,8 +2,8 @@
 //!
 //! [`Broker::start`] runs the real `ringmq` binary on a free loopback port with a fresh temp data
 //! dir (`--listen 127.0.0.1:PORT --data-dir DIR --metrics-listen 127.0.0.1:PORT2
-//! --management-listen 127.0.0.1:PORT3 --cores 2`),
-//! waits (at most 10 s) until the AMQP port accepts, and kills the process by its PID on drop.
+//! --management-listen 127.0.0.1:PORT3 --cores 2`), waits (at most 10 s) until the AMQP port
+//! accepts, and kills the process by its PID on drop.
 //! The broker's stderr goes to a file that is printed when the owning test panics.
 //!
 //! With `RINGMQ_TEST_BROKER=host:port` set, the harness uses that external broker instead (this is
@@ -14,6 +14,7 @@
 //! timeout so that a silent broker fails the test instead of hanging it.
 #![allow(dead_code)]
 
+use lapin::{Channel, Connection, ConnectionProperties};
 use std::fs::File;
 use std::future::Future;
 use std::io::Read;
@@ -23,9 +24,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lapin::{Channel, Connection, ConnectionProperties};
-
 pub mod cluster;
+pub mod flood;
 pub mod http;
 pub mod pki;
 pub mod python;
