@@ -182,8 +182,8 @@ pub(super) struct InFlight {
     pub(super) since: Instant,
     pub(super) waiters: Vec<Waiter>,
     /// The entry as proposed, to propose again when the leader changes before it is applied
-    /// (a follower's proposal forwarded to a leader that died is lost; every command applies
-    /// at most once in effect, so a second copy changes nothing).
+    /// (a follower's proposal forwarded to a leader that died is lost). When both copies
+    /// reach the log, the second is skipped by its context (`MetaState::first_application`).
     ctx: Vec<u8>,
     data: Vec<u8>,
     /// The leader it was proposed to.

@@ -268,6 +268,18 @@ impl Driver {
         let mut stored = Vec::with_capacity(cmds.len());
         {
             let mut st = self.shared.state.lock();
+            if !st.first_application(&e.context, e.index) {
+                // A copy proposed again after a leader change, whose original was applied
+                // (`Driver::repropose`): its commands took effect once already.
+                st.applied_index = e.index;
+                drop(st);
+                tracing::debug!(index = e.index, "skipped a second copy of an applied entry");
+                #[cfg(test)]
+                if let Some(log) = &mut self.applied_log {
+                    log.push((e.index, e.term, Vec::new(), Vec::new()));
+                }
+                return Ok(());
+            }
             let mut changed = false;
             for cmd in &cmds {
                 if let Command::DeleteQueue { vhost, name } = cmd {

@@ -36,6 +36,8 @@
 //!    and outcomes there; a model replaying that log gives the same outcomes; and every
 //!    node's whole state (snapshot JSON digest) equals the model's at its applied index —
 //!    which covers snapshots installed from a leader and restarts from a node's own snapshot.
+//!    No publisher body is enqueued twice: an entry proposed again after a leader change
+//!    applies once, whichever copy comes first (the other is applied as nothing by every node).
 //! 3. A live node's applied index never decreases; a restarted node starts at its snapshot
 //!    or above, never below it.
 //! 4. A proposal answered `Ok` is in the log after the index its node had applied when it was

@@ -70,7 +70,30 @@ pub struct MetaState {
     /// replays every change after.
     #[serde(default)]
     pub initial_voters: Vec<NodeId>,
+    /// The latest entries applied per proposing driver (`driver.rs`: an entry's context is
+    /// the driver's nonce and its batch sequence), so that a copy proposed again after a
+    /// leader change (`Driver::repropose`) is skipped when its original reached the log too:
+    /// applying both would enqueue every message of the entry twice. Part of the replicated
+    /// state (snapshots carry it), so every node skips the same copies.
+    #[serde(default)]
+    pub applied_proposals: BTreeMap<u64, AppliedProposals>,
 }
+
+/// The latest entries one driver proposed that were applied ([`MetaState::applied_proposals`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AppliedProposals {
+    /// Their batch sequences, the [`MAX_APPLIED_PER_PROPOSER`] highest.
+    pub seqs: std::collections::BTreeSet<u64>,
+    /// Log index of the last of them.
+    pub last_index: u64,
+}
+
+/// Batch sequences remembered per proposer: far more than the entries a driver can have in
+/// flight when the leader changes (they are bounded by its 10 s proposal timeout).
+pub const MAX_APPLIED_PER_PROPOSER: usize = 4096;
+/// Proposers remembered; the one whose last entry is oldest is forgotten first (a node that
+/// restarted proposes under a new nonce).
+pub const MAX_PROPOSERS: usize = 64;
 
 /// A state-machine command. Proposed through the Raft log, applied by [`MetaState::apply`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -357,6 +380,31 @@ impl Command {
 }
 
 impl MetaState {
+    /// Records that the entry with context `ctx` is applied at `index`; false when a copy of
+    /// it was applied before, which the caller then skips. A context that is not a driver's
+    /// (16 bytes: nonce, batch sequence, little-endian) is always applied.
+    pub fn first_application(&mut self, ctx: &[u8], index: u64) -> bool {
+        let Ok(ctx) = <[u8; 16]>::try_from(ctx) else { return true };
+        let nonce = u64::from_le_bytes(ctx[..8].try_into().expect("8 bytes"));
+        let seq = u64::from_le_bytes(ctx[8..].try_into().expect("8 bytes"));
+        if !self.applied_proposals.contains_key(&nonce) && self.applied_proposals.len() >= MAX_PROPOSERS {
+            let oldest = self.applied_proposals.iter().min_by_key(|(_, p)| p.last_index).map(|(n, _)| *n);
+            if let Some(n) = oldest {
+                self.applied_proposals.remove(&n);
+            }
+        }
+        let p = self.applied_proposals.entry(nonce).or_default();
+        if p.seqs.contains(&seq) || p.seqs.len() >= MAX_APPLIED_PER_PROPOSER && p.seqs.first().is_some_and(|&f| seq < f) {
+            return false;
+        }
+        p.seqs.insert(seq);
+        p.last_index = index;
+        while p.seqs.len() > MAX_APPLIED_PER_PROPOSER {
+            p.seqs.pop_first();
+        }
+        true
+    }
+
     /// Applies one command and returns its outcome. Pure and deterministic (see the module doc).
     pub fn apply(&mut self, cmd: &Command) -> Outcome {
         let topo = &mut self.topology;

@@ -363,3 +363,38 @@ fn access_commands_survive_the_codec_and_the_snapshot() {
     let back: MetaState = serde_json::from_str(&old).unwrap();
     assert!(back.topology.access.users.is_empty() && !back.topology.access.initialized);
 }
+
+/// A driver's entry context: its nonce and a batch sequence (`driver.rs`).
+fn ctx(nonce: u64, seq: u64) -> Vec<u8> {
+    [nonce.to_le_bytes(), seq.to_le_bytes()].concat()
+}
+
+#[test]
+fn a_copy_of_an_applied_entry_is_skipped_whatever_its_order_and_after_a_snapshot() {
+    let mut st = MetaState::default();
+    assert!(st.first_application(&ctx(7, 2), 10), "the original");
+    assert!(st.first_application(&ctx(7, 1), 11), "an earlier sequence that never applied (lost, then proposed again)");
+    assert!(!st.first_application(&ctx(7, 2), 12), "the copy proposed again after a leader change");
+    assert!(st.first_application(&ctx(8, 2), 13), "another driver's sequence 2");
+    assert!(st.first_application(&[], 14) && st.first_application(&[], 15), "entries without a driver's context always apply");
+    // What a snapshot carries decides the same way after it is installed.
+    let mut back: MetaState = serde_json::from_slice(&serde_json::to_vec(&st).unwrap()).unwrap();
+    assert!(!back.first_application(&ctx(7, 1), 16) && !back.first_application(&ctx(8, 2), 16));
+    assert!(back.first_application(&ctx(7, 3), 16));
+}
+
+#[test]
+fn the_record_of_applied_entries_stays_bounded() {
+    let mut st = MetaState::default();
+    let n = MAX_APPLIED_PER_PROPOSER as u64;
+    for seq in 0..n + 10 {
+        assert!(st.first_application(&ctx(1, seq), seq));
+    }
+    assert_eq!(st.applied_proposals[&1].seqs.len(), MAX_APPLIED_PER_PROPOSER);
+    assert!(!st.first_application(&ctx(1, 3), n + 20), "older than the window: taken as applied, never applied twice");
+    for nonce in 2..MAX_PROPOSERS as u64 + 5 {
+        st.first_application(&ctx(nonce, 0), n + 100 + nonce);
+    }
+    assert_eq!(st.applied_proposals.len(), MAX_PROPOSERS);
+    assert!(!st.applied_proposals.contains_key(&1), "the proposer whose last entry is oldest is forgotten first");
+}
