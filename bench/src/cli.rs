@@ -448,6 +448,12 @@ impl Config {
         })
     }
 
+    /// Messages each producer sends at most: --messages, and never past 2^32 (a body's
+    /// sequence number has 32 bits).
+    pub fn message_limit(&self) -> u64 {
+        self.messages.unwrap_or(u64::MAX).min(u64::from(u32::MAX) + 1)
+    }
+
     /// The URI with its password replaced by `***`.
     pub fn uri_redacted(&self) -> String {
         redact(&self.uri)

@@ -20,7 +20,7 @@
 use crate::amqp::{self, within};
 use crate::body::{self, Tag};
 use crate::cli::{Config, Engine, ExchangeType, Scenario};
-use crate::clock::{now_ns, Pacer};
+use crate::clock::{now_ns, Pacer, Schedule};
 use crate::error::BenchError;
 use crate::procfs;
 use crate::report::{Outcome, Window};
@@ -354,6 +354,9 @@ pub(crate) fn target(cfg: &Config, i: usize) -> (ShortString, BasicProperties) {
 
 async fn start_consumers(env: &Rc<Env>, conns: &mut Vec<Connection>) -> Result<Vec<tokio::task::JoinHandle<()>>, BenchError> {
     let cfg = &env.cfg;
+    if (cfg.consumers as usize) < cfg.queues.len() {
+        eprintln!("note: {} queues but {} consumers: some queues are not drained", cfg.queues.len(), cfg.consumers);
+    }
     if cfg.engine == Engine::Raw {
         return crate::raw::start_consumers(env).await;
     }
@@ -375,9 +378,6 @@ async fn start_consumers(env: &Rc<Env>, conns: &mut Vec<Connection>) -> Result<V
         .await
         .map_err(BenchError::Setup)?;
         tasks.push(tokio::task::spawn_local(consume(env.clone(), ch, consumer, qi)));
-    }
-    if (cfg.consumers as usize) < cfg.queues.len() {
-        eprintln!("note: {} queues but {} consumers: some queues are not drained", cfg.queues.len(), cfg.consumers);
     }
     Ok(tasks)
 }
@@ -479,12 +479,8 @@ async fn producer(
     } else {
         None
     };
-    // Fixed rate: producers are spread evenly over one interval, so 1,000 producers at
-    // 10 msgs/s make a steady 10,000 msgs/s rather than a burst of 1,000 every 100 ms.
-    let phase = if rate > 0.0 { (f64::from(index) / f64::from(cfg.producers.max(1)) * 1e9 / rate) as u64 } else { 0 };
-    let start = schedule_start + phase;
-    let intended_at = |k: u64| start + (k as f64 * 1e9 / rate) as u64;
-    let limit = cfg.messages.unwrap_or(u64::MAX).min(u64::from(u32::MAX) + 1);
+    let schedule = Schedule::new(schedule_start, index, cfg.producers, rate);
+    let limit = cfg.message_limit();
     let opts = BasicPublishOptions { mandatory: cfg.mandatory, immediate: false };
     let template = vec![0u8; cfg.size];
     let window = cfg.confirm as usize;
@@ -550,13 +546,7 @@ async fn producer(
                 // Fixed rate: messages that were due but never sent (a stall blocked the
                 // window) are reported, not silently dropped from the latency picture.
                 counted_behind = true;
-                // Due 1 ms before the stop or earlier: a message due at the very instant
-                // publishing stopped is not "behind".
-                let due = match now_ns().checked_sub(start + 1_000_000) {
-                    Some(d) => (d as f64 * rate / 1e9) as u64 + 1,
-                    None => 0,
-                };
-                Stats::bump(&stats.behind_schedule, due.min(limit).saturating_sub(sent));
+                Stats::bump(&stats.behind_schedule, schedule.behind_at_stop(now_ns(), sent, limit));
             }
             if return_check {
                 count_returns(&ch, stats, cx);
@@ -578,15 +568,14 @@ async fn producer(
         budget = budget.min((limit - sent) as usize).min(BATCH);
         if let Some(p) = pacer.as_mut() {
             let now = now_ns();
-            let next = intended_at(sent);
+            let next = schedule.intended_at(sent);
             if next > now {
                 match p.poll_until(cx, next) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(()) => continue,
                 }
             }
-            let due = ((now - start) as f64 * rate / 1e9) as u64 + 1;
-            budget = budget.min(due.saturating_sub(sent) as usize);
+            budget = budget.min(schedule.due_by(now).saturating_sub(sent) as usize);
         }
         if budget == 0 {
             return Poll::Pending; // a pending write or confirm holds our waker
@@ -594,7 +583,7 @@ async fn producer(
         // 5. Send. Frames are queued in poll order, so sequence numbers go out in order.
         for _ in 0..budget {
             let intended = if pacer.is_some() {
-                let t = intended_at(sent);
+                let t = schedule.intended_at(sent);
                 stats.send_lag.borrow_mut().record_ns(now_ns().saturating_sub(t));
                 t
             } else {

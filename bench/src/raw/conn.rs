@@ -3,7 +3,7 @@
 
 use super::CLOSE_TIMEOUT;
 use crate::body::{self, Tag};
-use crate::clock::{now_ns, Pacer};
+use crate::clock::{now_ns, Pacer, Schedule};
 use crate::run::{target, Env};
 use crate::stats::Stats;
 use crate::wire::{frame, method, Reader, FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FRAME_OVERHEAD};
@@ -84,8 +84,8 @@ pub struct Producer {
     /// Offset of the body's first byte in a template.
     body_at: usize,
     sent: u64,
-    /// When its fixed-rate schedule starts (ns), phase included.
-    start: u64,
+    /// Its fixed-rate schedule (set by [`Conn::start_publishing`]; unused at unlimited rate).
+    schedule: Schedule,
     /// Confirm mode: intended send time (ns) and "settled" of each unconfirmed publish,
     /// oldest first; the oldest has publish sequence number `base`.
     window: VecDeque<(u64, bool)>,
@@ -220,7 +220,8 @@ impl Conn {
             templates.push(t);
         }
         let window = VecDeque::with_capacity(cfg.confirm as usize);
-        let p = Producer { index, templates, body_at, sent: 0, start: 0, window, base: 1, stop_at: None, done: false };
+        let schedule = Schedule::new(0, index, 1, 0.0);
+        let p = Producer { index, templates, body_at, sent: 0, schedule, window, base: 1, stop_at: None, done: false };
         self.set_role(ch, Role::Producer(Box::new(p)));
     }
 
@@ -231,10 +232,7 @@ impl Conn {
         let cfg = &self.st.env.cfg;
         for c in &mut self.st.chans {
             if let Role::Producer(p) = &mut c.role {
-                // Producers spread evenly over one interval: 1,000 producers at 10 msgs/s
-                // make a steady 10,000 msgs/s, not a burst every 100 ms.
-                let phase = if cfg.rate > 0.0 { (f64::from(p.index) / f64::from(cfg.producers.max(1)) * 1e9 / cfg.rate) as u64 } else { 0 };
-                p.start = schedule_start + phase;
+                p.schedule = Schedule::new(schedule_start, p.index, cfg.producers, cfg.rate);
             }
         }
         self.st.finished = Some(finished);
@@ -527,10 +525,7 @@ impl State {
                 let chan = &mut self.chans[usize::from(ch) - 1];
                 chan.open = false;
                 if let Role::Producer(p) = &mut chan.role {
-                    p.done = true;
-                    if let Some(f) = &self.finished {
-                        f();
-                    }
+                    p.finish(self.finished.as_ref());
                 }
                 if !self.driving {
                     self.reply = Some((ch, Err(why))); // during setup: the call fails
@@ -562,12 +557,7 @@ impl State {
     fn finish_all(&mut self) {
         for c in &mut self.chans {
             if let Role::Producer(p) = &mut c.role {
-                if !p.done {
-                    p.done = true;
-                    if let Some(f) = &self.finished {
-                        f();
-                    }
-                }
+                p.finish(self.finished.as_ref());
             }
         }
     }
@@ -584,32 +574,22 @@ impl State {
         let stats = &env.stats;
         let rate = cfg.rate;
         let window = cfg.confirm as usize;
-        let limit = cfg.messages.unwrap_or(u64::MAX).min(u64::from(u32::MAX) + 1);
+        let limit = cfg.message_limit();
         for c in &mut self.chans {
             let Role::Producer(p) = &mut c.role else { continue };
             if p.done {
                 continue;
             }
-            let intended_at = |k: u64| p.start + (k as f64 * 1e9 / rate) as u64;
             if stopping || p.sent >= limit {
                 let stop_at = *p.stop_at.get_or_insert_with(|| {
                     if rate > 0.0 {
-                        // Due 1 ms before the stop or earlier but never sent: reported, not
-                        // dropped from the latency picture.
-                        let due = match now.checked_sub(p.start + 1_000_000) {
-                            Some(d) => (d as f64 * rate / 1e9) as u64 + 1,
-                            None => 0,
-                        };
-                        Stats::bump(&stats.behind_schedule, due.min(limit).saturating_sub(p.sent));
+                        Stats::bump(&stats.behind_schedule, p.schedule.behind_at_stop(now, p.sent, limit));
                     }
                     now + (cfg.drain_timeout_s * 1e9) as u64
                 });
                 let flushed = p.window.is_empty() && (window > 0 || self.out.len() == self.written);
                 if flushed || now >= stop_at {
-                    p.done = true;
-                    if let Some(f) = &self.finished {
-                        f();
-                    }
+                    p.finish(self.finished.as_ref());
                 } else {
                     plan.deadline = earliest(plan.deadline, stop_at);
                 }
@@ -620,13 +600,12 @@ impl State {
                 budget = budget.min(window.saturating_sub(p.window.len()));
             }
             if rate > 0.0 {
-                let next = intended_at(p.sent);
+                let next = p.schedule.intended_at(p.sent);
                 if next > now {
                     plan.due = earliest(plan.due, next);
                     continue;
                 }
-                let due = ((now - p.start) as f64 * rate / 1e9) as u64 + 1;
-                budget = budget.min(due.saturating_sub(p.sent) as usize);
+                budget = budget.min(p.schedule.due_by(now).saturating_sub(p.sent) as usize);
             }
             if self.out.len() - self.written >= OUT_CAP {
                 plan.more = true; // once the socket took some of it
@@ -635,7 +614,7 @@ impl State {
             let sent_before = p.sent;
             for _ in 0..budget {
                 let intended = if rate > 0.0 {
-                    let t = intended_at(p.sent);
+                    let t = p.schedule.intended_at(p.sent);
                     stats.send_lag.borrow_mut().record_ns(now.saturating_sub(t));
                     t
                 } else {
@@ -659,7 +638,7 @@ impl State {
             Stats::bump(&stats.sent, p.sent - sent_before);
             if p.sent < limit && (window == 0 || p.window.len() < window) {
                 if rate > 0.0 {
-                    plan.due = earliest(plan.due, intended_at(p.sent));
+                    plan.due = earliest(plan.due, p.schedule.intended_at(p.sent));
                 } else {
                     plan.more = true;
                 }
@@ -670,6 +649,16 @@ impl State {
 }
 
 impl Producer {
+    /// Marks it done and reports that to the run (`finished`) once, however many of the
+    /// paths that end a producer (drained, channel closed, connection over) it takes.
+    fn finish(&mut self, finished: Option<&Rc<dyn Fn()>>) {
+        if !std::mem::replace(&mut self.done, true) {
+            if let Some(f) = finished {
+                f();
+            }
+        }
+    }
+
     /// A basic.ack (`ack`) or basic.nack from the broker for publish `tag` (and all before
     /// it when `multiple`), seen at `now` (ns).
     fn settle(&mut self, stats: &Stats, tag: u64, multiple: bool, ack: bool, now: u64) {
@@ -730,7 +719,7 @@ mod tests {
             templates: Vec::new(),
             body_at: 0,
             sent: 0,
-            start: 0,
+            schedule: Schedule::new(0, 0, 1, 0.0),
             window: VecDeque::new(),
             base: 1,
             stop_at: None,

@@ -57,11 +57,9 @@ pub struct Ready(Conn);
 pub async fn start_consumers(env: &Rc<Env>) -> Result<Vec<tokio::task::JoinHandle<()>>, BenchError> {
     let cfg = &env.cfg;
     let mut tasks = Vec::new();
-    let per = cfg.channels_per_connection as usize;
-    for first in (0..cfg.consumers as usize).step_by(per) {
-        let mut c = connect(env, &format!("ringmq-bench consumer {}", first / per)).await?;
-        for i in first..(first + per).min(cfg.consumers as usize) {
-            let ch = c.open_channel().await?;
+    for first in (0..cfg.consumers as usize).step_by(cfg.channels_per_connection as usize) {
+        let (mut c, chans) = open_connection(env, "consumer", first, cfg.consumers).await?;
+        for (i, ch) in chans {
             let qi = i % cfg.queues.len();
             if !cfg.auto_ack && cfg.prefetch > 0 {
                 let qos = basic::Qos { prefetch_count: cfg.prefetch, global: false };
@@ -81,9 +79,6 @@ pub async fn start_consumers(env: &Rc<Env>) -> Result<Vec<tokio::task::JoinHandl
         }
         tasks.push(tokio::task::spawn_local(c.drive()));
     }
-    if (cfg.consumers as usize) < cfg.queues.len() {
-        eprintln!("note: {} queues but {} consumers: some queues are not drained", cfg.queues.len(), cfg.consumers);
-    }
     Ok(tasks)
 }
 
@@ -96,11 +91,9 @@ pub async fn start_consumers(env: &Rc<Env>) -> Result<Vec<tokio::task::JoinHandl
 pub async fn open_producers(env: &Rc<Env>) -> Result<Vec<Ready>, BenchError> {
     let cfg = &env.cfg;
     let mut out = Vec::new();
-    let per = cfg.channels_per_connection as usize;
-    for first in (0..cfg.producers as usize).step_by(per) {
-        let mut c = connect(env, &format!("ringmq-bench producer {}", first / per)).await?;
-        for i in first..(first + per).min(cfg.producers as usize) {
-            let ch = c.open_channel().await?;
+    for first in (0..cfg.producers as usize).step_by(cfg.channels_per_connection as usize) {
+        let (mut c, chans) = open_connection(env, "producer", first, cfg.producers).await?;
+        for (i, ch) in chans {
             if cfg.confirm > 0 {
                 let select = confirm::Select { nowait: false };
                 c.call(ch, AMQPClass::Confirm(confirm::AMQPMethod::Select(select)), "confirm.select").await?;
@@ -124,6 +117,18 @@ pub fn start_producers(conns: Vec<Ready>, schedule_start: u64, finished: Rc<dyn 
             tokio::task::spawn_local(c.drive())
         })
         .collect()
+}
+
+/// Opens the connection of `role`'s users `first..` (at most --channels-per-connection of
+/// the `users` there are) and one channel each: the connection and (user index, channel).
+async fn open_connection(env: &Rc<Env>, role: &str, first: usize, users: u32) -> Result<(Conn, Vec<(usize, u16)>), BenchError> {
+    let per = env.cfg.channels_per_connection as usize;
+    let mut c = connect(env, &format!("ringmq-bench {role} {}", first / per)).await?;
+    let mut chans = Vec::new();
+    for i in first..(first + per).min(users as usize) {
+        chans.push((i, c.open_channel().await?));
+    }
+    Ok((c, chans))
 }
 
 /// TCP connect, AMQP handshake (PLAIN login, tune, connection.open), bounded by
