@@ -633,6 +633,7 @@ impl Driver {
             }
             let seq = self.next_seq;
             self.next_seq += 1;
+            // Read back by `state::proposal_context`.
             let mut ctx = Vec::with_capacity(16);
             ctx.extend_from_slice(&self.nonce.to_le_bytes());
             ctx.extend_from_slice(&seq.to_le_bytes());

@@ -302,9 +302,7 @@ impl Driver {
         if let Some(log) = &mut self.applied_log {
             log.push((e.index, e.term, cmds.clone(), outcomes.clone()));
         }
-        let ctx: &[u8] = &e.context;
-        if ctx.len() == 16 && ctx[..8] == self.nonce.to_le_bytes() {
-            let seq = u64::from_le_bytes(ctx[8..].try_into().unwrap_or_default());
+        if let Some((_, seq)) = super::state::proposal_context(&e.context).filter(|(nonce, _)| *nonce == self.nonce) {
             if let Some(f) = self.in_flight.remove(&seq) {
                 let mut rest = outcomes.into_iter();
                 for w in f.waiters {

@@ -88,6 +88,15 @@ pub struct AppliedProposals {
     pub last_index: u64,
 }
 
+/// The proposing driver's nonce and batch sequence from an entry's context (16 bytes,
+/// little-endian, as `Driver::propose_entries` writes them); `None` for any other context
+/// (a leader's no-op, a membership change).
+pub fn proposal_context(ctx: &[u8]) -> Option<(u64, u64)> {
+    let ctx = <[u8; 16]>::try_from(ctx).ok()?;
+    let nonce = u64::from_le_bytes(ctx[..8].try_into().expect("8 bytes"));
+    Some((nonce, u64::from_le_bytes(ctx[8..].try_into().expect("8 bytes"))))
+}
+
 /// Batch sequences remembered per proposer: far more than the entries a driver can have in
 /// flight when the leader changes (they are bounded by its 10 s proposal timeout).
 pub const MAX_APPLIED_PER_PROPOSER: usize = 4096;
@@ -384,9 +393,7 @@ impl MetaState {
     /// it was applied before, which the caller then skips. A context that is not a driver's
     /// (16 bytes: nonce, batch sequence, little-endian) is always applied.
     pub fn first_application(&mut self, ctx: &[u8], index: u64) -> bool {
-        let Ok(ctx) = <[u8; 16]>::try_from(ctx) else { return true };
-        let nonce = u64::from_le_bytes(ctx[..8].try_into().expect("8 bytes"));
-        let seq = u64::from_le_bytes(ctx[8..].try_into().expect("8 bytes"));
+        let Some((nonce, seq)) = proposal_context(ctx) else { return true };
         if !self.applied_proposals.contains_key(&nonce) && self.applied_proposals.len() >= MAX_PROPOSERS {
             let oldest = self.applied_proposals.iter().min_by_key(|(_, p)| p.last_index).map(|(n, _)| *n);
             if let Some(n) = oldest {
