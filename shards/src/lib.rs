@@ -236,12 +236,18 @@ pub struct RecoveryReport {
     /// Live records deleted by this open because their flags lacked what
     /// [`Shard::open_retaining`] keeps (not in `records` nor `deleted`; 0 for [`Shard::open`]).
     pub discarded: u64,
-    /// Offset ranges `[from, to)` dropped, with the reason. For a torn tail the
-    /// range is `[first lost, first lost + 1)`: how many unsynced records were
-    /// in the torn bytes is unknown.
+    /// Offset ranges `[from, to)` dropped as damage, with the reason. For a torn
+    /// tail the range runs to the last record the segment's index listed, or is
+    /// `[first lost, first lost + 1)` when the index lists none past the damage.
+    /// A file cut short (a segment's length is always a multiple of 4096 bytes
+    /// unless something else cut it) is damage even when the cut falls between
+    /// two records.
     pub dropped: Vec<(Offset, Offset, String)>,
     /// Repairs that lost no record but may bring back deleted ones (e.g. an
-    /// unreadable deletion bitmap), or rewrote a header.
+    /// unreadable deletion bitmap), or rewrote a header; and records appended
+    /// before a crash that are not in the file (zeros where the index or the next
+    /// segment's base says they were: never synced, or lost by the disk), named
+    /// once by offset range.
     pub warnings: Vec<String>,
 }
 

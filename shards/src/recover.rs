@@ -351,6 +351,16 @@ async fn recover_segment(
         }
         count = n;
         data_end = pos;
+        // ringmq leaves every segment file a whole number of blocks (preallocated, and
+        // truncated only to a block boundary): records running to an end that is not one
+        // mean the file was cut, and whatever followed them is lost.
+        if stop.is_none() && data_end >= size && !size.is_multiple_of(ALIGN as u64) {
+            stop = Some(format!("the file ends at byte {size}, not on a {ALIGN}-byte boundary: it was cut short"));
+        }
+        // Records appended before the crash that are not in the file: for the last
+        // segment, those its index lists past the data; for an earlier one, up to the
+        // next segment's base.
+        let unwritten = if last { side::idx_listed_past(&idx, n, pos, idx_cap) } else { max_count - n };
         // Segment files are preallocated: zeros after the records are the end
         // of the log, anything else there is the rest of a torn write.
         let mut tail_clean = true;
@@ -367,7 +377,7 @@ async fn recover_segment(
                 drop_range(
                     report,
                     base + count,
-                    base + count + 1,
+                    base + count + unwritten.max(1),
                     format!("torn tail of {} truncated at byte {data_end}: {why}", sp.display()),
                 );
             } else if base + count < base + max_count {
@@ -378,6 +388,23 @@ async fn recover_segment(
                     format!("segment {} unreadable after byte {data_end}: {why}", sp.display()),
                 );
             }
+        } else if unwritten > 0 {
+            // Zeros (or the end of the file) where records were: what a crash leaves of
+            // appends it cut before their write or their sync (a publisher confirm waits
+            // for the sync), or what a disk lost. Said once: the last segment's index
+            // entries go, an earlier segment is sealed with what it holds.
+            warn(
+                report,
+                format!(
+                    "{}: offsets {}..{} were appended before the crash but are not in the file (nothing from byte {data_end} on): never synced, so never confirmed, or lost by the disk",
+                    sp.display(),
+                    base + count,
+                    base + count + unwritten
+                ),
+            );
+        }
+        if last && unwritten > 0 {
+            side::idx_clear(&mut idx, count, unwritten);
         }
         if !header_ok || (last && (!tail_clean || size < align_up(data_end))) {
             // Repair: header block and a clean, zero-padded tail; then make it durable.

@@ -129,6 +129,36 @@ pub(crate) fn idx_put(m: &mut [u8], i: u64, pos: u64) {
     }
 }
 
+/// Entries from `from` on that list records past the data a recovery scan found: the
+/// first must start at `data_end` (where the scan stopped), each later one past the one
+/// before, all below `capacity`. These are records appended before a crash whose bytes are
+/// not in the file (never written, or lost). Returns how many.
+pub(crate) fn idx_listed_past(m: &[u8], from: u64, data_end: u64, capacity: u64) -> u64 {
+    let mut k = from;
+    let mut prev = None;
+    while k < capacity {
+        let pos = idx_get(m, k);
+        let next = match prev {
+            None => pos == data_end,
+            Some(p) => pos > p,
+        };
+        if !next {
+            break;
+        }
+        prev = Some(pos);
+        k += 1;
+    }
+    k - from
+}
+
+/// Zeroes entries `from..from + n` (entries that hold a value: their pages are backed, so
+/// the store cannot fault on a full disk).
+pub(crate) fn idx_clear(m: &mut [u8], from: u64, n: u64) {
+    for k in from..from + n {
+        idx_put(m, k, 0);
+    }
+}
+
 /// Seal of an index: `(count, data_end)` if the header says sealed and the CRC of
 /// the entries matches.
 pub(crate) fn idx_seal(m: &[u8]) -> Option<(u64, u64)> {

@@ -160,3 +160,52 @@ fn garbage_side_files_and_headers_do_not_panic() {
         assert_eq!(rep.records, 300);
     });
 }
+
+/// The tail segment cut exactly at a record boundary (a cut the records alone cannot tell
+/// from their end), or zeroed from one: the loss is reported, with the offsets the index
+/// listed, and the repaired shard reopens with nothing to say.
+#[test]
+fn a_tail_cut_or_zeroed_at_a_record_boundary_is_reported() {
+    for zero in [false, true] {
+        let dir = tmpdir();
+        let path = dir.path().to_path_buf();
+        fill(path.clone());
+        let tail = seg_files(&path).pop().unwrap();
+        let base = base_of(&tail);
+        let kept = (299 - base) - 3;
+        let at = record_pos(base, kept);
+        assert!(!at.is_multiple_of(4096), "the cut is not on a block boundary: {at}");
+        let f = OpenOptions::new().write(true).open(&tail).unwrap();
+        if zero {
+            f.write_all_at(&vec![0u8; (record_pos(base, 300 - base) - at) as usize], at).unwrap();
+        } else {
+            f.set_len(at).unwrap();
+        }
+        drop(f);
+        run(move || async move {
+            let (s, rep) = Shard::open(&path, small_cfg()).await.unwrap();
+            assert_eq!(s.next_offset(), base + kept, "{rep:?}");
+            let lost = format!("offsets {}..300", base + kept);
+            if zero {
+                // Zeros after whole records are also what a crash leaves of unsynced appends.
+                assert!(rep.dropped.is_empty(), "{rep:?}");
+                assert!(rep.warnings.iter().any(|w| w.contains(&lost)), "zero: {rep:?}");
+            } else {
+                assert_eq!(rep.dropped.len(), 1, "cut: {rep:?}");
+                assert_eq!((rep.dropped[0].0, rep.dropped[0].1), (base + kept, 300), "{rep:?}");
+                assert!(rep.dropped[0].2.contains("cut short"), "{rep:?}");
+            }
+            check(&s.read(base + kept - 1).await.unwrap().unwrap(), base + kept - 1, 1000);
+            s.close().await.unwrap();
+            let (s, rep) = Shard::open(&path, small_cfg()).await.unwrap();
+            assert!(rep.dropped.is_empty() && rep.warnings.is_empty(), "said once: {rep:?}");
+            let o = put(&s, 1000);
+            assert_eq!(o, base + kept);
+            s.close().await.unwrap();
+            let (s, rep) = Shard::open(&path, small_cfg()).await.unwrap();
+            assert!(rep.dropped.is_empty() && rep.warnings.is_empty(), "{rep:?}");
+            check(&s.read(o).await.unwrap().unwrap(), o, 1000);
+            s.close().await.unwrap();
+        });
+    }
+}
