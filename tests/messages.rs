@@ -469,3 +469,63 @@ async fn confirms_ack_every_publish_in_order() {
     assert_eq!(got, (0..500).collect::<Vec<_>>());
     t("close", c.close(200, "".into())).await.unwrap();
 }
+
+/// A backlog handed out in long stretches (the dispatcher sends a consumer's share of a
+/// stretch as one batch): an auto-ack consumer and a manual-ack one (prefetch 50) on two
+/// connections get every message exactly once, each in queue order, with delivery tags
+/// 1, 2, 3 … on each channel, and the queue is empty once the manual ones are acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_reaches_competing_consumers_once_each_in_order() {
+    const N: usize = 3000;
+    let b = Broker::start();
+    let (_c, ch) = connect_ch(&b).await;
+    let q = plain_queue(&ch, "backlog").await;
+    confirm_mode(&ch).await;
+    for k in 0..N {
+        t(
+            "basic.publish",
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                k.to_string().as_bytes(),
+                BasicProperties::default(),
+            ),
+        )
+        .await
+        .unwrap();
+    }
+    assert!(t("confirms", ch.wait_for_confirms()).await.unwrap().is_empty(), "every publish confirmed");
+    assert_eq!(wait_ready(&ch, &q, N as u32, Duration::from_secs(10)).await, N as u32);
+    let (ca, cb) = (connect(&b).await, connect(&b).await);
+    let (cha, chb) = (ca.create_channel().await.unwrap(), cb.create_channel().await.unwrap());
+    t("basic.qos", chb.basic_qos(50, BasicQosOptions::default())).await.unwrap();
+    let opts = |no_ack| BasicConsumeOptions { no_ack, ..Default::default() };
+    // The manual one first: an auto-ack consumer alone would take the whole backlog at once.
+    let mut manual =
+        t("basic.consume", chb.basic_consume(q.as_str().into(), "manual".into(), opts(false), FieldTable::default())).await.unwrap();
+    let mut auto =
+        t("basic.consume", cha.basic_consume(q.as_str().into(), "auto".into(), opts(true), FieldTable::default())).await.unwrap();
+    let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while got_a.len() + got_b.len() < N && std::time::Instant::now() < deadline {
+        tokio::select! {
+            Some(Ok(d)) = auto.next() => got_a.push((d.delivery_tag, String::from_utf8(d.data).unwrap().parse::<usize>().unwrap())),
+            Some(Ok(d)) = manual.next() => {
+                d.acker.ack(BasicAckOptions::default()).await.unwrap();
+                got_b.push((d.delivery_tag, String::from_utf8(d.data).unwrap().parse::<usize>().unwrap()));
+            }
+            _ = tokio::time::sleep(Duration::from_secs(5)) => break,
+        }
+    }
+    for (who, got) in [("auto-ack", &got_a), ("manual", &got_b)] {
+        let tags: Vec<u64> = got.iter().map(|&(tag, _)| tag).collect();
+        assert_eq!(tags, (1..=got.len() as u64).collect::<Vec<_>>(), "{who}: delivery tags one by one");
+        assert!(got.windows(2).all(|w| w[0].1 < w[1].1), "{who}: in queue order");
+    }
+    let mut all: Vec<usize> = got_a.iter().chain(&got_b).map(|&(_, k)| k).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..N).collect::<Vec<_>>(), "every message once ({} auto-ack, {} manual)", got_a.len(), got_b.len());
+    assert!(!got_a.is_empty() && !got_b.is_empty(), "both consumers took part");
+    assert_eq!(wait_ready(&ch, &q, 0, Duration::from_secs(5)).await, 0, "nothing left once acked");
+}

@@ -113,6 +113,10 @@ pub enum ClientEvent {
     Frames(Vec<u8>),
     /// basic.deliver to a consumer. The connection assigns the delivery tag.
     Deliver(Delivery),
+    /// Several basic.deliver to one consumer, in queue order: what a queue's dispatcher
+    /// handed it in one stretch, sent as one event (one channel send and one wake-up of
+    /// the connection, the consumer's tag and queue shared by all of them).
+    Deliveries(Deliveries),
     /// basic.consume-ok, sent by the queue before the consumer's first delivery.
     ConsumeOk {
         /// Channel of the consumer.
@@ -172,6 +176,42 @@ pub enum ClientEvent {
     /// connection sends their count back ([`credit::PublishCredit::counting`], `remote`).
     /// A connection of this node never gets it.
     PublishesTaken,
+}
+
+/// Deliveries of one queue to one consumer ([`ClientEvent::Deliveries`]): the fields of a
+/// [`Delivery`] they share, and per message its offset, redelivered flag and contents, in
+/// queue order.
+#[derive(Debug)]
+pub struct Deliveries {
+    /// Channel of the consumer.
+    pub channel: ChannelId,
+    /// Incarnation of that channel (see [`Holder::chan_uid`]).
+    pub chan_uid: u64,
+    /// Consumer tag.
+    pub consumer_tag: ConsumerTag,
+    /// Source queue.
+    pub queue: QueueRef,
+    /// Manual ack: the connection tracks each delivery tag until it is settled.
+    pub track: bool,
+    /// `(offset, redelivered, message)` of each delivery.
+    pub items: Vec<(Offset, bool, Message)>,
+}
+
+impl Deliveries {
+    /// Each delivery on its own, in order (for a path that handles one at a time).
+    pub fn into_each(self) -> impl Iterator<Item = Delivery> {
+        let Deliveries { channel, chan_uid, consumer_tag, queue, track, items } = self;
+        items.into_iter().map(move |(offset, redelivered, message)| Delivery {
+            channel,
+            chan_uid,
+            consumer_tag: consumer_tag.clone(),
+            queue: queue.clone(),
+            offset,
+            redelivered,
+            message,
+            track,
+        })
+    }
 }
 
 /// A message handed to a consumer.

@@ -137,6 +137,7 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(s: Rc<Session>, 
 fn delivery_bytes(ev: &ClientEvent) -> usize {
     match ev {
         ClientEvent::Deliver(d) => crate::broker::queue::consumer::pending_weight(d.message.body.len()),
+        ClientEvent::Deliveries(b) => b.items.iter().map(|(_, _, m)| crate::broker::queue::consumer::pending_weight(m.body.len())).sum(),
         _ => 0,
     }
 }
@@ -158,6 +159,23 @@ impl Session {
                 codec::encode_deliver(out, d.channel.0, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel.0, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);
+            }
+            ClientEvent::Deliveries(b) => {
+                let mut st = self.st.borrow_mut();
+                let frame_max = st.frame_max;
+                let mut n = 0;
+                for (offset, redelivered, message) in &b.items {
+                    let unacked = b.track.then(|| Unacked { queue: b.queue.clone(), offset: *offset });
+                    let Some(tag) = tags::assign_delivery_tag(&mut st.channels, b.channel.0, b.chan_uid, unacked) else {
+                        // The channel is gone; its ChannelClosed requeues these deliveries.
+                        break;
+                    };
+                    let (exchange, rk, props) = message.parts();
+                    codec::encode_deliver(out, b.channel.0, &b.consumer_tag, tag.0, *redelivered, exchange, rk);
+                    codec::encode_content(out, b.channel.0, props, &message.body, frame_max);
+                    n += 1;
+                }
+                Stats::add(&self.core.stats().delivered, n);
             }
             ClientEvent::ConsumeOk { channel: ChannelId(channel), consumer_tag } => {
                 if self.channel_open(channel) {

@@ -25,7 +25,7 @@ use super::index::{now_ms, IndexRecord};
 use super::settle::Outstanding;
 use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
 use crate::broker::message::Message;
-use crate::broker::{ClientEvent, ConsumerId, Delivery, GetReply, Holder, Offset, QueueError};
+use crate::broker::{ClientEvent, ConsumerId, Deliveries, Delivery, GetReply, Holder, Offset, QueueError};
 
 /// What the dispatcher does next.
 enum Step {
@@ -48,7 +48,17 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
         let mut sent = 0u32;
         loop {
             let Some(cell) = weak.upgrade() else { return };
-            let step = cell.borrow_mut().step();
+            // Deliveries of one synchronous stretch gather per consumer; every path out of
+            // the stretch (an await, the end) sends them first.
+            let step = {
+                let mut q = cell.borrow_mut();
+                q.batching = true;
+                let step = q.step();
+                if !matches!(step, Step::Sent) {
+                    q.flush_deliveries();
+                }
+                step
+            };
             match step {
                 Step::Idle => break,
                 Step::Backlogged => {
@@ -59,6 +69,7 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                 Step::Sent => {
                     sent += 1;
                     if sent.is_multiple_of(256) {
+                        cell.borrow_mut().flush_deliveries();
                         drop(cell);
                         Queue::flush_unsynced_soon(&weak);
                         glommio::yield_if_needed().await;
@@ -274,16 +285,14 @@ impl Queue {
             message,
             track,
         };
-        let tx = c.spec.tx.clone();
-        let pending = c.spec.pending_bytes.clone();
         let weight = consumer::pending_weight(d.message.body.len());
-        pending.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
+        c.spec.pending_bytes.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
         let mut index_offset = None;
         if track {
             c.in_flight += 1;
             c.spec.channel_credit.take();
             let credit = Some(c.spec.channel_credit.clone());
-            let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: tx.clone() };
+            let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: c.spec.tx.clone() };
             index_offset = self.index_delivery(offset, flags, &holder);
             self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit, redelivered });
         }
@@ -292,9 +301,26 @@ impl Queue {
         // (a transient message) must not overtake one still waiting for its record's sync,
         // so while any waits (or a flush round is on its way) it waits with them.
         if index_offset.is_some() || (track && (self.index_flushing || !self.unsynced.is_empty())) {
+            let pending = self.consumers.get_mut(consumer).map(|c| c.spec.pending_bytes.clone()).expect("the consumer delivered to");
             self.unsynced.push((consumer, d, pending));
             return;
         }
+        if self.batching {
+            // Sent with the rest of this stretch (`flush_deliveries`), before the dispatcher awaits.
+            match self.batched.iter_mut().find(|(id, _)| *id == consumer) {
+                Some((_, b)) => b.items.push((d.offset, d.redelivered, d.message)),
+                None => {
+                    let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track } = d;
+                    let items = vec![(offset, redelivered, message)];
+                    self.batched.push((consumer, Deliveries { channel, chan_uid, consumer_tag, queue, track, items }));
+                }
+            }
+            return;
+        }
+        let (tx, pending) = match self.consumers.get_mut(consumer) {
+            Some(c) => (c.spec.tx.clone(), c.spec.pending_bytes.clone()),
+            None => return,
+        };
         if tx.send(ClientEvent::Deliver(d)).is_err() {
             pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
             // The connection is gone; its close will settle the rest.
@@ -310,6 +336,45 @@ impl Queue {
         if !track {
             // Auto-ack: settled on delivery (rule 4).
             self.delete(&[offset]);
+        }
+    }
+
+    /// Sends what the dispatcher gathered in this stretch (`batching`), one event per
+    /// consumer, and ends the stretch. Auto-ack deliveries are settled once sent (rule 4); a
+    /// consumer whose connection is gone loses its place, and its deliveries go back
+    /// (rule 5's order: unclaimed, not redelivered).
+    pub(super) fn flush_deliveries(&mut self) {
+        self.batching = false;
+        for (consumer, b) in std::mem::take(&mut self.batched) {
+            let weight: usize = b.items.iter().map(|(_, _, m)| consumer::pending_weight(m.body.len())).sum();
+            let offsets: Vec<u64> = b.items.iter().map(|(o, _, _)| o.0).collect();
+            let track = b.track;
+            let sent = self
+                .consumers
+                .get_mut(consumer)
+                .map(|c| (c.spec.tx.send(ClientEvent::Deliveries(b)).is_ok(), c.spec.pending_bytes.clone()));
+            match sent {
+                Some((true, _)) => {
+                    if !track {
+                        self.delete(&offsets);
+                    }
+                }
+                failed => {
+                    if let Some((_, pending)) = failed {
+                        pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    // The connection is gone; its close will settle the rest.
+                    self.consumers.remove(consumer);
+                    for offset in offsets {
+                        if let Some(o) = self.held.release(offset) {
+                            self.release(&o);
+                            self.unclaim(offset);
+                        } else if !track {
+                            self.unclaim(offset);
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -218,6 +218,11 @@ pub struct Queue {
     index_flushing: bool,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
+    /// Set by the dispatcher for a synchronous stretch of deliveries: they gather in
+    /// `batched`, one event per consumer, sent by [`Queue::flush_deliveries`] before it awaits.
+    batching: bool,
+    /// Deliveries gathered while `batching`, per consumer.
+    batched: Vec<(ConsumerId, crate::broker::Deliveries)>,
     /// Records read ahead from disk, by offset (see [`dispatch::read_ahead`]); bounded by
     /// [`dispatch::READ_AHEAD_BYTES`] per read, dropped when taken or purged.
     paged: std::collections::BTreeMap<u64, Record>,
@@ -372,6 +377,8 @@ impl Queue {
                 syncing: false,
                 index_flushing: false,
                 unsynced: Vec::new(),
+                batching: false,
+                batched: Vec::new(),
                 index_of,
                 index_trash: Vec::new(),
                 index_superseded: Vec::new(),

@@ -313,12 +313,26 @@ async fn send_events(
     credit: std::sync::Weak<PublishCredit>,
 ) {
     while let Ok(ev) = rx.recv_async().await {
+        if let ClientEvent::Deliveries(b) = ev {
+            // One frame per delivery, as they came one by one.
+            for d in b.into_each() {
+                forward_event(&remote, to, conn, ClientEvent::Deliver(d), &pending, &credit);
+            }
+            continue;
+        }
+        forward_event(&remote, to, conn, ev, &pending, &credit);
+    }
+}
+
+/// Sends one event of a proxy's connection to the peer (see [`send_events`]).
+fn forward_event(remote: &Remote, to: NodeId, conn: u64, ev: ClientEvent, pending: &AtomicUsize, credit: &std::sync::Weak<PublishCredit>) {
+    {
         let mut weight = 0;
         let event = match ev {
             // Every release since the last batch, in one event.
             ClientEvent::PublishesTaken => match credit.upgrade().map(|c| c.take_counted()) {
                 Some(count) if count > 0 => Event::Taken { count },
-                _ => continue,
+                _ => return,
             },
             ClientEvent::Deliver(d) => {
                 weight = pending_weight(d.message.body.len());
@@ -355,7 +369,8 @@ async fn send_events(
             | ClientEvent::Shutdown
             | ClientEvent::ResourceAlarm(_)
             | ClientEvent::Describe(_)
-            | ClientEvent::Close(_) => continue,
+            | ClientEvent::Deliveries(_)
+            | ClientEvent::Close(_) => return,
         };
         if let Err(why) = remote.send_frame(to, &Frame::Event { conn, event }) {
             // The link is down: its loss requeues what this connection held.
