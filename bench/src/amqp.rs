@@ -78,6 +78,10 @@ pub async fn declare_topology(ch: &Channel, cfg: &Config) -> Result<(), BenchErr
             .map_err(BenchError::Setup)?;
     }
     let opts = queue_options(cfg);
+    if cfg.consumers_declare {
+        // Each consumer's connection declares and binds its queue (`raw::start_consumers`).
+        return Ok(());
+    }
     for q in &cfg.queues {
         within(OP_TIMEOUT, "queue.declare", ch.queue_declare(q.as_str().into(), opts, cfg.queue_args.clone()))
             .await
@@ -100,7 +104,7 @@ pub async fn declare_topology(ch: &Channel, cfg: &Config) -> Result<(), BenchErr
 }
 
 /// Binding key and arguments of `queue` on an exchange of type `kind`.
-fn binding(kind: ExchangeType, queue: &str) -> (ShortString, FieldTable) {
+pub(crate) fn binding(kind: ExchangeType, queue: &str) -> (ShortString, FieldTable) {
     match kind {
         ExchangeType::Fanout => ("".into(), FieldTable::default()),
         ExchangeType::Headers => ("".into(), headers_for(queue, true)),

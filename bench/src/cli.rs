@@ -169,6 +169,12 @@ pub struct Flags {
     /// Queues (and exchange) already exist: neither declare, purge nor delete them.
     #[arg(long)]
     pub predeclared: bool,
+    /// Each consumer declares (and binds) its queue on its own connection before consuming,
+    /// as consumer applications written for RabbitMQ do, instead of the bench's setup
+    /// connection (ringmq puts a queue on the core of the connection that declares it).
+    /// Raw engine only; every queue needs a consumer.
+    #[arg(long)]
+    pub consumers_declare: bool,
     /// Print one JSON line with the result on stdout (the summary goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -320,6 +326,8 @@ pub struct Config {
     pub queue_args_text: Vec<String>,
     /// Declare nothing, delete nothing.
     pub predeclared: bool,
+    /// Queues are declared by their consumers' connections (`--consumers-declare`).
+    pub consumers_declare: bool,
     /// Emit a JSON line.
     pub json: bool,
     /// Seconds allowed for the drain.
@@ -409,6 +417,9 @@ impl Config {
             None if tls => Engine::Lapin,
             None => Engine::Raw,
         };
+        if f.consumers_declare && engine != Engine::Raw {
+            return usage("--consumers-declare needs the raw engine".into());
+        }
         let ttl_dlx = ["x-message-ttl=60000".to_string(), "x-dead-letter-exchange=amq.fanout".to_string()];
         let queue_args = if scenario == TtlDlx && f.queue_args.is_empty() { &ttl_dlx[..] } else { &f.queue_args[..] };
         let (queue_args, queue_args_text) = parse_queue_args(queue_args)?;
@@ -435,6 +446,7 @@ impl Config {
             queue_args,
             queue_args_text,
             predeclared: f.predeclared,
+            consumers_declare: f.consumers_declare && !f.predeclared,
             json: f.json,
             drain_timeout_s: f.drain_timeout.unwrap_or(ddrain).max(0.0),
             broker_pid: f.broker_pid,

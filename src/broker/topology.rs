@@ -192,7 +192,11 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
         exclusive_owner,
         arguments: req.arguments.clone(),
         owner_node: meta.node_id(),
-        owner_core: placement::owner_core(vhost, name, node.shared.cores),
+        owner_core: match req.caller {
+            // The declaring connection's core, while the cores stay balanced.
+            Caller::Connection(_) => placement::local_core(node.id, &queues_per_core(node)),
+            Caller::Operator => placement::owner_core(vhost, name, node.shared.cores),
+        },
         owner_epoch: meta.boot_epoch(),
         replicas: Vec::new(),
         incarnation: super::ids::cluster_unique_id(meta.node_id(), node.shared.next_id()),
@@ -207,6 +211,18 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
             r => return r,
         }
     }
+}
+
+/// How many of this node's queues each of its cores owns (the metadata's latest topology:
+/// every declare answered so far, on any connection; one still on its way is not counted).
+fn queues_per_core(node: &Node) -> Vec<usize> {
+    let cores = node.shared.cores.max(1);
+    let me = node.shared.meta.node_id();
+    let mut owned = vec![0usize; cores as usize];
+    for q in node.shared.meta.topology().queues.values().filter(|q| q.owner_node == me) {
+        owned[(q.owner_core % cores) as usize] += 1;
+    }
+    owned
 }
 
 /// One attempt at a non-passive queue.declare of `def`.

@@ -18,6 +18,26 @@ pub fn owner_core(vhost: &str, name: &str, cores: u32) -> u32 {
     (fnv(vhost, name, None) % cores.max(1) as u64) as u32
 }
 
+/// Owner core of a queue declared by a connection served by core `local` (RabbitMQ's
+/// `client-local` queue leader locator, applied to the cores of a node): `local`, so that
+/// a connection's own queue (a consumer's, an RPC reply queue) never makes its deliveries
+/// cross cores; but when `local` already owns more queues than the least loaded core by
+/// more than the slack (16 queues, or a quarter of the average per core if that is more),
+/// the least loaded core (the lowest index on a tie), so that one connection declaring a
+/// whole topology still spreads it. `owned[c]` is how many queues core `c` owns now; a
+/// `local` outside `owned` is taken modulo its length.
+pub fn local_core(local: u32, owned: &[usize]) -> u32 {
+    let cores = owned.len().max(1);
+    let local = local as usize % cores;
+    let Some((least, &min)) = owned.iter().enumerate().min_by_key(|&(c, &n)| (n, c)) else { return 0 };
+    let slack = 16usize.max(owned.iter().sum::<usize>() / cores / 4);
+    if owned[local] > min + slack {
+        least as u32
+    } else {
+        local as u32
+    }
+}
+
 /// The replica set (node ids) of a replicated queue declared on node `owner`: `size` nodes of `members`
 /// (capped at how many there are; at least the owner), ascending. The owner is always in it;
 /// the others are the members that store the fewest queues now (`stored(node)`: how many
@@ -52,6 +72,24 @@ mod tests {
             let c = owner_core(&v, &n, cores);
             prop_assert!(c < cores);
             prop_assert_eq!(c, owner_core(&v, &n, cores));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn local_core_stays_local_until_the_cores_drift_apart(cores in 1usize..9, local in 0u32..16, declares in 0usize..3000) {
+            // One connection declaring everything: the cores stay within the slack.
+            let mut owned = vec![0usize; cores];
+            for _ in 0..declares {
+                let c = local_core(local, &owned) as usize;
+                prop_assert!(c < cores);
+                owned[c] += 1;
+                let (max, min) = (*owned.iter().max().unwrap(), *owned.iter().min().unwrap());
+                prop_assert!(max - min <= 17usize.max(owned.iter().sum::<usize>() / cores / 4 + 1), "{owned:?}");
+            }
+            // Balanced cores: the declaring connection's own.
+            let even = vec![5usize; cores];
+            prop_assert_eq!(local_core(local, &even), local % cores as u32);
         }
     }
 

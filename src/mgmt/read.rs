@@ -135,6 +135,8 @@ impl Api {
             "exclusive": d.exclusive_owner.is_some(),
             "arguments": table_to_json(&d.arguments),
             "node": self.node_name(d.owner_node),
+            // ringmq's own: the core of that node that owns the queue (issue 15 item 3).
+            "core": d.owner_core % self.shared.cores.max(1),
             "leader": self.node_name(d.owner_node),
             "members": d.replicas.iter().map(|n| self.node_name(*n)).collect::<Vec<_>>(),
             "state": if f.running { "running" } else { "down" },
@@ -492,6 +494,8 @@ impl Api {
         json!({
             "name": c.name(),
             "node": self.node_name(self.shared.meta.node_id()),
+            // ringmq's own: the core serving the connection.
+            "core": c.core,
             "user": c.user,
             "vhost": c.vhost,
             "protocol": "AMQP 0-9-1",

@@ -33,7 +33,7 @@ mod conn;
 use crate::error::BenchError;
 use crate::run::Env;
 use crate::wire::{method, FRAME_OVERHEAD};
-use amq_protocol::protocol::{basic, channel, confirm, connection, AMQPClass};
+use amq_protocol::protocol::{basic, channel, confirm, connection, queue, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use conn::{Conn, Role};
 use std::rc::Rc;
@@ -65,6 +65,9 @@ pub async fn start_consumers(env: &Rc<Env>) -> Result<Vec<tokio::task::JoinHandl
                 let qos = basic::Qos { prefetch_count: cfg.prefetch, global: false };
                 c.call(ch, AMQPClass::Basic(basic::AMQPMethod::Qos(qos)), "basic.qos").await?;
             }
+            if cfg.consumers_declare {
+                declare_own_queue(&mut c, ch, cfg, qi).await?;
+            }
             c.set_role(ch, Role::consumer(qi));
             let consume = basic::Consume {
                 queue: cfg.queues[qi].as_str().into(),
@@ -80,6 +83,29 @@ pub async fn start_consumers(env: &Rc<Env>) -> Result<Vec<tokio::task::JoinHandl
         tasks.push(tokio::task::spawn_local(c.drive()));
     }
     Ok(tasks)
+}
+
+/// `--consumers-declare`: queue `qi` declared (with the bench's options and arguments) and
+/// bound to the bench's exchange on the consumer's own channel `ch`.
+async fn declare_own_queue(c: &mut Conn, ch: u16, cfg: &crate::cli::Config, qi: usize) -> Result<(), BenchError> {
+    let q = cfg.queues[qi].as_str();
+    let opts = crate::amqp::queue_options(cfg);
+    let declare = queue::Declare {
+        queue: q.into(),
+        passive: false,
+        durable: opts.durable,
+        exclusive: false,
+        auto_delete: false,
+        nowait: false,
+        arguments: cfg.queue_args.clone(),
+    };
+    c.call(ch, AMQPClass::Queue(queue::AMQPMethod::Declare(declare)), "queue.declare").await?;
+    if !cfg.exchange.name.is_empty() {
+        let (routing_key, arguments) = crate::amqp::binding(cfg.exchange.kind, q);
+        let bind = queue::Bind { queue: q.into(), exchange: cfg.exchange.name.as_str().into(), routing_key, nowait: false, arguments };
+        c.call(ch, AMQPClass::Queue(queue::AMQPMethod::Bind(bind)), "queue.bind").await?;
+    }
+    Ok(())
 }
 
 /// Opens the producers' connections (up to --channels-per-connection producers each) and
