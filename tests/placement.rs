@@ -2,7 +2,8 @@
 //! the core serving that connection (RabbitMQ's `client-local` locator, for the cores of a
 //! node), so its deliveries to that connection never cross cores; while the cores stay
 //! balanced. One connection declaring a whole topology still spreads it over the cores.
-//! `GET /api/queues` and `GET /api/connections` show ringmq's `core` of each.
+//! `x-queue-leader-locator=balanced` (RabbitMQ's argument) asks for the spread of the name
+//! hash instead. `GET /api/queues` and `GET /api/connections` show ringmq's `core` of each.
 //!
 //! ringmq only (the core is ringmq's notion); every wait is bounded.
 
@@ -67,4 +68,32 @@ fn one_connection_declaring_many_queues_spreads_them_over_the_cores() {
     // quarter of the average per core: 25 here), then the other does.
     assert!(on0.abs_diff(on1) <= 26, "{on0} on core 0, {on1} on core 1");
     assert!(on0.min(on1) >= 80, "{on0} on core 0, {on1} on core 1");
+}
+
+#[test]
+fn the_balanced_leader_locator_spreads_one_connections_queues() {
+    let b = Broker::start();
+    require_own_broker!(b, "ringmq's cores");
+    let mut c = RawConn::open(b.addr());
+    c.open_channel(1);
+    let (local, balanced) = (uniq("local"), uniq("balanced"));
+    // 16 queues each way: within the slack, client-local puts all of them on this core.
+    let mut table = Vec::new();
+    common::raw::shortstr(&mut table, "x-queue-leader-locator");
+    table.push(b'S');
+    common::raw::longstr(&mut table, b"balanced");
+    // The client-local ones first: the balanced ones then count toward the slack.
+    for k in 0..16 {
+        c.queue_declare(1, &format!("{local}-{k}"));
+    }
+    for k in 0..16 {
+        c.send_method(1, 50, 10, &common::raw::queue_declare_args(&format!("{balanced}-{k}"), &table));
+        assert_eq!(c.read_method().method_id(), Some((50, 11)), "declare-ok with x-queue-leader-locator");
+    }
+    let by_queue = cores_by(&get_json(b.management_port(), "/api/queues"), "name");
+    let cores_of = |prefix: &str| -> std::collections::HashSet<u64> {
+        by_queue.iter().filter(|(n, _)| n.starts_with(&format!("\"{prefix}-"))).map(|(_, &c)| c).collect()
+    };
+    assert_eq!(cores_of(&local).len(), 1, "client-local: all on the declaring connection's core: {by_queue:?}");
+    assert_eq!(cores_of(&balanced).len(), 2, "balanced: over both cores: {by_queue:?}");
 }

@@ -193,9 +193,11 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
         arguments: req.arguments.clone(),
         owner_node: meta.node_id(),
         owner_core: match req.caller {
-            // The declaring connection's core, while the cores stay balanced.
-            Caller::Connection(_) => placement::local_core(node.id, &queues_per_core(node)),
-            Caller::Operator => placement::owner_core(vhost, name, node.shared.cores),
+            // The declaring connection's core, while the cores stay balanced; RabbitMQ's
+            // `balanced` locator (or a classic queue's older `x-queue-master-locator` values
+            // other than client-local) asks for the spread of the name hash instead.
+            Caller::Connection(_) if !balanced_locator(&req.arguments) => placement::local_core(node.id, &queues_per_core(node)),
+            _ => placement::owner_core(vhost, name, node.shared.cores),
         },
         owner_epoch: meta.boot_epoch(),
         replicas: Vec::new(),
@@ -211,6 +213,13 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
             r => return r,
         }
     }
+}
+
+/// Whether the declare's `x-queue-leader-locator` (RabbitMQ 3.10+) or `x-queue-master-locator`
+/// asks for a balanced placement rather than `client-local` (the default).
+fn balanced_locator(args: &FieldTable) -> bool {
+    let locator = string_arg(args, "x-queue-leader-locator").or_else(|| string_arg(args, "x-queue-master-locator"));
+    matches!(locator, Some("balanced" | "min-masters" | "random" | "least-leaders"))
 }
 
 /// How many of this node's queues each of its cores owns (the metadata's latest topology:
@@ -423,7 +432,7 @@ pub fn validate_queue_arguments(def: &QueueDef) -> Result<(), TopologyError> {
     if args.inner().contains_key("x-single-active-consumer") && bool_arg(args, "x-single-active-consumer").is_none() {
         return Err(invalid("x-single-active-consumer", "expected a boolean"));
     }
-    for key in ["x-overflow", "x-queue-mode", "x-queue-type", "x-queue-master-locator"] {
+    for key in ["x-overflow", "x-queue-mode", "x-queue-type", "x-queue-master-locator", "x-queue-leader-locator"] {
         if args.inner().contains_key(key) && string_arg(args, key).is_none() {
             return Err(invalid(key, "expected a string"));
         }
