@@ -77,11 +77,11 @@ pub async fn declare_topology(ch: &Channel, cfg: &Config) -> Result<(), BenchErr
             .await
             .map_err(BenchError::Setup)?;
     }
-    let opts = queue_options(cfg);
     if cfg.consumers_declare {
         // Each consumer's connection declares and binds its queue (`raw::start_consumers`).
         return Ok(());
     }
+    let opts = queue_options(cfg);
     for q in &cfg.queues {
         within(OP_TIMEOUT, "queue.declare", ch.queue_declare(q.as_str().into(), opts, cfg.queue_args.clone()))
             .await

@@ -323,19 +323,27 @@ impl Queue {
         };
         if tx.send(ClientEvent::Deliver(d)).is_err() {
             pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
-            // The connection is gone; its close will settle the rest.
-            self.consumers.remove(consumer);
+            self.undeliverable(consumer, &[offset], track);
+            return;
+        }
+        if !track {
+            // Auto-ack: settled on delivery (rule 4).
+            self.delete(&[offset]);
+        }
+    }
+
+    /// Deliveries of `offsets` to `consumer` that could not be sent: its connection is gone
+    /// (its close will settle the rest), so the consumer goes and the offsets come back to
+    /// their places, unclaimed and not redelivered (held ones released first).
+    fn undeliverable(&mut self, consumer: ConsumerId, offsets: &[u64], track: bool) {
+        self.consumers.remove(consumer);
+        for &offset in offsets {
             if let Some(o) = self.held.release(offset) {
                 self.release(&o);
                 self.unclaim(offset);
             } else if !track {
                 self.unclaim(offset);
             }
-            return;
-        }
-        if !track {
-            // Auto-ack: settled on delivery (rule 4).
-            self.delete(&[offset]);
         }
     }
 
@@ -363,16 +371,7 @@ impl Queue {
                     if let Some((_, pending)) = failed {
                         pending.fetch_sub(weight, std::sync::atomic::Ordering::Relaxed);
                     }
-                    // The connection is gone; its close will settle the rest.
-                    self.consumers.remove(consumer);
-                    for offset in offsets {
-                        if let Some(o) = self.held.release(offset) {
-                            self.release(&o);
-                            self.unclaim(offset);
-                        } else if !track {
-                            self.unclaim(offset);
-                        }
-                    }
+                    self.undeliverable(consumer, &offsets, track);
                 }
             }
         }

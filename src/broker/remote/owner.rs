@@ -326,58 +326,57 @@ async fn send_events(
 
 /// Sends one event of a proxy's connection to the peer (see [`send_events`]).
 fn forward_event(remote: &Remote, to: NodeId, conn: u64, ev: ClientEvent, pending: &AtomicUsize, credit: &std::sync::Weak<PublishCredit>) {
-    {
-        let mut weight = 0;
-        let event = match ev {
-            // Every release since the last batch, in one event.
-            ClientEvent::PublishesTaken => match credit.upgrade().map(|c| c.take_counted()) {
-                Some(count) if count > 0 => Event::Taken { count },
-                _ => return,
-            },
-            ClientEvent::Deliver(d) => {
-                weight = pending_weight(d.message.body.len());
-                Event::Deliver {
-                    channel: d.channel.0,
-                    chan_uid: peer_id(d.chan_uid),
-                    consumer_tag: d.consumer_tag.0.to_string(),
-                    queue: d.queue.key,
-                    durable: d.queue.durable,
-                    owner_core: d.queue.owner_core,
-                    offset: d.offset.0,
-                    redelivered: d.redelivered,
-                    message: d.message,
-                    track: d.track,
-                }
+    let mut weight = 0;
+    let event = match ev {
+        // Every release since the last batch, in one event.
+        ClientEvent::PublishesTaken => match credit.upgrade().map(|c| c.take_counted()) {
+            Some(count) if count > 0 => Event::Taken { count },
+            _ => return,
+        },
+        ClientEvent::Deliver(d) => {
+            weight = pending_weight(d.message.body.len());
+            Event::Deliver {
+                channel: d.channel.0,
+                chan_uid: peer_id(d.chan_uid),
+                consumer_tag: d.consumer_tag.0.to_string(),
+                queue: d.queue.key,
+                durable: d.queue.durable,
+                owner_core: d.queue.owner_core,
+                offset: d.offset.0,
+                redelivered: d.redelivered,
+                message: d.message,
+                track: d.track,
             }
-            ClientEvent::ConsumeOk { channel, consumer_tag } => {
-                Event::ConsumeOk { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
-            }
-            ClientEvent::CancelOk { channel, consumer_tag } => {
-                Event::CancelOk { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
-            }
-            ClientEvent::Cancelled { channel, consumer_tag } => {
-                Event::Cancelled { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
-            }
-            ClientEvent::Stored { channel, chan_uid, seq, ok } => {
-                Event::Stored { channel: channel.0, chan_uid: peer_id(chan_uid), seq, ok }
-            }
-            ClientEvent::AckTimeout { channel, chan_uid, timeout_ms } => {
-                Event::AckTimeout { channel: channel.0, chan_uid: peer_id(chan_uid), timeout_ms }
-            }
-            // Connection-wide events go to this node's own connections only.
-            ClientEvent::Frames(_)
-            | ClientEvent::Shutdown
-            | ClientEvent::ResourceAlarm(_)
-            | ClientEvent::Describe(_)
-            | ClientEvent::Deliveries(_)
-            | ClientEvent::Close(_) => return,
-        };
-        if let Err(why) = remote.send_frame(to, &Frame::Event { conn, event }) {
-            // The link is down: its loss requeues what this connection held.
-            tracing::debug!(to, %why, "event for a peer's connection dropped");
         }
-        if weight > 0 {
-            pending.fetch_sub(weight, Ordering::Relaxed);
+        ClientEvent::ConsumeOk { channel, consumer_tag } => {
+            Event::ConsumeOk { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
         }
+        ClientEvent::CancelOk { channel, consumer_tag } => {
+            Event::CancelOk { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
+        }
+        ClientEvent::Cancelled { channel, consumer_tag } => {
+            Event::Cancelled { channel: channel.0, consumer_tag: consumer_tag.0.to_string() }
+        }
+        ClientEvent::Stored { channel, chan_uid, seq, ok } => {
+            Event::Stored { channel: channel.0, chan_uid: peer_id(chan_uid), seq, ok }
+        }
+        ClientEvent::AckTimeout { channel, chan_uid, timeout_ms } => {
+            Event::AckTimeout { channel: channel.0, chan_uid: peer_id(chan_uid), timeout_ms }
+        }
+        // Connection-wide events go to this node's own connections only.
+        ClientEvent::Frames(_)
+        | ClientEvent::Shutdown
+        | ClientEvent::ResourceAlarm(_)
+        | ClientEvent::Describe(_)
+        // (A batch comes here one delivery at a time: `send_events` splits it.)
+        | ClientEvent::Deliveries(_)
+        | ClientEvent::Close(_) => return,
+    };
+    if let Err(why) = remote.send_frame(to, &Frame::Event { conn, event }) {
+        // The link is down: its loss requeues what this connection held.
+        tracing::debug!(to, %why, "event for a peer's connection dropped");
+    }
+    if weight > 0 {
+        pending.fetch_sub(weight, Ordering::Relaxed);
     }
 }
