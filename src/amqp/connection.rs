@@ -147,6 +147,14 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
         channel_max: tuned.channel_max,
         tx: tx.clone(),
     });
+    // Listed before the client hears open-ok, so it can find itself at once.
+    if let Err(e) = handshake::send_open_ok(&mut stream).await {
+        tracing::debug!(?peer, error = %e, "handshake ended");
+        core.conns.borrow_mut().remove(&id);
+        core.shared.clients.closed(id);
+        Stats::add(&core.stats().connections_closed, 1);
+        return;
+    }
     let _ = stream.tcp().set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
     let (unblocked_tx, unblocked_rx) = flume::bounded(1);
     let session = Rc::new(Session {

@@ -124,6 +124,15 @@ async fn send<S: Transport>(stream: &mut S, bytes: &[u8]) -> Result<(), AmqpErro
     stream.flush().await.map_err(io)
 }
 
+/// Sends connection.open-ok, the handshake's last frame. The caller registers the
+/// connection first, so a client that has open-ok finds it listed by the management API.
+/// Errors: 320 CONNECTION_FORCED when the write fails.
+pub(super) async fn send_open_ok<S: Transport>(stream: &mut S) -> Result<(), AmqpError> {
+    let mut out = Vec::with_capacity(12);
+    encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
+    send(stream, &out).await
+}
+
 pub(super) fn close_method(e: &AmqpError) -> AMQPClass {
     AMQPClass::Connection(conn::AMQPMethod::Close(conn::Close {
         reply_code: e.code,
@@ -223,7 +232,8 @@ enum Login {
     Certificate(String),
 }
 
-/// Runs the handshake on a fresh socket; on success the connection is open. `peer_cert`:
+/// Runs the handshake on a fresh socket up to connection.open, checked; on success the
+/// caller registers the connection and sends open-ok ([`send_open_ok`]). `peer_cert`:
 /// the client's verified TLS certificate, if any (EXTERNAL is offered only with one).
 pub(super) async fn handshake<S: Transport>(
     core: &Rc<Node>,
@@ -365,9 +375,6 @@ pub(super) async fn handshake<S: Transport>(
         write_close(stream, &mut buf, &e).await;
         return Err(e);
     }
-    out.clear();
-    encode_method(&mut out, 0, &AMQPClass::Connection(conn::AMQPMethod::OpenOk(conn::OpenOk {})));
-    send(stream, &out).await?;
     Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, leftover: buf })
 }
 
