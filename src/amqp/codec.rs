@@ -6,7 +6,7 @@
 //! the fields the broker needs; body payloads are zero-copy slices of the read buffer.
 
 use amq_protocol::frame::parsing::parse_content_header;
-use amq_protocol::protocol::{basic::AMQPProperties, parse_class, AMQPClass};
+use amq_protocol::protocol::{basic, basic::AMQPProperties, parse_class, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
@@ -159,58 +159,108 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
     if buf[7 + size] != FRAME_END {
         return Err(AmqpError::frame_error(format!("bad frame end octet 0x{:02x}", buf[7 + size])));
     }
+    if frame_type == FRAME_METHOD {
+        // Parsed from the buffer in place: a method keeps no slice of it.
+        let frame = decode_method(channel, &buf[7..7 + size]);
+        buf.advance(7 + size + 1);
+        return frame.map(Some);
+    }
     buf.advance(7);
     let payload = buf.split_to(size).freeze();
     buf.advance(1);
     let frame = match frame_type {
-        FRAME_METHOD => {
-            if payload.len() < 4 {
-                return Err(AmqpError::syntax_error("method frame shorter than 4 bytes"));
+        FRAME_HEADER => match decode_header(&payload) {
+            Some(Ok((class_id, body_size, properties))) => {
+                Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties: payload.slice(12..) }
             }
-            let class_id = u16::from_be_bytes([payload[0], payload[1]]);
-            let method_id = u16::from_be_bytes([payload[2], payload[3]]);
-            if !is_known_method(class_id, method_id) {
-                return Err(AmqpError::not_implemented(format!("unknown method {class_id}.{method_id}")).on_method(class_id, method_id));
-            }
-            // basic.qos prefetch_size is dropped by the parser; RabbitMQ refuses a non-zero one.
-            if (class_id, method_id) == (60, 10) && payload.len() >= 8 && payload[4..8] != [0, 0, 0, 0] {
-                return Err(
-                    AmqpError::not_implemented("prefetch_size != 0 is not supported; use prefetch_count").on_method(class_id, method_id)
-                );
-            }
-            match parse_class(&payload[..]) {
-                Ok((&[], method)) => {
-                    if method_tables(&method).is_some_and(|t| !table_depth_ok(t)) {
-                        return Err(AmqpError::syntax_error(format!("field table nested deeper than {MAX_TABLE_DEPTH} levels"))
-                            .on_method(class_id, method_id));
-                    }
-                    Frame::Method { channel, method: Box::new(method) }
-                }
-                // Spec "frame-error": a frame the recipient could not decode (RabbitMQ
-                // answers truncated arguments and overlong field tables the same way).
-                _ => {
-                    return Err(AmqpError::frame_error(format!("cannot decode the arguments of method {class_id}.{method_id}"))
-                        .on_method(class_id, method_id))
-                }
-            }
-        }
-        FRAME_HEADER => match parse_content_header(&payload[..]) {
-            Ok((_, header)) if header.properties.headers().as_ref().is_some_and(|h| !table_depth_ok(h)) => {
-                return Err(AmqpError::syntax_error(format!("message headers nested deeper than {MAX_TABLE_DEPTH} levels")))
-            }
-            Ok((&[], header)) => Frame::Header {
-                channel,
-                class_id: header.class_id,
-                body_size: header.body_size,
-                properties: Box::new(header.properties),
-                raw_properties: payload.slice(12..),
-            },
-            _ => return Err(AmqpError::syntax_error("malformed content header frame")),
+            Some(Err(e)) => return Err(e),
+            None => return Err(AmqpError::syntax_error("malformed content header frame")),
         },
         FRAME_BODY => Frame::Body { channel, payload },
         _ => Frame::Heartbeat { channel },
     };
     Ok(Some(frame))
+}
+
+/// Decodes a method frame's payload (class id, method id, arguments).
+fn decode_method(channel: u16, payload: &[u8]) -> Result<Frame, AmqpError> {
+    if payload.len() < 4 {
+        return Err(AmqpError::syntax_error("method frame shorter than 4 bytes"));
+    }
+    let class_id = u16::from_be_bytes([payload[0], payload[1]]);
+    let method_id = u16::from_be_bytes([payload[2], payload[3]]);
+    let undecodable = || {
+        // Spec "frame-error": a frame the recipient could not decode (RabbitMQ answers
+        // truncated arguments and overlong field tables the same way).
+        AmqpError::frame_error(format!("cannot decode the arguments of method {class_id}.{method_id}")).on_method(class_id, method_id)
+    };
+    if (class_id, method_id) == (60, 40) {
+        // basic.publish, the method of every message: parsed by hand (amq-protocol's parser
+        // allocates its flag names for each one).
+        let p = parse_publish(&payload[4..]).ok_or_else(undecodable)?;
+        return Ok(Frame::Method { channel, method: Box::new(AMQPClass::Basic(basic::AMQPMethod::Publish(p))) });
+    }
+    if !is_known_method(class_id, method_id) {
+        return Err(AmqpError::not_implemented(format!("unknown method {class_id}.{method_id}")).on_method(class_id, method_id));
+    }
+    // basic.qos prefetch_size is dropped by the parser; RabbitMQ refuses a non-zero one.
+    if (class_id, method_id) == (60, 10) && payload.len() >= 8 && payload[4..8] != [0, 0, 0, 0] {
+        return Err(AmqpError::not_implemented("prefetch_size != 0 is not supported; use prefetch_count").on_method(class_id, method_id));
+    }
+    match parse_class(payload) {
+        Ok((&[], method)) => {
+            if method_tables(&method).is_some_and(|t| !table_depth_ok(t)) {
+                return Err(AmqpError::syntax_error(format!("field table nested deeper than {MAX_TABLE_DEPTH} levels"))
+                    .on_method(class_id, method_id));
+            }
+            Ok(Frame::Method { channel, method: Box::new(method) })
+        }
+        _ => Err(undecodable()),
+    }
+}
+
+/// basic.publish's arguments (spec 1.8.3.7: reserved short, exchange and routing key as
+/// short strings of UTF-8, then one octet of bits: mandatory, immediate), exactly as
+/// amq-protocol's parser reads them: `None` where it fails (short input, bytes left over,
+/// a string that is not UTF-8).
+fn parse_publish(args: &[u8]) -> Option<basic::Publish> {
+    fn short_string(i: &[u8]) -> Option<(String, &[u8])> {
+        let (&n, rest) = i.split_first()?;
+        let (s, rest) = (rest.get(..n as usize)?, &rest[n as usize..]);
+        Some((std::str::from_utf8(s).ok()?.to_owned(), rest))
+    }
+    let (exchange, rest) = short_string(args.get(2..)?)?;
+    let (routing_key, rest) = short_string(rest)?;
+    let &[bits] = rest else { return None };
+    Some(basic::Publish { exchange: exchange.into(), routing_key: routing_key.into(), mandatory: bits & 1 != 0, immediate: bits & 2 != 0 })
+}
+
+/// Property flags of a content header that carries no property (spec 4.2.6.1).
+const NO_PROPERTIES: u16 = 0;
+/// Property flags of a content header that carries only `delivery_mode`.
+const DELIVERY_MODE_ONLY: u16 = 1 << 12;
+
+/// Decodes a content header frame's payload: (class id, body size in bytes, properties);
+/// `None` when it does not parse to its last byte, `Some(Err)` (502) for headers nested
+/// deeper than [`MAX_TABLE_DEPTH`]. The two headers most publishers send (no property, or
+/// `delivery_mode` alone) are read by hand; the others by amq-protocol.
+fn decode_header(payload: &[u8]) -> Option<Result<(u16, u64, AMQPProperties), AmqpError>> {
+    if payload.len() >= 14 {
+        let class_id = u16::from_be_bytes([payload[0], payload[1]]);
+        let body_size = u64::from_be_bytes(payload[4..12].try_into().expect("8 bytes"));
+        match (u16::from_be_bytes([payload[12], payload[13]]), &payload[14..]) {
+            (NO_PROPERTIES, []) => return Some(Ok((class_id, body_size, AMQPProperties::default()))),
+            (DELIVERY_MODE_ONLY, &[mode]) => return Some(Ok((class_id, body_size, AMQPProperties::default().with_delivery_mode(mode)))),
+            _ => {}
+        }
+    }
+    match parse_content_header(payload) {
+        Ok((_, header)) if header.properties.headers().as_ref().is_some_and(|h| !table_depth_ok(h)) => {
+            Some(Err(AmqpError::syntax_error(format!("message headers nested deeper than {MAX_TABLE_DEPTH} levels"))))
+        }
+        Ok((&[], header)) => Some(Ok((header.class_id, header.body_size, header.properties))),
+        _ => None,
+    }
 }
 
 /// Appends one method frame for `method` on `channel` to `out`.
@@ -449,5 +499,87 @@ mod tests {
         }
         assert_eq!(got, body);
         assert_eq!(frames, 3);
+    }
+
+    /// The hand parser of basic.publish agrees with amq-protocol's on every input: what
+    /// amq-protocol encodes, and arbitrary bytes (which mostly fail for both).
+    mod publish_fast_path {
+        use super::*;
+        use amq_protocol::protocol::basic::parse_publish as library;
+        use proptest::prelude::*;
+
+        fn both(args: &[u8]) {
+            let ours = parse_publish(args);
+            let theirs = match library(args) {
+                Ok((&[], p)) => Some(p),
+                _ => None,
+            };
+            assert_eq!(ours, theirs, "arguments {args:?}");
+        }
+
+        proptest! {
+            #[test]
+            fn encoded(ex in "[a-z.é]{0,40}", rk in ".{0,60}", mandatory: bool, immediate: bool) {
+                let p = basic::Publish { exchange: ex.as_str().into(), routing_key: rk.as_str().into(), mandatory, immediate };
+                let mut out = Vec::new();
+                encode_method(&mut out, 1, &AMQPClass::Basic(basic::AMQPMethod::Publish(p.clone())));
+                both(&out[11..out.len() - 1]);
+                match one(&out, 0).unwrap().unwrap() {
+                    Frame::Method { method, .. } => prop_assert_eq!(*method, AMQPClass::Basic(basic::AMQPMethod::Publish(p))),
+                    f => panic!("unexpected {f:?}"),
+                }
+            }
+
+            #[test]
+            fn arbitrary(args in proptest::collection::vec(any::<u8>(), 0..24)) {
+                both(&args);
+            }
+
+            #[test]
+            fn truncated_or_padded(ex in "[a-z]{0,8}", rk in "[a-z]{0,8}", cut in 0usize..20, pad: bool) {
+                let p = basic::Publish { exchange: ex.as_str().into(), routing_key: rk.as_str().into(), mandatory: true, immediate: false };
+                let mut out = Vec::new();
+                encode_method(&mut out, 1, &AMQPClass::Basic(basic::AMQPMethod::Publish(p)));
+                let mut args = out[11..out.len() - 1].to_vec();
+                args.truncate(args.len().saturating_sub(cut));
+                if pad {
+                    args.push(0);
+                }
+                both(&args);
+            }
+        }
+
+        /// A publish that does not decode is 501 FRAME_ERROR on 60.40, as before.
+        #[test]
+        fn a_short_publish_is_a_frame_error() {
+            let e = one(&[1, 0, 1, 0, 0, 0, 7, 0, 60, 0, 40, 0, 0, 5, 0xCE], 0).unwrap_err();
+            assert_eq!((e.code, e.class_id, e.method_id), (501, 60, 40), "{e}");
+        }
+
+        /// The two headers read by hand, and their near misses, decode as amq-protocol does.
+        #[test]
+        fn headers_read_by_hand_match_the_library() {
+            let mut cases: Vec<Vec<u8>> = Vec::new();
+            for props in [basic::AMQPProperties::default(), basic::AMQPProperties::default().with_delivery_mode(2)] {
+                let raw = encode_properties(&props);
+                let mut p = vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+                p.extend_from_slice(&raw);
+                cases.push(p.clone());
+                cases.push(p[..p.len() - 1].to_vec());
+                p.push(9);
+                cases.push(p);
+            }
+            for mode in [0u8, 1, 2, 255] {
+                cases.push(vec![0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0x10, 0, mode]);
+            }
+            for p in cases {
+                let ours = decode_header(&p).map(|r| r.unwrap());
+                let theirs = match parse_content_header(&p[..]) {
+                    Ok((&[], h)) => Some((h.class_id, h.body_size, h.properties)),
+                    _ => None,
+                };
+                assert_eq!(ours, theirs, "header {p:?}");
+            }
+        }
     }
 }

@@ -32,8 +32,8 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
             let mut st = s.st.borrow_mut();
             if let Some(c) = st.channels.get_mut(&channel) {
                 c.publish = Some(PendingPublish {
-                    exchange: p.exchange.to_string(),
-                    routing_key: p.routing_key.to_string(),
+                    exchange: p.exchange.into(),
+                    routing_key: p.routing_key.into(),
                     mandatory: p.mandatory,
                     body_size: None,
                     properties: None,
