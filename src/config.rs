@@ -82,6 +82,10 @@ pub struct Cli {
     /// Spinning trades CPU for wake-up latency: for machines whose cores are the broker's alone.
     #[arg(long, value_name = "US")]
     pub spin_before_park_us: Option<u64>,
+    /// Move a connection whose publishes all go to queues of another core to that core, so a
+    /// flow stays on one core [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub move_publishers: Option<bool>,
     /// Free bytes on the data directory's filesystem below which the disk alarm is raised:
     /// publishing connections are blocked (connection.blocked) until space is back; bytes,
     /// with an optional unit (50MB, 1GiB) [default: 50000000]
@@ -193,6 +197,7 @@ struct FileConfig {
     consumer_timeout_ms: Option<u64>,
     segment_bytes: Option<u64>,
     spin_before_park_us: Option<u64>,
+    move_publishers: Option<bool>,
     disk_free_limit: Option<u64>,
     memory_high_watermark: Option<toml::Value>,
     log: Option<String>,
@@ -243,6 +248,9 @@ pub struct Config {
     pub segment_bytes: u64,
     /// Idle time a core polls before sleeping, µs (0 = no spinning).
     pub spin_before_park_us: u64,
+    /// A connection whose publishes all go to queues of another core moves there
+    /// (`amqp::connection::handoff`).
+    pub move_publishers: bool,
     /// Disk alarm threshold: free bytes on the data directory's filesystem (RabbitMQ's
     /// `disk_free_limit`, default 50 MB; 0 = never).
     pub disk_free_limit: u64,
@@ -371,6 +379,7 @@ impl Config {
             consumer_timeout_ms: cli.consumer_timeout_ms.or(file.consumer_timeout_ms).unwrap_or(30 * 60 * 1000),
             segment_bytes: cli.segment_bytes.or(file.segment_bytes).unwrap_or(64 << 20),
             spin_before_park_us: cli.spin_before_park_us.or(file.spin_before_park_us).unwrap_or(DEFAULT_SPIN_BEFORE_PARK_US),
+            move_publishers: cli.move_publishers.or(file.move_publishers).unwrap_or(true),
             disk_free_limit: cli.disk_free_limit.or(file.disk_free_limit).unwrap_or(DEFAULT_DISK_FREE_LIMIT),
             memory_high_watermark: match cli.memory_high_watermark.or_else(|| file.memory_high_watermark.map(|v| toml_scalar(&v))) {
                 Some(s) => Watermark::parse(&s).map_err(|e| ConfigError::Invalid(format!("--memory-high-watermark {e}")))?,

@@ -5,7 +5,8 @@
 //! and from queues on any core) into one socket write per batch, assigning delivery tags
 //! and coalescing publisher confirms on the way. Whichever half ends first ends the
 //! connection; then every channel is closed (requeueing what it held) and exclusive queues
-//! are deleted.
+//! are deleted. A connection that only publishes, to queues of one other core, moves to
+//! that core (`handoff`).
 //!
 //! Handshake (spec 2.2.4): protocol header → start/start-ok (PLAIN, AMQPLAIN, and EXTERNAL
 //! for a TLS client with a verified certificate) → tune/tune-ok → open/open-ok. On the amqps
@@ -16,8 +17,8 @@
 //!
 //! # Layout
 //! This file holds [`serve`] and [`serve_tls`] (TLS handshake, AMQP handshake, then the
-//! reader/writer pair, then teardown) and the connection's limits; the rest lives in
-//! submodules:
+//! reader/writer pair, then teardown or a move to another core) and the connection's
+//! limits; the rest lives in submodules:
 //! - `handshake`: protocol header, connection.start/tune/open, credentials, capabilities.
 //! - `session`: [`Session`] and [`ConnState`], the reader loop, blocked/unblocked state,
 //!   error reporting and channel/connection teardown.
@@ -26,20 +27,24 @@
 //! - `tags`: delivery-tag assignment for basic.deliver (pure).
 //! - `confirms`: publisher-confirm coalescing into basic.ack/basic.nack (pure).
 //! - `transport`: [`Transport`], the plain or TLS stream the rest is generic over.
+//! - `handoff`: a publishing connection moves to the core of the queue it publishes to.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use futures_rustls::TlsAcceptor;
 use glommio::net::TcpStream;
 
 use super::error::AmqpError;
 use crate::broker::node::Node;
+use crate::broker::ClientEvent;
 use crate::observe::Stats;
 
 mod confirms;
 mod dispatch;
+mod handoff;
 mod handshake;
 mod outbound;
 mod session;
@@ -50,8 +55,8 @@ pub use session::{close_effects, CloseEffects, ConnState, Session};
 pub use transport::Transport;
 
 use handshake::handshake;
-use outbound::writer;
-use session::reader;
+use outbound::{writer, WriterEnd};
+use session::{reader, ReaderEnd};
 
 /// How long the server waits for connection.close-ok after sending connection.close.
 pub const CLOSE_WAIT: Duration = Duration::from_secs(1);
@@ -155,7 +160,6 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
         Stats::add(&core.stats().connections_closed, 1);
         return;
     }
-    let _ = stream.tcp().set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
     let (unblocked_tx, unblocked_rx) = flume::bounded(1);
     let session = Rc::new(Session {
         core: core.clone(),
@@ -164,7 +168,7 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
         pending_bytes: Default::default(),
         credit: crate::broker::credit::PublishCredit::new(id.0),
         st: RefCell::new(ConnState {
-            vhost: Rc::from(tuned.vhost.as_str()),
+            vhost: std::sync::Arc::from(tuned.vhost.as_str()),
             grant: crate::broker::access::Grant::new(&tuned.user, &tuned.vhost),
             user: tuned.user,
             loopback: tuned.loopback,
@@ -182,21 +186,57 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
             blocked_notify: tuned.blocked_notify,
             published: false,
             blocked: false,
+            handoff: Default::default(),
         }),
         unblocked: unblocked_tx,
         unblocked_rx,
+        movable: S::MOVABLE,
     });
     tracing::debug!(?peer, %id, "connection open");
-    let (r, w) = futures_lite::io::split(stream);
-    let read_half = async {
-        reader(session.clone(), r, tuned.leftover).await;
-        // The client's EOF, a read error or missed heartbeats: the writer still sends what
-        // is queued, then ends the connection; a writer stuck on a client that stopped
-        // reading is cut off after twice CLOSE_WAIT.
-        session.peer_gone();
-        glommio::timer::sleep(CLOSE_WAIT * 2).await;
-    };
-    futures_lite::future::or(read_half, writer(session.clone(), rx, w, S::BUFFERED)).await;
+    live(core, stream, session, rx, tuned.leftover).await;
+}
+
+/// The life of an open connection on this core: the reader and writer halves, then either
+/// the teardown when it ends, or its hand-off to another core (`handoff`), after which it
+/// goes on there from `leftover` (bytes read and not yet taken).
+async fn live<S: Transport>(core: Rc<Node>, stream: S, session: Rc<Session>, rx: flume::Receiver<ClientEvent>, leftover: BytesMut) {
+    let peer = stream.tcp().peer_addr().ok();
+    let id = session.id;
+    let hb = session.st.borrow().heartbeat;
+    let _ = stream.tcp().set_read_timeout(if hb > 0 { Some(Duration::from_secs(hb as u64 * 2)) } else { None });
+    let fd = handoff::raw_fd(&stream);
+    let (mut r, mut w) = futures_lite::io::split(stream);
+    let (mut session, mut leftover) = (session, leftover);
+    loop {
+        let moving = RefCell::new(None);
+        let read_half = async {
+            match reader(session.clone(), &mut r, leftover).await {
+                ReaderEnd::Closed => {
+                    // The client's EOF, a read error or missed heartbeats: the writer still
+                    // sends what is queued, then ends the connection; a writer stuck on a
+                    // client that stopped reading is cut off after twice CLOSE_WAIT.
+                    session.peer_gone();
+                    glommio::timer::sleep(CLOSE_WAIT * 2).await;
+                }
+                // The writer pauses and ends the race.
+                ReaderEnd::Move(buf) => {
+                    *moving.borrow_mut() = Some(buf);
+                    std::future::pending::<()>().await;
+                }
+            }
+            WriterEnd::Ended
+        };
+        let end = futures_lite::future::or(read_half, writer(session.clone(), rx.clone(), &mut w, S::BUFFERED)).await;
+        match (moving.into_inner(), end, fd) {
+            (Some(buf), WriterEnd::Paused, Some(fd)) => match handoff::send_away(&core, session, fd, rx.clone(), buf) {
+                // Dropping the halves closes this core's descriptor; the duplicate went on.
+                Ok(()) => return,
+                // Called off: the connection goes on here.
+                Err((s, buf)) => (session, leftover) = (s, buf),
+            },
+            _ => break,
+        }
+    }
     session.teardown();
     core.conns.borrow_mut().remove(&id);
     core.shared.clients.closed(id);

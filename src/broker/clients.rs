@@ -86,6 +86,14 @@ impl Clients {
         self.lock().insert(info.id, info);
     }
 
+    /// Records that a connection now lives on `core` (it moved there,
+    /// `amqp::connection::handoff`).
+    pub fn moved(&self, id: ConnId, core: u32) {
+        if let Some(c) = self.lock().get_mut(&id) {
+            c.core = core;
+        }
+    }
+
     /// Forgets a connection that closed.
     pub fn closed(&self, id: ConnId) {
         self.lock().remove(&id);

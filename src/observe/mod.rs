@@ -143,6 +143,8 @@ pub struct Stats {
     pub connections_opened: AtomicU64,
     /// Connections closed.
     pub connections_closed: AtomicU64,
+    /// Connections that moved to the core of the queue they publish to.
+    pub connections_moved: AtomicU64,
     /// Messages published (basic.publish received).
     pub published: AtomicU64,
     /// Messages delivered (basic.deliver and basic.get-ok sent).
@@ -357,6 +359,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
         ),
         ("ringmq_connections_opened", "Connections accepted.", sum(|s| &s.connections_opened)),
         ("ringmq_connections_closed", "Connections closed.", sum(|s| &s.connections_closed)),
+        ("ringmq_connections_moved", "Connections moved to the core of the queue they publish to.", sum(|s| &s.connections_moved)),
         ("ringmq_messages_published", "Messages received by basic.publish.", sum(|s| &s.published)),
         ("ringmq_messages_delivered", "Messages sent by basic.deliver or basic.get-ok.", sum(|s| &s.delivered)),
         ("ringmq_messages_acked", "Deliveries acknowledged.", sum(|s| &s.acked)),

@@ -20,12 +20,17 @@ pub trait Transport: AsyncRead + AsyncWrite + Unpin + 'static {
     /// whose writes go straight to the kernel (its flush does nothing).
     const BUFFERED: bool;
 
+    /// Whether a connection on it can move to another core (`handoff`): a plain socket is
+    /// its descriptor alone; a TLS session's state stays where it is.
+    const MOVABLE: bool;
+
     /// The TCP stream underneath, for socket options and addresses.
     fn tcp(&self) -> &TcpStream;
 }
 
 impl Transport for TcpStream {
     const BUFFERED: bool = false;
+    const MOVABLE: bool = true;
 
     fn tcp(&self) -> &TcpStream {
         self
@@ -34,6 +39,7 @@ impl Transport for TcpStream {
 
 impl Transport for TlsStream<TcpStream> {
     const BUFFERED: bool = true;
+    const MOVABLE: bool = false;
 
     fn tcp(&self) -> &TcpStream {
         self.get_ref().0

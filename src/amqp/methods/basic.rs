@@ -377,6 +377,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
         c.confirms.enabled.then(|| c.confirms.take_seq(routed.queues.len()))
     };
     let unroutable = routed.queues.is_empty();
+    s.publish_routed(&routed.queues);
     deliver(s, channel, routed, seq);
     if let (true, Some(seq)) = (unroutable, seq) {
         // After the return, through the same channel: the writer confirms it.
