@@ -489,11 +489,12 @@ impl Node {
         }
         let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
-        let super::queue::index::IndexContents { held, returns } = read_index(&index).await?;
+        let super::queue::index::IndexContents { held, returns, reservations } = read_index(&index).await?;
+        let reservation = super::queue::reserve::recover(&index, &reservations, shard.next_offset()).await?;
         let (vhost, name) = (&qref.key.vhost, &qref.key.name);
         let (cursor, reserved, tail) =
             self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.tail(vhost, name)));
-        Ok((shard, Some(index), Recovered { cursor, held, returns, reserved, tail, body_lens, priorities }))
+        Ok((shard, Some(index), Recovered { cursor, held, returns, reserved, reservation, tail, body_lens, priorities }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {
@@ -553,6 +554,9 @@ impl Node {
             glommio::timer::sleep(Duration::from_millis(20)).await;
         }
         for c in self.open_queues() {
+            if let Err(e) = super::queue::reserve::release(&c).await {
+                tracing::error!(error = %e, "syncing an unacked index at shutdown failed");
+            }
             let (shard, index) = (c.borrow().shard.clone(), c.borrow().index.clone());
             for s in [Some(shard), index].into_iter().flatten() {
                 if let Err(e) = s.close().await {

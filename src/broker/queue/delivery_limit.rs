@@ -142,6 +142,13 @@ impl DeliveryLimit {
         self.returned.get(&offset).filter(|e| e.count > e.stored).map(|e| ReturnCount { offset, count: e.count })
     }
 
+    /// A return count was appended and no sync of its own covered it yet: a delivery then
+    /// waits for an index sync (`reserve.rs`), so a crash never forgets a return counted
+    /// before a delivery left.
+    pub fn has_unsynced(&self) -> bool {
+        self.unsynced
+    }
+
     /// `rec` was appended to the index at `index_offset`: the record it supersedes goes
     /// once the index is synced.
     fn stored(&mut self, rec: ReturnCount, index_offset: u64) {

@@ -260,10 +260,11 @@ impl Queue {
     /// Hands `rec` to `consumer`; on a vanished consumer the offset goes back.
     ///
     /// A tracked delivery of a persistent message in a durable queue is recorded in the
-    /// unacked index first and leaves the core only once that record is synced
+    /// unacked index first and leaves the core at once when it lies below the queue's
+    /// durable delivery reservation (`reserve.rs`), else only once that record is synced
     /// ([`Queue::flush_unsynced`]): after any crash, a message that reached a client is
     /// known to have been delivered (redelivered=true), never silently handed out again.
-    /// Tracked deliveries behind it wait with it, so none overtakes it.
+    /// Tracked deliveries behind a waiting one wait with it, so none overtakes it.
     pub(super) fn deliver(&mut self, consumer: ConsumerId, rec: Record) {
         let offset = rec.offset;
         let flags = rec.flags;
@@ -300,7 +301,9 @@ impl Queue {
         // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
         // (a transient message) must not overtake one still waiting for its record's sync,
         // so while any waits (or a flush round is on its way) it waits with them.
-        if index_offset.is_some() || (track && (self.index_flushing || !self.unsynced.is_empty())) {
+        // A delivery below the reservation (`reserve.rs`) needs no sync of its record first.
+        let wait_for_record = index_offset.is_some() && !self.reserved_for(offset);
+        if wait_for_record || (track && (self.index_flushing || !self.unsynced.is_empty())) {
             let pending = self.consumers.get_mut(consumer).map(|c| c.spec.pending_bytes.clone()).expect("the consumer delivered to");
             self.unsynced.push((consumer, d, pending));
             return;
@@ -463,7 +466,7 @@ impl Queue {
             self.delete(&[offset]);
         } else {
             let index_offset = self.index_delivery(offset, rec.flags, &holder);
-            if index_offset.is_some() {
+            if index_offset.is_some() && !self.reserved_for(offset) {
                 sync = self.index.clone().map(|index| (index, std::mem::take(&mut self.index_superseded)));
             }
             self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered });

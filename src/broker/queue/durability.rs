@@ -5,7 +5,8 @@
 //!   their confirms (rule 9); a failed sync nacks them.
 //! - Unacked-index flush: deliveries that got an index record wait in `unsynced` until
 //!   [`IndexSynced`] says the record is durable ([`Queue::flush_unsynced`]; basic.get:
-//!   [`reply_get`]) — rule 2's first half.
+//!   [`reply_get`]) — rule 2's first half — unless the queue's delivery reservation covers
+//!   them (`reserve.rs`, whose renewals sync the same way).
 //! - Index-record release: an acked message's index record is deleted only with the
 //!   [`MessagesSynced`] proof that the message shard's deletes are durable
 //!   ([`release_index_records`]) — rule 4's second delete after the first.
@@ -347,7 +348,9 @@ impl Queue {
     }
 
     /// Sends the deliveries that waited for their unacked-index records, once the index is
-    /// synced. A delivery whose consumer went away meanwhile is requeued.
+    /// synced; without a sync when the delivery reservation (`reserve.rs`) has come to
+    /// cover every one of them meanwhile (they only waited so as not to overtake earlier
+    /// ones). A delivery whose consumer went away meanwhile is requeued.
     async fn flush_unsynced(weak: &Weak<RefCell<Queue>>) {
         let Some(cell) = weak.upgrade() else { return };
         let (batch, index, superseded) = {
@@ -355,8 +358,15 @@ impl Queue {
             if q.unsynced.is_empty() {
                 return;
             }
-            crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
-            (std::mem::take(&mut q.unsynced), q.index.clone(), std::mem::take(&mut q.index_superseded))
+            let below = q.reservation.below;
+            let counting = q.delivery_limit.as_ref().is_some_and(|d| d.has_unsynced());
+            let covered = !counting && q.unsynced.iter().all(|(_, d, _)| d.offset.0 < below || !q.index_of.contains_key(&d.offset.0));
+            if covered {
+                (std::mem::take(&mut q.unsynced), None, Vec::new())
+            } else {
+                crate::observe::Stats::add(&q.env.stats().queue_syncs, 1);
+                (std::mem::take(&mut q.unsynced), q.index.clone(), std::mem::take(&mut q.index_superseded))
+            }
         };
         drop(cell);
         if let Some(index) = index {

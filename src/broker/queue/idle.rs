@@ -37,6 +37,6 @@ impl Queue {
             && !self.index_flushing
             && self.shard.is_empty()
             && self.shard.durable_offset() == self.shard.next_offset()
-            && self.index.as_ref().is_none_or(|i| i.is_empty() && i.durable_offset() == i.next_offset())
+            && self.index.as_ref().is_none_or(|i| self.reservation.only_record(i.len()) && i.durable_offset() == i.next_offset())
     }
 }

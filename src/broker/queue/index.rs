@@ -21,6 +21,13 @@
 //!
 //! A later record for the same message supersedes an earlier one (the highest count wins
 //! at open); one is deleted with its message, as a delivery record is.
+//!
+//! And a third, the queue's delivery reservation (`reserve.rs`): every message below
+//! `below` may have been handed out; the live one with the highest `below` counts.
+//!
+//! ```text
+//! version:u8 (3) below:u64                           (big-endian)
+//! ```
 
 use bytes::{Buf, BufMut};
 
@@ -128,6 +135,8 @@ pub struct IndexContents {
     pub held: Vec<(u64, IndexRecord)>,
     /// Return counts: (index offset, record).
     pub returns: Vec<(u64, ReturnCount)>,
+    /// Delivery reservations (`reserve.rs`): (index offset, record).
+    pub reservations: Vec<(u64, super::reserve::ReserveRecord)>,
 }
 
 /// Reads every live record of a queue's unacked index (at open, before any delivery).
@@ -142,6 +151,8 @@ pub async fn read_index(index: &ringmq_shards::Shard) -> Result<IndexContents, r
                 out.held.push((i, rec));
             } else if let Some(rec) = ReturnCount::decode(&r.header) {
                 out.returns.push((i, rec));
+            } else if let Some(rec) = super::reserve::ReserveRecord::decode(&r.header) {
+                out.reservations.push((i, rec));
             } else {
                 tracing::warn!(index_offset = i, "undecodable unacked-index record skipped");
             }

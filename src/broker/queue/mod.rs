@@ -19,6 +19,7 @@
 //! - [`ttl`]: message TTL (`x-message-ttl`, `expiration`): deadlines and expiry at the head;
 //! - [`priority`]: `x-max-priority`, the levels of a priority queue's ready set;
 //! - [`replica`]: a replicated queue's data through the log; [`copy`]: growing its replica set.
+//! - [`reserve`]: a durable queue's delivery reservation (deliveries without an index sync).
 //! - `idle`: whether an empty, unused queue may be closed (its core closes it).
 //!
 //! # Invariants
@@ -42,6 +43,7 @@ pub mod priority;
 pub mod ready;
 pub mod reapply;
 pub mod replica;
+pub mod reserve;
 pub mod settle;
 pub mod ttl;
 
@@ -128,6 +130,9 @@ pub struct Recovered {
     pub returns: Vec<(u64, index::ReturnCount)>,
     /// A replicated queue's delivery reservation from the metadata (`replica.rs`, step 5).
     pub reserved: u64,
+    /// Any other durable queue's reservation from its unacked index (`reserve.rs`), capped
+    /// at its tail.
+    pub reservation: reserve::Reservation,
     /// A replicated queue's tail in the metadata (its next offset) when it opens. The
     /// metadata a queue opens with holds every `Enqueue` of a message an earlier server
     /// handed out (this node's own start applied its `NodeBoot`, after them in the log; a
@@ -216,6 +221,8 @@ pub struct Queue {
     last_used: Instant,
     /// The index flusher task runs (see [`Queue::flush_unsynced_soon`]).
     index_flushing: bool,
+    /// What deliveries may leave without their index records synced (`reserve.rs`).
+    reservation: reserve::Reservation,
     /// Deliveries waiting for their unacked-index records to be synced.
     unsynced: Vec<(ConsumerId, Delivery, std::sync::Arc<std::sync::atomic::AtomicUsize>)>,
     /// Set by the dispatcher for a synchronous stretch of deliveries: they gather in
@@ -314,7 +321,11 @@ impl Queue {
         let replicated = replica::is_replicated(&def, env.meta().is_cluster());
         // A replicated queue keeps no unacked-index records: whatever a server of it may have
         // handed out lies below its reservation (`replica.rs`, step 5).
-        let delivered_below = if replicated { recovered.cursor.max(recovered.reserved.min(recovered.tail)) } else { recovered.cursor };
+        let delivered_below = if replicated {
+            recovered.cursor.max(recovered.reserved.min(recovered.tail))
+        } else {
+            recovered.cursor.max(recovered.reservation.below)
+        };
         let below_cursor: Vec<u64> = live.iter().copied().take_while(|o| *o < delivered_below).collect();
         let indexed = recovered.held.iter().map(|(_, r)| r.offset).filter(|o| shard.is_live(*o));
         let mut ready = ReadySet::recovered(live, below_cursor.into_iter().chain(indexed));
@@ -376,6 +387,7 @@ impl Queue {
                 pending_confirms: Vec::new(),
                 syncing: false,
                 index_flushing: false,
+                reservation: recovered.reservation,
                 unsynced: Vec::new(),
                 batching: false,
                 batched: Vec::new(),

@@ -10,7 +10,9 @@
 //!    holds ([`Held::settle`]).
 //! 2. **Index before cursor.** A tracked delivery of a persistent message in a durable
 //!    queue appends an unacked-index record (`Queue::index_delivery`), and the delivery
-//!    leaves only once that record is synced; the cursor commit consumes the index's
+//!    leaves only once that record is synced, or at once when it lies below the queue's
+//!    durable delivery reservation (`reserve.rs`: a synced record saying everything below
+//!    it may have been handed out); the cursor commit consumes the index's
 //!    [`super::durability::IndexSynced`] proof ([`super::durability::cursor_cas`]).
 //! 3. **New copy before old delete.** [`Queue::dead_letter`] publishes the new copy with a
 //!    confirm ticket and deletes the original only after every target queue stored (and,
