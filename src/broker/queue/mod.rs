@@ -217,6 +217,8 @@ pub struct Queue {
     index_superseded: Vec<u64>,
     /// When the last full sync (appends and deletes) of the message shard started.
     last_full_sync: Instant,
+    /// A timer will start the next full sync (`durability::group_commit`).
+    full_sync_armed: bool,
     /// When an operation other than [`QueueOp::Info`] last reached it (`idle.rs`).
     last_used: Instant,
     /// The index flusher task runs (see [`Queue::flush_unsynced_soon`]).
@@ -395,6 +397,7 @@ impl Queue {
                 index_trash: Vec::new(),
                 index_superseded: Vec::new(),
                 last_full_sync: Instant::now(),
+                full_sync_armed: false,
                 last_used: Instant::now(),
                 paged: Default::default(),
                 dirty: false,
