@@ -26,7 +26,8 @@ pub struct Window {
     pub cpu0: CpuMark,
     /// CPU at end.
     pub cpu1: CpuMark,
-    /// Backlog: end of the fill phase.
+    /// Backlog: end of the fill phase, when the broker reported the whole backlog queued
+    /// (polled every 200 ms), not when the last publish left the bench.
     pub fill_end_ns: Option<u64>,
     /// Backlog: consumers start.
     pub drain_start_ns: Option<u64>,

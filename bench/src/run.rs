@@ -214,8 +214,8 @@ pub async fn run(cfg: Config, interrupt: Rc<Signal>) -> Result<Outcome, BenchErr
     env.producers_done.set(true);
 
     if backlog {
-        w.fill_end_ns = Some(now_ns());
         wait_backlog_stored(&env, &setup_ch).await;
+        w.fill_end_ns = Some(now_ns());
         eprintln!("backlog: {} messages published, draining", env.stats.sent.get());
         w.drain_start_ns = Some(now_ns());
         w.drain_cpu0 = Some(Window::cpu_now(env.broker_pid));

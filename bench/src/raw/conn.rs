@@ -135,6 +135,9 @@ struct Plan {
     due: Option<u64>,
     /// Earliest drain deadline (ns) of a stopping producer.
     deadline: Option<u64>,
+    /// A stopping producer without confirms is done once the write buffer is written: run
+    /// again then (nothing else would wake the connection before its drain deadline).
+    flushing: bool,
 }
 
 fn earliest(a: Option<u64>, b: u64) -> Option<u64> {
@@ -356,6 +359,9 @@ impl Conn {
                 }
                 if unread || (plan.more && self.st.out.len() - self.st.written < OUT_CAP) {
                     continue;
+                }
+                if plan.flushing && self.st.out.len() == self.st.written {
+                    continue; // written now: the stopping producer is done
                 }
                 // (with the buffer full, the socket's write readiness wakes us)
                 // Nothing to do before the socket, a confirm, the pacer or a deadline.
@@ -592,6 +598,7 @@ impl State {
                     p.finish(self.finished.as_ref());
                 } else {
                     plan.deadline = earliest(plan.deadline, stop_at);
+                    plan.flushing |= window == 0;
                 }
                 continue;
             }
@@ -642,6 +649,9 @@ impl State {
                 } else {
                     plan.more = true;
                 }
+            } else if p.sent >= limit && window == 0 {
+                // Its last message is encoded: once written, the next pass finishes it.
+                plan.flushing = true;
             }
         }
         plan
