@@ -223,7 +223,9 @@ pub(super) async fn commit_cursor(weak: Weak<RefCell<Queue>>) {
         let replicated = cell.borrow().replicated();
         drop(cell);
         crate::observe::Stats::add(&env.stats().queue_syncs, 2);
-        let messages = if replicated { Ok(()) } else { shard.sync().await.map(drop) };
+        // The messages below the cursor must be durable (else a crash would hand their offsets
+        // to new messages, below the cursor); their deletes are the group commit's (10 ms).
+        let messages = if replicated { Ok(()) } else { shard.sync_appends().await.map(drop) };
         let synced = match (messages, IndexSynced::all(&index).await) {
             (Ok(_), Ok(s)) => s,
             (Err(e), _) | (_, Err(e)) => {

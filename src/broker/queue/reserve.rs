@@ -119,9 +119,10 @@ impl Default for Reservation {
 
 impl Reservation {
     /// True when the index holds nothing but this reservation's record among `live` records
-    /// (an idle queue may close then: the record is capped away at the next open).
+    /// and no renewal is in flight (an idle queue may close then: the record is capped away
+    /// at the next open).
     pub fn only_record(&self, live: u64) -> bool {
-        live == u64::from(self.record.is_some())
+        !self.renewing && live == u64::from(self.record.is_some())
     }
 }
 
@@ -311,5 +312,7 @@ mod tests {
         r.record = Some(4);
         assert!(r.only_record(1));
         assert!(!r.only_record(2));
+        r.renewing = true;
+        assert!(!r.only_record(1), "a renewal in flight may still append");
     }
 }
