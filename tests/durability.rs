@@ -35,6 +35,17 @@ fn check_flag(id: u32, delivered: bool, redelivered: bool, crash: bool) {
     }
 }
 
+/// The id a message of these tests carries: its body's first 4 bytes (big-endian).
+fn body_id(d: &lapin::message::Delivery) -> u32 {
+    u32::from_be_bytes(d.data[..4].try_into().unwrap())
+}
+
+/// An auto-ack consumer of `queue`, to drain what survived a restart.
+async fn consume_no_ack(ch: &lapin::Channel, queue: &str) -> lapin::Consumer {
+    let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    t("consume", ch.basic_consume(queue.into(), "".into(), opts, FieldTable::default())).await.unwrap()
+}
+
 /// Shared scenario for a graceful restart and a kill -9.
 async fn survive(b: &mut Broker, crash: bool) {
     let dq = uniq("durable");
@@ -102,16 +113,11 @@ async fn survive(b: &mut Broker, crash: bool) {
     } else {
         assert_eq!(ready, 90, "90 unacked/undelivered persistent messages survive");
     }
-    let mut cons = t(
-        "consume",
-        ch.basic_consume(dq.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
-    )
-    .await
-    .unwrap();
+    let mut cons = consume_no_ack(&ch, &dq).await;
     let mut got = Vec::new();
     for _ in 0..ready {
         let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
-        let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+        let id = body_id(&d);
         assert_eq!(d.properties.message_id().as_ref().unwrap().as_str(), format!("m{id}"), "properties survive");
         assert_eq!(d.properties.delivery_mode(), &Some(2));
         // the 5 held unacked were delivered before: redelivered=true
@@ -192,7 +198,7 @@ async fn only_persistent_survive(b: &mut Broker, crash: bool) {
             ds.push(next_delivery(&mut cons, Duration::from_secs(5)).await);
         }
         t("cancel", cch.basic_cancel(cons.tag(), Default::default())).await.unwrap();
-        let ids: Vec<u32> = ds.iter().map(|d| u32::from_be_bytes(d.data[..4].try_into().unwrap())).collect();
+        let ids: Vec<u32> = ds.iter().map(body_id).collect();
         assert_eq!(ids, (0..HELD).collect::<Vec<_>>(), "delivered in order");
         let last_acked = &ds[ACKED as usize - 1];
         t("ack", cch.basic_ack(last_acked.delivery_tag, BasicAckOptions { multiple: true })).await.unwrap();
@@ -216,16 +222,11 @@ async fn only_persistent_survive(b: &mut Broker, crash: bool) {
         "message_count after the restart: {ready}, expected {} persistent messages (transient ones must be gone)",
         want.len()
     );
-    let mut cons = t(
-        "consume",
-        ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
-    )
-    .await
-    .unwrap();
+    let mut cons = consume_no_ack(&ch, &q).await;
     let mut got = Vec::new();
     for _ in 0..ready {
         let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
-        let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+        let id = body_id(&d);
         assert!(persistent_id(id), "transient message {id} came back after the restart");
         assert_eq!(d.properties.delivery_mode(), &Some(2), "delivery_mode of {id}");
         assert_eq!(d.properties.message_id().as_ref().unwrap().as_str(), format!("m{id}"), "properties of {id}");
@@ -371,7 +372,7 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
                 drop(ready);
                 for _ in 0..1_000_000 {
                     let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(5), cons.next()).await else { return };
-                    let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+                    let id = body_id(&d);
                     {
                         let mut l = ledger.lock().unwrap();
                         if l.delivered.contains(&id) && !d.redelivered {
@@ -406,7 +407,7 @@ async fn confirmed_messages_survive_kill9_at_random_moments() {
     let mut drained = HashSet::new();
     for _ in 0..10_000_000 {
         let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(2), cons.next()).await else { break };
-        let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+        let id = body_id(&d);
         {
             let mut l = ledger.lock().unwrap();
             if l.delivered.contains(&id) && !d.redelivered {
@@ -534,7 +535,7 @@ async fn a_crash_flags_every_held_message_and_none_published_after_it() {
             t("consume", cch.basic_consume(q.as_str().into(), "".into(), Default::default(), FieldTable::default())).await.unwrap();
         for i in 0..delivered {
             let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
-            assert_eq!(u32::from_be_bytes(d.data[..4].try_into().unwrap()), i, "delivered in order");
+            assert_eq!(body_id(&d), i, "delivered in order");
             assert!(!d.redelivered, "{i} was never delivered before");
             if i < acked {
                 t("ack", cch.basic_ack(d.delivery_tag, BasicAckOptions::default())).await.unwrap();
@@ -556,16 +557,11 @@ async fn a_crash_flags_every_held_message_and_none_published_after_it() {
     }
     let (c, ch) = connect_ch(&b).await;
     let ready = ready_count(&ch, &q).await;
-    let mut cons = t(
-        "consume",
-        ch.basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()),
-    )
-    .await
-    .unwrap();
+    let mut cons = consume_no_ack(&ch, &q).await;
     let mut got = Vec::new();
     for _ in 0..ready {
         let d = next_delivery(&mut cons, Duration::from_secs(5)).await;
-        let id = u32::from_be_bytes(d.data[..4].try_into().unwrap());
+        let id = body_id(&d);
         if id < delivered {
             // Held at the crash, or acked with the ack undone by it: delivered either way.
             assert!(d.redelivered, "{id} was delivered before the first crash: it must come back flagged");

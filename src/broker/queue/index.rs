@@ -87,6 +87,39 @@ impl ReturnCount {
     }
 }
 
+/// The first byte of a [`ReserveRecord`].
+const RESERVE: u8 = 3;
+
+/// Every message below `below` may have been handed out (a queue's delivery reservation,
+/// `reserve.rs`).
+///
+/// ```text
+/// version:u8 (3) below:u64                (big-endian)
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReserveRecord {
+    /// Message offset (exclusive) below which deliveries may have left.
+    pub below: u64,
+}
+
+impl ReserveRecord {
+    /// Encodes the record (9 bytes).
+    pub fn encode(&self) -> [u8; 9] {
+        let mut b = [0u8; 9];
+        b[0] = RESERVE;
+        b[1..].copy_from_slice(&self.below.to_be_bytes());
+        b
+    }
+
+    /// Decodes a record; `None` for a record of another kind or a damaged one.
+    pub fn decode(b: &[u8]) -> Option<ReserveRecord> {
+        if b.len() != 9 || b[0] != RESERVE {
+            return None;
+        }
+        Some(ReserveRecord { below: u64::from_be_bytes(b[1..].try_into().ok()?) })
+    }
+}
+
 impl IndexRecord {
     /// Encodes the record (see the module doc).
     pub fn encode(&self) -> Vec<u8> {
@@ -136,7 +169,7 @@ pub struct IndexContents {
     /// Return counts: (index offset, record).
     pub returns: Vec<(u64, ReturnCount)>,
     /// Delivery reservations (`reserve.rs`): (index offset, record).
-    pub reservations: Vec<(u64, super::reserve::ReserveRecord)>,
+    pub reservations: Vec<(u64, ReserveRecord)>,
 }
 
 /// Reads every live record of a queue's unacked index (at open, before any delivery).
@@ -151,7 +184,7 @@ pub async fn read_index(index: &ringmq_shards::Shard) -> Result<IndexContents, r
                 out.held.push((i, rec));
             } else if let Some(rec) = ReturnCount::decode(&r.header) {
                 out.returns.push((i, rec));
-            } else if let Some(rec) = super::reserve::ReserveRecord::decode(&r.header) {
+            } else if let Some(rec) = ReserveRecord::decode(&r.header) {
                 out.reservations.push((i, rec));
             } else {
                 tracing::warn!(index_offset = i, "undecodable unacked-index record skipped");
@@ -182,6 +215,24 @@ mod tests {
             prop_assert_eq!(ReturnCount::decode(&r.encode()), Some(r));
             prop_assert_eq!(IndexRecord::decode(&r.encode()), None, "a return count is no delivery record");
         }
+    }
+
+    proptest! {
+        #[test]
+        fn reserve_round_trip(below in any::<u64>()) {
+            let r = ReserveRecord { below };
+            prop_assert_eq!(ReserveRecord::decode(&r.encode()), Some(r));
+            prop_assert_eq!(ReturnCount::decode(&r.encode()), None);
+            prop_assert_eq!(IndexRecord::decode(&r.encode()), None);
+        }
+    }
+
+    #[test]
+    fn other_kinds_are_not_reservations() {
+        let rc = ReturnCount { offset: 7, count: 2 }.encode();
+        assert_eq!(ReserveRecord::decode(&rc), None);
+        assert_eq!(ReserveRecord::decode(&[3; 8]), None);
+        assert_eq!(ReserveRecord::decode(&[3; 10]), None);
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //! prefetch 100 and one ack per message, the consumer of a persistent queue waited for the
 //! index more than for anything else.
 //!
-//! So a queue keeps, in its unacked index, one more record: **"everything below offset R may
-//! have been handed out"**. Steps:
+//! So a queue keeps, in its unacked index, one more record ([`ReserveRecord`]):
+//! **"everything below offset R may have been handed out"**. Steps:
 //!
 //! 1. A tracked delivery of a persistent message at offset `o < R`, with R's record synced,
 //!    leaves at once; its own index record is appended as before and made durable by the
@@ -47,6 +47,7 @@ use bytes::Bytes;
 use ringmq_shards::{Shard, StoreError};
 
 use super::durability::{release_superseded, IndexSynced};
+use super::index::ReserveRecord;
 use super::once_a_second;
 use super::Queue;
 
@@ -57,38 +58,6 @@ pub const MIN_AHEAD: u64 = 256;
 pub const MAX_AHEAD: u64 = 65_536;
 /// Renewals further apart than this halve the reach.
 pub const DECAY: Duration = Duration::from_secs(1);
-
-/// The first byte of a [`ReserveRecord`] in the unacked index.
-const RESERVE: u8 = 3;
-
-/// An unacked-index record: every message below `below` may have been handed out.
-///
-/// ```text
-/// version:u8 (3) below:u64                (big-endian)
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ReserveRecord {
-    /// Message offset (exclusive) below which deliveries may have left.
-    pub below: u64,
-}
-
-impl ReserveRecord {
-    /// Encodes the record (9 bytes).
-    pub fn encode(&self) -> [u8; 9] {
-        let mut b = [0u8; 9];
-        b[0] = RESERVE;
-        b[1..].copy_from_slice(&self.below.to_be_bytes());
-        b
-    }
-
-    /// Decodes a record; `None` for a record of another kind or a damaged one.
-    pub fn decode(b: &[u8]) -> Option<ReserveRecord> {
-        if b.len() != 9 || b[0] != RESERVE {
-            return None;
-        }
-        Some(ReserveRecord { below: u64::from_be_bytes(b[1..].try_into().ok()?) })
-    }
-}
 
 /// A queue's reservation state (see the module doc).
 #[derive(Debug)]
@@ -284,25 +253,6 @@ async fn renew(weak: Weak<std::cell::RefCell<Queue>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #[test]
-        fn round_trip(below in any::<u64>()) {
-            let r = ReserveRecord { below };
-            prop_assert_eq!(ReserveRecord::decode(&r.encode()), Some(r));
-            prop_assert_eq!(super::super::index::ReturnCount::decode(&r.encode()), None);
-            prop_assert_eq!(super::super::index::IndexRecord::decode(&r.encode()), None);
-        }
-    }
-
-    #[test]
-    fn other_kinds_are_not_reservations() {
-        let rc = super::super::index::ReturnCount { offset: 7, count: 2 }.encode();
-        assert_eq!(ReserveRecord::decode(&rc), None);
-        assert_eq!(ReserveRecord::decode(&[3; 8]), None);
-        assert_eq!(ReserveRecord::decode(&[3; 10]), None);
-    }
 
     #[test]
     fn only_record_counts_the_reservation() {
