@@ -52,6 +52,10 @@ impl Shard {
         };
         let path = inner.seg_file_path(seg_base, FileKind::Seg);
         let rr = file.read_at(start, (end - start) as usize).await.map_err(|e| StoreError::io("reading segment", &path, gio(e)))?;
+        // One copy of the run; its records' headers and bodies are slices of it (no
+        // allocation per record). A record kept alive keeps the run's buffer (at most
+        // READ_WINDOW bytes) alive: readers hand records out for delivery, not for keeping.
+        let rr = Bytes::copy_from_slice(&rr);
         let mut out = Vec::with_capacity((last - first) as usize);
         let mut corrupt = Vec::new();
         {
@@ -67,12 +71,9 @@ impl Shard {
                 let b = (b - start) as usize;
                 let o = seg_base + k;
                 match rr.get(a..b).map(format::parse_record) {
-                    Some(Parse::Record(r)) if r.offset == o && r.len == b - a => out.push(Record {
-                        offset: o,
-                        flags: r.flags,
-                        header: Bytes::copy_from_slice(r.header),
-                        body: Bytes::copy_from_slice(r.body),
-                    }),
+                    Some(Parse::Record(r)) if r.offset == o && r.len == b - a => {
+                        out.push(Record { offset: o, flags: r.flags, header: rr.slice_ref(r.header), body: rr.slice_ref(r.body) })
+                    }
                     _ => corrupt.push(o),
                 }
             }
@@ -113,5 +114,17 @@ impl Reader<'_> {
             self.next = after.max(o + 1);
             self.buf.extend(recs);
         }
+    }
+
+    /// The next live record already read from disk with an earlier [`Reader::next`] (no
+    /// I/O), or `None` when none is left: lets a caller that stops take the rest of the run
+    /// it paid for.
+    pub fn next_buffered(&mut self) -> Option<Record> {
+        while let Some(r) = self.buf.pop_front() {
+            if self.shard.is_live(r.offset) {
+                return Some(r);
+            }
+        }
+        None
     }
 }

@@ -182,6 +182,39 @@ fn sequential_reader_mixes_disk_and_cache() {
 }
 
 #[test]
+fn a_reader_that_stops_hands_over_the_rest_of_its_disk_read() {
+    let dir = tmpdir();
+    let path = dir.path().to_path_buf();
+    run(move || async move {
+        let cfg = ShardConfig { segment_bytes: 4 << 20, cache_bytes: 4_000, verify_on_open: false };
+        let (s, _) = Shard::open(&path, cfg).await.unwrap();
+        // More than one 1 MiB read window of records.
+        for _ in 0..12_000 {
+            put(&s, 100);
+        }
+        s.sync().await.unwrap();
+        assert!(s.read_cached(0).is_none(), "the first records left the cache");
+        s.delete_by_offsets(&[5, 6]).unwrap();
+        let mut r = s.reader(0);
+        let first = r.next().await.unwrap().unwrap();
+        assert_eq!(first.offset, 0);
+        // The rest of that disk read, live records only, in order, without another read.
+        let rest: Vec<u64> = std::iter::from_fn(|| r.next_buffered())
+            .map(|rec| {
+                check(&rec, rec.offset, 100);
+                rec.offset
+            })
+            .collect();
+        assert!(rest.len() > 100, "a disk read of a 1 MiB window holds more than 100 records of 100 bytes: {}", rest.len());
+        let want: Vec<u64> = (1..=*rest.last().unwrap()).filter(|o| *o != 5 && *o != 6).collect();
+        assert_eq!(rest, want);
+        assert!(r.next_buffered().is_none());
+        // The reader goes on after them.
+        assert_eq!(r.next().await.unwrap().unwrap().offset, rest.last().unwrap() + 1);
+    });
+}
+
+#[test]
 fn errors_are_clear() {
     let dir = tmpdir();
     let path = dir.path().to_path_buf();

@@ -309,6 +309,10 @@ pub struct ConsumerSpec {
     pub tx: ClientTx,
     /// Body bytes delivered to its connection and not yet written to the socket.
     pub pending_bytes: Arc<std::sync::atomic::AtomicUsize>,
+    /// The core of this node serving its connection; `None` for a consumer of another node
+    /// (`remote`). A queue slows its publishers for a consumer that shares its core only
+    /// (`queue/egress.rs`).
+    pub core: Option<u32>,
 }
 
 /// Who asked and where to answer: a holder of deliveries on a channel.

@@ -9,6 +9,7 @@
 //!   ([`mesh::drain`]).
 //! - [`accept`]: the listening socket of each core (SO_REUSEPORT) and its accept thread.
 //! - [`placement`]: which core owns a queue (a pure function of its name).
+//! - [`load`]: how busy this core's executor is (lazily measured).
 //! - [`fatal`]: errors that end the process.
 //!
 //! # Assumptions
@@ -17,6 +18,7 @@
 
 pub mod accept;
 pub mod fatal;
+pub mod load;
 pub mod memory;
 pub mod mesh;
 pub mod placement;
@@ -35,6 +37,17 @@ pub const BATCH: usize = 1024;
 /// and a 128 KiB frame can nest about 26,000 levels) needs far more than a default 2 MiB
 /// thread stack; callers refuse what nests deeper than they handle after parsing.
 pub const CORE_STACK_BYTES: usize = 256 << 20;
+
+thread_local! {
+    /// The index of the core this thread runs (`None` off the cores).
+    static THIS_CORE: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// The index of the core the calling thread runs (as given to `per_core` by
+/// [`spawn_cores`]); `None` on any other thread.
+pub fn this_core() -> Option<u32> {
+    THIS_CORE.with(std::cell::Cell::get)
+}
 
 /// How the executors run.
 #[derive(Clone, Copy, Debug)]
@@ -73,6 +86,7 @@ where
                 Ok(ex) => ex,
                 Err(e) => fatal::fatal(&format!("cannot start executor {name}: {e}")),
             };
+            THIS_CORE.with(|c| c.set(Some(i)));
             ex.run(per_core(i));
         })?;
         handles.push(h);

@@ -147,6 +147,16 @@ impl Consumers {
         self.list.iter().any(Consumer::backlogged)
     }
 
+    /// Whether a consumer of this node (any core) takes whatever it is given: no prefetch
+    /// window stops it (auto-ack, or room left), though its connection may be behind on
+    /// writing (`egress.rs`).
+    pub fn taking(&self) -> bool {
+        self.list.iter().any(|c| {
+            c.spec.core.is_some()
+                && (c.spec.no_ack || ((c.spec.prefetch == 0 || c.in_flight < c.spec.prefetch) && c.spec.channel_credit.has_room()))
+        })
+    }
+
     /// The next consumer in round-robin order with prefetch credit, advancing the cursor.
     pub fn next_with_credit(&mut self) -> Option<&mut Consumer> {
         if self.single_active {
@@ -203,6 +213,7 @@ mod tests {
             priority,
             tx: flume::unbounded().0,
             pending_bytes: Default::default(),
+            core: None,
         }
     }
 

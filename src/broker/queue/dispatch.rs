@@ -60,8 +60,12 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                 step
             };
             match step {
-                Step::Idle => break,
+                Step::Idle => {
+                    cell.borrow_mut().egress_idle();
+                    break;
+                }
                 Step::Backlogged => {
+                    cell.borrow_mut().check_egress();
                     drop(cell);
                     Queue::flush_unsynced_soon(&weak);
                     glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
@@ -69,13 +73,18 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                 Step::Sent => {
                     sent += 1;
                     if sent.is_multiple_of(256) {
-                        cell.borrow_mut().flush_deliveries();
+                        {
+                            let mut q = cell.borrow_mut();
+                            q.flush_deliveries();
+                            q.check_egress();
+                        }
                         drop(cell);
                         Queue::flush_unsynced_soon(&weak);
                         glommio::yield_if_needed().await;
                     }
                 }
                 Step::Read { offset, consumer } => {
+                    cell.borrow_mut().check_egress();
                     let shard = cell.borrow().shard.clone();
                     drop(cell);
                     let run = read_ahead(&shard, offset).await;
@@ -84,8 +93,10 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                     q.paging -= 1;
                     match run {
                         Ok(recs) if !q.deleted => {
-                            if q.paged.len() > 4 * READ_AHEAD_RECORDS {
-                                // Entries nobody took (settled elsewhere): start over.
+                            // Entries below the one read were settled elsewhere; whatever
+                            // else nobody took is dropped past a bound.
+                            q.paged = q.paged.split_off(&offset);
+                            if q.paged.len() > MAX_PAGED_RECORDS {
                                 q.paged.clear();
                             }
                             let mut first = None;
@@ -115,14 +126,19 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
     }
 }
 
-/// Most records one read-ahead brings into a queue's page buffer.
+/// Records from which one read-ahead stops reading from disk.
 pub const READ_AHEAD_RECORDS: usize = 1024;
-/// Most body bytes one read-ahead brings in.
+/// Body bytes from which one read-ahead stops reading from disk.
 pub const READ_AHEAD_BYTES: usize = 4 << 20;
+/// Most records a queue's page buffer keeps; past it, entries nobody took are dropped.
+pub const MAX_PAGED_RECORDS: usize = 1 << 16;
 
-/// Reads the live records from `offset` on, up to [`READ_AHEAD_RECORDS`] or
-/// [`READ_AHEAD_BYTES`], with the shard's sequential reader (a few large disk reads instead
-/// of one read per message) — for a consumer draining a backlog that left the cache.
+/// Reads the live records from `offset` on until [`READ_AHEAD_RECORDS`] or
+/// [`READ_AHEAD_BYTES`] are reached, plus the rest of the last disk read (up to
+/// `ringmq_shards::READ_WINDOW` bytes, already paid for: at 16 B a window holds ~17,000
+/// records, and dropping all but 1,024 of them cost the backlog drain most of its time),
+/// with the shard's sequential reader (a few large disk reads instead of one read per
+/// message) — for a consumer draining a backlog that left the cache.
 pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringmq_shards::StoreError> {
     let mut reader = shard.reader(offset);
     let mut out = Vec::new();
@@ -136,6 +152,7 @@ pub async fn read_ahead(shard: &Shard, offset: u64) -> Result<Vec<Record>, ringm
             None => break,
         }
     }
+    out.extend(std::iter::from_fn(|| reader.next_buffered()));
     Ok(out)
 }
 

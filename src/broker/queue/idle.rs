@@ -29,6 +29,7 @@ impl Queue {
             && self.pending_confirms.is_empty()
             && self.unsynced.is_empty()
             && self.held_credit.is_empty()
+            && self.egress.is_empty()
             && self.index_of.is_empty()
             && self.index_trash.is_empty()
             && self.index_superseded.is_empty()

@@ -35,6 +35,7 @@ pub mod copy;
 pub mod delivery_limit;
 pub mod dispatch;
 pub mod durability;
+pub mod egress;
 pub mod expiry;
 mod idle;
 pub mod index;
@@ -240,6 +241,8 @@ pub struct Queue {
     /// Publish credit kept while the store's writer is behind (`durability.rs`,
     /// [`Queue::hold_credit`]); given back, all at once, when it has caught up.
     held_credit: Vec<std::sync::Arc<crate::broker::credit::CreditHeld>>,
+    /// Publish credit held for a consumer behind on a saturated core (`egress.rs`).
+    egress: egress::Egress,
     wake: flume::Sender<()>,
     /// Set once the queue is deleted; tasks holding a reference stop.
     pub deleted: bool,
@@ -402,6 +405,7 @@ impl Queue {
                 paged: Default::default(),
                 dirty: false,
                 held_credit: Vec::new(),
+                egress: Default::default(),
                 wake,
                 deleted: false,
                 consumer_timeout_ms,
