@@ -116,6 +116,9 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                         Err(e) => {
                             tracing::error!(queue = %q.qref.key.name, error = %e, "read failed; message left in place");
                             q.unclaim(offset);
+                            // The dispatcher now waits for a wake: held publishers must not
+                            // wait with it (`egress.rs`, rule 3).
+                            q.egress_idle();
                             break;
                         }
                     }

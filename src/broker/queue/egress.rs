@@ -25,7 +25,8 @@
 //! 3. It gives all of it back once fewer than [`RELEASE_READY`] messages are ready or
 //!    [`RELEASE_READY`] fewer than when the hold began (so a large backlog is worked off in
 //!    short holds, each taking back more than it let in), when no such consumer is left,
-//!    when it has nothing to deliver (no consumer with room, no message, deleted), and at
+//!    when it has nothing to deliver (no consumer with room, no message, deleted) or stops
+//!    on a failed disk read, and at
 //!    the latest after [`MAX_HOLD`]; a hold that ran out is not begun again for
 //!    [`QUIET_AFTER_TIMEOUT`].
 //!
