@@ -99,10 +99,8 @@ impl Reader<'_> {
     /// The next live record, or `None` at the end of the log.
     pub async fn next(&mut self) -> Result<Option<Record>, StoreError> {
         loop {
-            while let Some(r) = self.buf.pop_front() {
-                if self.shard.is_live(r.offset) {
-                    return Ok(Some(r));
-                }
+            if let Some(r) = self.next_buffered() {
+                return Ok(Some(r));
             }
             let found = self.shard.inner.st.borrow().first_live_from(self.next);
             let Some(o) = found else { return Ok(None) };

@@ -309,10 +309,9 @@ pub struct ConsumerSpec {
     pub tx: ClientTx,
     /// Body bytes delivered to its connection and not yet written to the socket.
     pub pending_bytes: Arc<std::sync::atomic::AtomicUsize>,
-    /// The core of this node serving its connection; `None` for a consumer of another node
-    /// (`remote`). A queue slows its publishers for a consumer that shares its core only
-    /// (`queue/egress.rs`).
-    pub core: Option<u32>,
+    /// A consumer of another node, served through `remote`: a queue never holds its
+    /// publishers for such a consumer (`queue/egress.rs`).
+    pub remote: bool,
 }
 
 /// Who asked and where to answer: a holder of deliveries on a channel.

@@ -38,17 +38,6 @@ pub const BATCH: usize = 1024;
 /// thread stack; callers refuse what nests deeper than they handle after parsing.
 pub const CORE_STACK_BYTES: usize = 256 << 20;
 
-thread_local! {
-    /// The index of the core this thread runs (`None` off the cores).
-    static THIS_CORE: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
-}
-
-/// The index of the core the calling thread runs (as given to `per_core` by
-/// [`spawn_cores`]); `None` on any other thread.
-pub fn this_core() -> Option<u32> {
-    THIS_CORE.with(std::cell::Cell::get)
-}
-
 /// How the executors run.
 #[derive(Clone, Copy, Debug)]
 pub struct Runtime {
@@ -86,7 +75,6 @@ where
                 Ok(ex) => ex,
                 Err(e) => fatal::fatal(&format!("cannot start executor {name}: {e}")),
             };
-            THIS_CORE.with(|c| c.set(Some(i)));
             ex.run(per_core(i));
         })?;
         handles.push(h);

@@ -241,7 +241,7 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
             priority,
             tx: s.tx.clone(),
             pending_bytes: s.pending_bytes.clone(),
-            core: Some(s.core.id),
+            remote: false,
         }
     };
     let (reply, rx) = reply_channel();

@@ -41,9 +41,13 @@ pub fn pending_weight(body_len: usize) -> usize {
 impl Consumer {
     /// Whether one more delivery fits in the consumer's prefetch window.
     pub fn has_credit(&self) -> bool {
-        !self.backlogged()
-            && (self.spec.no_ack
-                || ((self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch) && self.spec.channel_credit.has_room()))
+        !self.backlogged() && self.window_open()
+    }
+
+    /// Whether no prefetch window stops it: auto-ack, or room left in its own window and its
+    /// channel's (the connection may still be behind on writing, [`Consumer::backlogged`]).
+    pub fn window_open(&self) -> bool {
+        self.spec.no_ack || ((self.spec.prefetch == 0 || self.in_flight < self.spec.prefetch) && self.spec.channel_credit.has_room())
     }
 
     /// Whether the consumer's connection has not yet written what it was given.
@@ -148,13 +152,9 @@ impl Consumers {
     }
 
     /// Whether a consumer of this node (any core) takes whatever it is given: no prefetch
-    /// window stops it (auto-ack, or room left), though its connection may be behind on
-    /// writing (`egress.rs`).
+    /// window stops it, though its connection may be behind on writing (`egress.rs`).
     pub fn taking(&self) -> bool {
-        self.list.iter().any(|c| {
-            c.spec.core.is_some()
-                && (c.spec.no_ack || ((c.spec.prefetch == 0 || c.in_flight < c.spec.prefetch) && c.spec.channel_credit.has_room()))
-        })
+        self.list.iter().any(|c| !c.spec.remote && c.window_open())
     }
 
     /// The next consumer in round-robin order with prefetch credit, advancing the cursor.
@@ -213,7 +213,7 @@ mod tests {
             priority,
             tx: flume::unbounded().0,
             pending_bytes: Default::default(),
-            core: None,
+            remote: false,
         }
     }
 

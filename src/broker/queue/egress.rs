@@ -1,6 +1,6 @@
-//! Egress before ingress on a saturated core: a queue whose consumer shares its core and
-//! cannot keep up because the core has no time left keeps its publishers' credit
-//! (`broker::credit`) until the consumer has caught up.
+//! Egress before ingress on a saturated core: a queue whose consumer cannot keep up because
+//! the queue's core has no time left keeps its publishers' credit (`broker::credit`) until
+//! the consumer has caught up.
 //!
 //! # Why
 //! A publisher, its queue and its consumer usually share one core (`core::placement`, the

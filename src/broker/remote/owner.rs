@@ -196,7 +196,7 @@ impl Remote {
                     priority: c.priority,
                     tx,
                     pending_bytes: pending,
-                    core: None,
+                    remote: true,
                 };
                 let (reply, rx) = reply_channel();
                 self.answer_later(from, req, rx, WireReply::Consume);
