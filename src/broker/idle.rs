@@ -34,6 +34,7 @@ impl Node {
     /// allows at `now` ([`super::queue::Queue::closable`]), one after another.
     pub(super) async fn close_idle_queues(self: &Rc<Self>, now: Instant) {
         for cell in self.open_queues() {
+            cell.borrow_mut().note_use(now);
             if !cell.borrow().closable(now, IDLE_CLOSE) {
                 continue;
             }

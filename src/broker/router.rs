@@ -7,6 +7,8 @@
 //! and alternate exchanges.
 
 use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -33,8 +35,9 @@ pub struct Router {
     /// The topology.
     pub topology: Arc<Topology>,
     /// vhost → queue name → routable reference, built once per topology version so that
-    /// routing allocates nothing but its result.
-    queues: HashMap<String, HashMap<String, QueueRef>>,
+    /// routing allocates nothing but its result. Fx-hashed, as the core's queue slots are
+    /// (`Node::queues`): two lookups per publish cost 2 % of a core in SipHash at 1 M msgs/s.
+    queues: FxHashMap<String, FxHashMap<String, QueueRef>>,
     /// Alternate exchanges given by policies, by `(vhost, exchange)` (`broker::policy`): for
     /// exchanges declared without the argument. Usually empty.
     policy_alternates: HashMap<(String, String), String>,
@@ -44,7 +47,7 @@ impl Router {
     /// Wraps a topology snapshot taken at `version`; `cores` maps owner cores.
     pub fn new(topology: Arc<Topology>, version: u64, cores: u32) -> Router {
         let cores = cores.max(1);
-        let mut queues: HashMap<String, HashMap<String, QueueRef>> = HashMap::new();
+        let mut queues: FxHashMap<String, FxHashMap<String, QueueRef>> = FxHashMap::default();
         for def in topology.queues.values() {
             let r = QueueRef::of(def, cores);
             queues.entry(def.vhost.clone()).or_default().insert(def.name.clone(), r);

@@ -289,24 +289,13 @@ impl Queue {
         let offset = rec.offset;
         let flags = rec.flags;
         let redelivered = self.ready.is_redelivered(offset);
-        let qref = self.qref.clone();
         let message = self.as_delivered(offset, Message { header: rec.header, body: rec.body, flags });
         let Some(c) = self.consumers.get_mut(consumer) else {
             self.unclaim(offset);
             return;
         };
         let track = !c.spec.no_ack;
-        let d = Delivery {
-            channel: c.spec.channel,
-            chan_uid: c.spec.chan_uid,
-            consumer_tag: c.spec.tag.clone(),
-            queue: qref,
-            offset: Offset(offset),
-            redelivered,
-            message,
-            track,
-        };
-        let weight = consumer::pending_weight(d.message.body.len());
+        let weight = consumer::pending_weight(message.body.len());
         c.spec.pending_bytes.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
         let mut index_offset = None;
         if track {
@@ -318,22 +307,41 @@ impl Queue {
             self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit, redelivered });
         }
         self.passed(offset);
+        if self.batching && index_offset.is_none() && !(track && (self.index_flushing || !self.unsynced.is_empty())) {
+            // Sent with the rest of this stretch (`flush_deliveries`), before the dispatcher
+            // awaits. A batch names its consumer and queue once: a delivery added to one
+            // touches no reference count of theirs (shared with the consumer's core).
+            if let Some((_, b)) = self.batched.iter_mut().find(|(id, _)| *id == consumer) {
+                b.items.push((Offset(offset), redelivered, message));
+                return;
+            }
+        }
         // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
         // (a transient message) must not overtake one still waiting for its record's sync,
         // so while any waits (or a flush round is on its way) it waits with them.
         // A delivery below the reservation (`reserve.rs`) needs no sync of its record first.
         let wait_for_record = index_offset.is_some() && !self.reserved_for(offset);
+        let c = self.consumers.get(consumer).expect("the consumer delivered to");
+        let d = Delivery {
+            channel: c.spec.channel,
+            chan_uid: c.spec.chan_uid,
+            consumer_tag: c.spec.tag.clone(),
+            queue: self.qref.clone(),
+            offset: Offset(offset),
+            redelivered,
+            message,
+            track,
+        };
         if wait_for_record || (track && (self.index_flushing || !self.unsynced.is_empty())) {
-            let pending = self.consumers.get_mut(consumer).map(|c| c.spec.pending_bytes.clone()).expect("the consumer delivered to");
+            let pending = c.spec.pending_bytes.clone();
             self.unsynced.push((consumer, d, pending));
             return;
         }
         if self.batching {
-            // Sent with the rest of this stretch (`flush_deliveries`), before the dispatcher awaits.
+            let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track } = d;
             match self.batched.iter_mut().find(|(id, _)| *id == consumer) {
-                Some((_, b)) => b.items.push((d.offset, d.redelivered, d.message)),
+                Some((_, b)) => b.items.push((offset, redelivered, message)),
                 None => {
-                    let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track } = d;
                     let items = vec![(offset, redelivered, message)];
                     self.batched.push((consumer, Deliveries { channel, chan_uid, consumer_tag, queue, track, items }));
                 }

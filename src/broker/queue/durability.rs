@@ -303,6 +303,7 @@ impl Queue {
     /// messages from one pika publisher held 4.5 GB of RSS in them). Otherwise the credit is
     /// given back at once (dropped).
     pub(super) fn hold_credit(&mut self, cell: &QueueCell, credit: Option<std::sync::Arc<crate::broker::credit::CreditHeld>>) {
+        self.check_egress_on_publish();
         let Some(credit) = credit.and_then(|c| self.egress.hold(c)) else { return };
         if !self.shard.write_backlogged() && !self.repl.as_ref().is_some_and(|r| r.backlogged()) {
             return;

@@ -19,7 +19,7 @@
 //!    room in its window; `Consumers::taking`), and the queue's core was busy for at least
 //!    90 % of its last window (`core::load::saturated`). The dispatcher checks while it
 //!    delivers, while it reads a backlog back from disk, and while the consumers'
-//!    connections are behind on writing.
+//!    connections are behind on writing; the publish path every 256th publish.
 //! 2. While holding, every publish's credit stays in the queue, so each publisher stops
 //!    after its credit's worth (`credit::MAX_IN_FLIGHT_BYTES`: 16 MiB, ~30,000 small messages).
 //! 3. It gives all of it back once fewer than [`RELEASE_READY`] messages are ready or
@@ -66,6 +66,8 @@ pub struct Egress {
     ready_at_start: u32,
     /// The credit held.
     held: Vec<Arc<CreditHeld>>,
+    /// Publishes since the publish path last checked (rule 1).
+    publishes: u8,
 }
 
 impl Egress {
@@ -117,6 +119,17 @@ impl Queue {
     pub(super) fn check_egress(&mut self) {
         let (ready, taking) = (self.message_count(), self.consumers.taking());
         drop(self.egress.check(ready, taking, crate::core::load::saturated, Instant::now()));
+    }
+
+    /// Rules 1 and 3 from the publish path, every 256th publish: a publisher's reader may
+    /// keep the core for many reads in a row (its socket always has more), and the
+    /// dispatcher, which checks between deliveries, gets no turn meanwhile (measured: 300,000
+    /// messages went past a queue that had just released its hold).
+    pub(super) fn check_egress_on_publish(&mut self) {
+        self.egress.publishes = self.egress.publishes.wrapping_add(1);
+        if self.egress.publishes == 0 {
+            self.check_egress();
+        }
     }
 
     /// The dispatcher has nothing to deliver (no consumer with room, no message, deleted):

@@ -8,6 +8,15 @@ use std::time::{Duration, Instant};
 use super::Queue;
 
 impl Queue {
+    /// From the core's tick, before [`Queue::closable`]: an operation since the last tick
+    /// counts as a use at `now` (operations only set a flag; reading the clock per operation
+    /// cost 3 % of a core at 1 M msgs/s).
+    pub fn note_use(&mut self, now: Instant) {
+        if std::mem::take(&mut self.used) {
+            self.last_used = now;
+        }
+    }
+
     /// True when nothing would be lost or delayed by closing the queue now and opening it
     /// again at its next operation: a durable, non-exclusive, unreplicated queue without
     /// x-expires lease or message TTL (their timers run while it is open), holding no message

@@ -220,8 +220,12 @@ pub struct Queue {
     last_full_sync: Instant,
     /// A timer will start the next full sync (`durability::group_commit`).
     full_sync_armed: bool,
-    /// When an operation other than [`QueueOp::Info`] last reached it (`idle.rs`).
+    /// When an operation other than [`QueueOp::Info`] last reached it, to the core's tick
+    /// (1 s): [`Queue::handle`] only sets `used`, and the tick folds it in (`idle.rs`), so
+    /// an operation does not read the clock.
     last_used: Instant,
+    /// An operation other than [`QueueOp::Info`] reached it since the last tick.
+    used: bool,
     /// The index flusher task runs (see [`Queue::flush_unsynced_soon`]).
     index_flushing: bool,
     /// What deliveries may leave without their index records synced (`reserve.rs`).
@@ -402,6 +406,7 @@ impl Queue {
                 last_full_sync: Instant::now(),
                 full_sync_armed: false,
                 last_used: Instant::now(),
+                used: false,
                 paged: Default::default(),
                 dirty: false,
                 held_credit: Vec::new(),
@@ -502,9 +507,7 @@ impl Queue {
     /// Executes one operation. Called by the owner core in arrival order.
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
-        if !matches!(op, QueueOp::Info { .. }) {
-            q.last_used = Instant::now();
-        }
+        q.used |= !matches!(op, QueueOp::Info { .. });
         match op {
             QueueOp::Publish { message, confirm, published, credit } => {
                 q.counters.published += 1;
