@@ -18,6 +18,9 @@ pub struct Consumer {
     pub spec: ConsumerSpec,
     /// Deliveries sent and not yet settled (manual ack only).
     pub in_flight: u32,
+    /// A delivery of it was settled since [`Consumers::taking`] last asked: its window,
+    /// though full when asked, keeps opening (`egress.rs`).
+    pub settled: bool,
 }
 
 /// Most deliveries waiting to be written on a connection before its consumers get nothing
@@ -89,7 +92,7 @@ impl Consumers {
     }
     /// Attaches a consumer.
     pub fn add(&mut self, spec: ConsumerSpec) {
-        self.list.push(Consumer { spec, in_flight: 0 });
+        self.list.push(Consumer { spec, in_flight: 0, settled: false });
         self.reprioritize();
     }
 
@@ -152,9 +155,15 @@ impl Consumers {
     }
 
     /// Whether a consumer of this node (any core) takes whatever it is given: no prefetch
-    /// window stops it, though its connection may be behind on writing (`egress.rs`).
-    pub fn taking(&self) -> bool {
-        self.list.iter().any(|c| !c.spec.remote && c.window_open())
+    /// window stops it (though its connection may be behind on writing), or it settled a
+    /// delivery since the last call, so its full window keeps opening (`egress.rs`). Clears
+    /// the settled marks.
+    pub fn taking(&mut self) -> bool {
+        let mut taking = false;
+        for c in &mut self.list {
+            taking |= !c.spec.remote && (std::mem::take(&mut c.settled) || c.window_open());
+        }
+        taking
     }
 
     /// The next consumer in round-robin order with prefetch credit, advancing the cursor.

@@ -61,7 +61,7 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
             };
             match step {
                 Step::Idle => {
-                    cell.borrow_mut().egress_idle();
+                    cell.borrow_mut().egress_idle(&cell);
                     break;
                 }
                 Step::Backlogged => {
@@ -118,7 +118,7 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                             q.unclaim(offset);
                             // The dispatcher now waits for a wake: held publishers must not
                             // wait with it (`egress.rs`, rule 3).
-                            q.egress_idle();
+                            drop(q.egress.release());
                             break;
                         }
                     }

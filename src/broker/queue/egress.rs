@@ -16,7 +16,8 @@
 //! # Rules
 //! 1. The queue starts holding when at least [`HOLD_READY`] messages are ready, a consumer
 //!    of this node takes whatever it is given (no prefetch window stops it: auto-ack, or
-//!    room in its window; `Consumers::taking`), and the queue's core was busy for at least
+//!    room in its window, or a full window it settled from since the last check, and so
+//!    within the last [`TAKING_GRACE`]; `Consumers::taking`), and the queue's core was busy for at least
 //!    90 % of its last window (`core::load::saturated`). The dispatcher checks while it
 //!    delivers, while it reads a backlog back from disk, and while the consumers'
 //!    connections are behind on writing; the publish path every 256th publish.
@@ -25,9 +26,9 @@
 //! 3. It gives all of it back once fewer than [`RELEASE_READY`] messages are ready or
 //!    [`RELEASE_READY`] fewer than when the hold began (so a large backlog is worked off in
 //!    short holds, each taking back more than it let in), when no such consumer is left,
-//!    when it has nothing to deliver (no consumer with room, no message, deleted) or stops
-//!    on a failed disk read, and at
-//!    the latest after [`MAX_HOLD`]; a hold that ran out is not begun again for
+//!    when it has nothing to deliver (no message, no consumer, deleted) or stops on a failed
+//!    disk read, and at the latest after [`MAX_HOLD`] (a timer makes sure of it while the
+//!    dispatcher waits for a full window to open); a hold that ran out is not begun again for
 //!    [`QUIET_AFTER_TIMEOUT`].
 //!
 //! A consumer that is slow because its client reads slowly leaves the queue's core idle:
@@ -52,6 +53,9 @@ pub const RELEASE_READY: u32 = 4_096;
 /// Longest hold (rule 3): a consumer that drains fast needs a few tens of ms to take what
 /// the publishers' credit let through (measured: 20-30 ms at 16 B).
 pub const MAX_HOLD: Duration = Duration::from_millis(100);
+/// How long a consumer counts as taking after a check found it so (rules 1 and 3): a
+/// prefetch-limited consumer's full window opens with each settle, between checks.
+pub const TAKING_GRACE: Duration = Duration::from_millis(10);
 /// How long a hold that ran out keeps the queue from holding again (rule 3).
 pub const QUIET_AFTER_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -68,6 +72,10 @@ pub struct Egress {
     held: Vec<Arc<CreditHeld>>,
     /// Publishes since the publish path last checked (rule 1).
     publishes: u8,
+    /// A timer will check rule 3 ([`Queue::egress_idle`]).
+    timer_armed: bool,
+    /// When a check last found a consumer taking.
+    taking_seen: Option<Instant>,
 }
 
 impl Egress {
@@ -80,6 +88,12 @@ impl Egress {
     /// this node takes whatever it is given; `saturated` is asked only when a hold could
     /// begin. Returns the credit to give back (empty when none).
     pub fn check(&mut self, ready: u32, taking: bool, saturated: impl FnOnce() -> bool, now: Instant) -> Vec<Arc<CreditHeld>> {
+        if taking {
+            self.taking_seen = Some(now);
+        }
+        // A consumer's window fills and opens again with each settle: it takes while a check
+        // in the last TAKING_GRACE found it taking.
+        let taking = self.taking_seen.is_some_and(|t| now.saturating_duration_since(t) < TAKING_GRACE);
         match self.since {
             Some(since) if now.saturating_duration_since(since) >= MAX_HOLD => {
                 self.quiet_until = Some(now + QUIET_AFTER_TIMEOUT);
@@ -132,10 +146,32 @@ impl Queue {
         }
     }
 
-    /// The dispatcher has nothing to deliver (no consumer with room, no message, deleted):
-    /// rule 3.
-    pub(super) fn egress_idle(&mut self) {
-        drop(self.egress.release());
+    /// The dispatcher has nothing to deliver (rule 3). With no message or no consumer (or
+    /// deleted) the hold ends. When only full prefetch windows stop it, the rules are checked
+    /// as between deliveries: such a consumer's settles wake the dispatcher, which delivers
+    /// one or a few and comes back here, so this is where its hold ends (ending it on every
+    /// full window let a confirming publisher outrun a prefetch-100 consumer 1.3:1). A timer
+    /// then ends a hold that no later check would reach within [`MAX_HOLD`] (a consumer
+    /// that stopped settling).
+    pub(super) fn egress_idle(&mut self, cell: &super::QueueCell) {
+        if self.deleted || self.message_count() == 0 || self.consumers.is_empty() {
+            drop(self.egress.release());
+            return;
+        }
+        self.check_egress();
+        let Some(since) = self.egress.since else { return };
+        if std::mem::replace(&mut self.egress.timer_armed, true) {
+            return;
+        }
+        let weak = std::rc::Rc::downgrade(cell);
+        glommio::spawn_local(async move {
+            glommio::timer::sleep((since + MAX_HOLD).saturating_duration_since(Instant::now())).await;
+            let Some(cell) = weak.upgrade() else { return };
+            let mut q = cell.borrow_mut();
+            q.egress.timer_armed = false;
+            q.check_egress();
+        })
+        .detach();
     }
 }
 
@@ -154,8 +190,8 @@ mod tests {
         let now = Instant::now();
         let pool = PublishCredit::new(1);
         let mut e = Egress::default();
-        e.check(HOLD_READY - 1, true, || true, now);
         e.check(HOLD_READY, false, || true, now);
+        e.check(HOLD_READY - 1, true, || true, now);
         e.check(HOLD_READY, true, || false, now);
         assert!(e.hold(publish(&pool)).is_some(), "no hold: the credit goes back");
         e.check(HOLD_READY, true, || true, now);
@@ -183,8 +219,9 @@ mod tests {
 
         e.check(HOLD_READY, true, || true, now);
         assert!(e.hold(publish(&pool)).is_none());
-        drop(e.check(HOLD_READY, false, || true, now));
-        assert_eq!(pool.in_flight(), 0, "given back when no consumer takes");
+        assert!(e.check(HOLD_READY, false, || true, now + TAKING_GRACE / 2).is_empty(), "a full window that just opened");
+        drop(e.check(HOLD_READY, false, || true, now + TAKING_GRACE));
+        assert_eq!(pool.in_flight(), 0, "given back when no consumer took for TAKING_GRACE");
     }
 
     #[test]

@@ -218,6 +218,7 @@ impl Queue {
         if let Some(cid) = o.consumer {
             if let Some(c) = self.consumers.get_mut(cid) {
                 c.in_flight = c.in_flight.saturating_sub(1);
+                c.settled = true;
             }
         }
     }
