@@ -110,17 +110,19 @@ impl Shard {
     /// files (EMFILE at the open-files limit). In those last two cases nothing was
     /// appended and the shard stays writable: a later append may succeed.
     pub fn append(&self, flags: u8, header: &[u8], body: &Bytes) -> Result<Offset, StoreError> {
-        self.append_with(flags, header, body, || Bytes::copy_from_slice(header))
+        self.append_owned(flags, Bytes::copy_from_slice(header), body.clone())
     }
 
     /// [`Shard::append`] of a header the caller already holds as [`Bytes`]: the memory
     /// cache keeps a reference to it instead of a copy (one allocation less per record).
     /// Same limits and errors.
     pub fn append_shared(&self, flags: u8, header: &Bytes, body: &Bytes) -> Result<Offset, StoreError> {
-        self.append_with(flags, header, body, || header.clone())
+        self.append_owned(flags, header.clone(), body.clone())
     }
 
-    fn append_with(&self, flags: u8, header: &[u8], body: &Bytes, cached: impl FnOnce() -> Bytes) -> Result<Offset, StoreError> {
+    /// [`Shard::append`] of a header and body the caller gives up: the memory cache keeps
+    /// them (no reference count taken or dropped). Same limits and errors.
+    pub fn append_owned(&self, flags: u8, header: Bytes, body: Bytes) -> Result<Offset, StoreError> {
         if header.len() > MAX_HEADER_BYTES || body.len() > MAX_BODY_BYTES {
             return Err(StoreError::RecordTooLarge {
                 header_bytes: header.len(),
@@ -151,13 +153,13 @@ impl Shard {
             s.live += 1;
             s.data_end += len;
         }
-        let head = format::encode_record_head(offset, flags, header, body);
+        let head = format::encode_record_head(offset, flags, &header, &body);
         st.put(&head);
-        st.put(header);
-        st.put(body);
+        st.put(&header);
+        st.put(&body);
         st.next_offset += 1;
         st.live += 1;
-        st.cache.push(Record { offset, flags, header: cached(), body: body.clone() });
+        st.cache.push(Record { offset, flags, header, body });
         let (limit, written) = (st.cache_limit, st.written_offset);
         st.cache.evict(limit, written);
         let queued = !st.jobs.is_empty();

@@ -274,7 +274,7 @@ impl Node {
     pub fn handle(self: &Rc<Self>, msg: NodeMsg) -> Option<flume::Sender<()>> {
         match msg {
             NodeMsg::Queue { queue, op } => {
-                self.queue_op(queue, op);
+                self.queue_op(&queue, op);
                 None
             }
             NodeMsg::ResourceAlarm(raised) => {
@@ -310,23 +310,23 @@ impl Node {
     /// dead-letters to itself would re-enter itself): queues use [`Mesh::send`].
     pub fn send_from_connection(self: &Rc<Self>, queue: &QueueRef, op: QueueOp) {
         if queue.owner_core % self.shared.cores == self.id {
-            self.queue_op(queue.clone(), op);
+            self.queue_op(queue, op);
         } else {
             self.send(queue, op);
         }
     }
 
-    fn queue_op(self: &Rc<Self>, qref: QueueRef, op: QueueOp) {
+    fn queue_op(self: &Rc<Self>, qref: &QueueRef, op: QueueOp) {
         let here = self.shared.meta.node_id();
         if qref.owner_core == super::reply_to::DIRECT_CORE {
-            return self.direct_reply(&qref, here, op);
+            return self.direct_reply(qref, here, op);
         }
         // Replicated data is for this node's own store, whoever serves the queue.
         let replicated = matches!(op, QueueOp::Replicated(_));
         if qref.owner_node != here && !replicated {
             match &self.shared.remote {
-                Some(remote) => remote.forward(&qref, op),
-                None => refuse_remote(&qref, here, op),
+                Some(remote) => remote.forward(qref, op),
+                None => refuse_remote(qref, here, op),
             }
             return;
         }
@@ -372,7 +372,7 @@ impl Node {
                 };
                 queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
                 drop(queues);
-                let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or(qref);
+                let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or_else(|| qref.clone());
                 glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
             }
         }
@@ -670,7 +670,7 @@ impl Node {
             .filter(|q| q.owner_core % self.shared.cores == self.id && self.queue_slot(&q.key).is_none())
             .collect();
         for q in idle {
-            self.queue_op(q, QueueOp::Wake);
+            self.queue_op(&q, QueueOp::Wake);
         }
     }
 

@@ -476,11 +476,12 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
     let last = queues.len() - 1;
     let chan_uid = chan_uid(s, channel);
     // One credit for the message, whatever the fanout (`broker::credit`).
-    let credit = s.credit.take(message.body.len() + message.header.len());
+    let mut credit = Some(s.credit.take(message.body.len() + message.header.len()));
     let mut message = Some(message);
     for (i, q) in queues.iter().enumerate() {
-        let m = if i == last { message.take().expect("once") } else { message.clone().expect("present") };
+        // The last queue gets the message and the credit themselves: no reference counted.
+        let (m, c) = if i == last { (message.take(), credit.take()) } else { (message.clone(), credit.clone()) };
         let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), conn: s.id, channel: ChannelId(channel), chan_uid, seq });
-        s.queue_send(q, QueueOp::Publish { message: m, confirm, published, credit: Some(credit.clone()) });
+        s.queue_send(q, QueueOp::Publish { message: m.expect("until the last queue"), confirm, published, credit: c });
     }
 }

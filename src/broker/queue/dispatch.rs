@@ -52,6 +52,8 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
             // the stretch (an await, the end) sends them first.
             let step = {
                 let mut q = cell.borrow_mut();
+                // This step sees everything a wake until now announced.
+                q.wake_pending.set(false);
                 q.batching = true;
                 let step = q.step();
                 if !matches!(step, Step::Sent) {

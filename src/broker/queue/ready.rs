@@ -149,7 +149,22 @@ impl ReadySet {
     /// queue places it at the level of its `priority` property; an ordinary queue never reads
     /// the header.
     pub fn push_message(&mut self, offset: u64, header: &[u8], body_len: usize, stored_at: Option<Instant>) {
-        let level = if self.prio.is_some() { priority::of_header(header) } else { 0 };
+        let level = self.level_of(header);
+        self.push_at(offset, level, body_len, stored_at);
+    }
+
+    /// The level a message stored with `header` gets (0 in an ordinary queue), for
+    /// [`ReadySet::push_leveled`] once the message itself is gone into the store.
+    pub fn level_of(&self, header: &[u8]) -> u8 {
+        if self.prio.is_some() {
+            priority::of_header(header)
+        } else {
+            0
+        }
+    }
+
+    /// [`ReadySet::push_message`] with the level taken by [`ReadySet::level_of`].
+    pub fn push_leveled(&mut self, offset: u64, level: u8, body_len: usize, stored_at: Option<Instant>) {
         self.push_at(offset, level, body_len, stored_at);
     }
 
