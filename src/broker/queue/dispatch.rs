@@ -309,7 +309,12 @@ impl Queue {
             self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit, redelivered });
         }
         self.passed(offset);
-        if self.batching && index_offset.is_none() && !(track && (self.index_flushing || !self.unsynced.is_empty())) {
+        // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
+        // (a transient message) must not overtake one still waiting for its record's sync,
+        // so while any waits (or a flush round is on its way) it waits with them.
+        // A delivery below the reservation (`reserve.rs`) needs no sync of its record first.
+        let wait = (index_offset.is_some() && !self.reserved_for(offset)) || (track && (self.index_flushing || !self.unsynced.is_empty()));
+        if self.batching && !wait {
             // Sent with the rest of this stretch (`flush_deliveries`), before the dispatcher
             // awaits. A batch names its consumer and queue once: a delivery added to one
             // touches no reference count of theirs (shared with the consumer's core).
@@ -318,11 +323,6 @@ impl Queue {
                 return;
             }
         }
-        // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
-        // (a transient message) must not overtake one still waiting for its record's sync,
-        // so while any waits (or a flush round is on its way) it waits with them.
-        // A delivery below the reservation (`reserve.rs`) needs no sync of its record first.
-        let wait_for_record = index_offset.is_some() && !self.reserved_for(offset);
         let c = self.consumers.get(consumer).expect("the consumer delivered to");
         let d = Delivery {
             channel: c.spec.channel,
@@ -334,20 +334,16 @@ impl Queue {
             message,
             track,
         };
-        if wait_for_record || (track && (self.index_flushing || !self.unsynced.is_empty())) {
+        if wait {
             let pending = c.spec.pending_bytes.clone();
             self.unsynced.push((consumer, d, pending));
             return;
         }
         if self.batching {
+            // The consumer's first delivery of this stretch (its batch is found above).
             let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track } = d;
-            match self.batched.iter_mut().find(|(id, _)| *id == consumer) {
-                Some((_, b)) => b.items.push((offset, redelivered, message)),
-                None => {
-                    let items = vec![(offset, redelivered, message)];
-                    self.batched.push((consumer, Deliveries { channel, chan_uid, consumer_tag, queue, track, items }));
-                }
-            }
+            let items = vec![(offset, redelivered, message)];
+            self.batched.push((consumer, Deliveries { channel, chan_uid, consumer_tag, queue, track, items }));
             return;
         }
         let (tx, pending) = match self.consumers.get_mut(consumer) {

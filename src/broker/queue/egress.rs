@@ -165,11 +165,22 @@ impl Queue {
         }
         let weak = std::rc::Rc::downgrade(cell);
         glommio::spawn_local(async move {
-            glommio::timer::sleep((since + MAX_HOLD).saturating_duration_since(Instant::now())).await;
-            let Some(cell) = weak.upgrade() else { return };
-            let mut q = cell.borrow_mut();
-            q.egress.timer_armed = false;
-            q.check_egress();
+            // Until no hold is left: one that began after this timer's hold ended (another
+            // idle found the timer armed) gets its own deadline here.
+            let mut since = since;
+            loop {
+                glommio::timer::sleep((since + MAX_HOLD).saturating_duration_since(Instant::now())).await;
+                let Some(cell) = weak.upgrade() else { return };
+                let mut q = cell.borrow_mut();
+                q.check_egress();
+                match q.egress.since {
+                    Some(s) => since = s,
+                    None => {
+                        q.egress.timer_armed = false;
+                        return;
+                    }
+                }
+            }
         })
         .detach();
     }
