@@ -165,20 +165,34 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
         buf.advance(7 + size + 1);
         return frame.map(Some);
     }
-    buf.advance(7);
-    let payload = buf.split_to(size).freeze();
-    buf.advance(1);
-    let frame = match frame_type {
-        FRAME_HEADER => match decode_header(&payload) {
-            Some(Ok((class_id, body_size, properties))) => {
-                Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties: payload.slice(12..) }
-            }
+    if frame_type == FRAME_HEADER {
+        // Parsed in place too; only the raw properties are kept (12 bytes in: class id,
+        // weight, body size), and the two forms nearly every publisher sends are static.
+        let (class_id, body_size, properties) = match decode_header(&buf[7..7 + size]) {
+            Some(Ok(parsed)) => parsed,
             Some(Err(e)) => return Err(e),
             None => return Err(AmqpError::syntax_error("malformed content header frame")),
-        },
-        FRAME_BODY => Frame::Body { channel, payload },
+        };
+        let raw_properties = match &buf[7 + 12..7 + size] {
+            [0, 0] => Bytes::from_static(&[0, 0]),
+            [0x10, 0, 1] => Bytes::from_static(&[0x10, 0, 1]),
+            [0x10, 0, 2] => Bytes::from_static(&[0x10, 0, 2]),
+            _ => {
+                buf.advance(7 + 12);
+                let raw = buf.split_to(size - 12).freeze();
+                buf.advance(1);
+                return Ok(Some(Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties: raw }));
+            }
+        };
+        buf.advance(7 + size + 1);
+        return Ok(Some(Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties }));
+    }
+    buf.advance(7);
+    let frame = match frame_type {
+        FRAME_BODY => Frame::Body { channel, payload: buf.split_to(size).freeze() },
         _ => Frame::Heartbeat { channel },
     };
+    buf.advance(1);
     Ok(Some(frame))
 }
 
@@ -499,6 +513,39 @@ mod tests {
         }
         assert_eq!(got, body);
         assert_eq!(frames, 3);
+    }
+
+    /// Content headers of the common forms (kept as static bytes) and of others (a slice of
+    /// the read buffer), back to back in one buffer: each keeps its own raw properties, and
+    /// the frames after it decode from the right place.
+    #[test]
+    fn raw_properties_survive_in_every_form() {
+        let forms = [
+            basic::AMQPProperties::default(),
+            basic::AMQPProperties::default().with_delivery_mode(1),
+            basic::AMQPProperties::default().with_delivery_mode(2),
+            basic::AMQPProperties::default().with_delivery_mode(7),
+            basic::AMQPProperties::default().with_delivery_mode(2).with_message_id("id-1".into()),
+        ];
+        let mut out = Vec::new();
+        for (i, props) in forms.iter().enumerate() {
+            encode_content(&mut out, 1, &encode_properties(props), &[i as u8; 3], 4096);
+        }
+        let mut b = BytesMut::from(&out[..]);
+        for (i, props) in forms.iter().enumerate() {
+            match decode_frame(&mut b, 4096).unwrap() {
+                Some(Frame::Header { body_size: 3, properties, raw_properties, .. }) => {
+                    assert_eq!(*properties, *props, "form {i}");
+                    assert_eq!(&raw_properties[..], &encode_properties(props)[..], "form {i}");
+                }
+                f => panic!("form {i}: expected a header, got {f:?}"),
+            }
+            match decode_frame(&mut b, 4096).unwrap() {
+                Some(Frame::Body { payload, .. }) => assert_eq!(&payload[..], &[i as u8; 3], "form {i}"),
+                f => panic!("form {i}: expected a body, got {f:?}"),
+            }
+        }
+        assert!(b.is_empty());
     }
 
     /// The hand parser of basic.publish agrees with amq-protocol's on every input: what

@@ -30,9 +30,12 @@ use super::unacked::{DeliveryTag, Unacked};
 use crate::broker::message::Message;
 use crate::broker::QueueRef;
 
-/// A basic.publish whose content is complete, checked and routed (rule 1).
+/// A basic.publish whose content is complete, checked and routed (rule 1). `Q` holds its
+/// target queues: shared with the core's router (`Router::route_shared`) as routed, owned
+/// while a transaction holds it ([`Held`]), as a channel's state must be able to move to
+/// another core with its connection.
 #[derive(Debug)]
-pub struct Routed {
+pub struct Routed<Q = std::rc::Rc<[QueueRef]>> {
     /// Exchange it was published to ("" = the default exchange).
     pub exchange: String,
     /// Routing key.
@@ -42,7 +45,26 @@ pub struct Routed {
     /// The message as queues store it.
     pub message: Message,
     /// Target queues, each once (empty: unroutable).
-    pub queues: Vec<QueueRef>,
+    pub queues: Q,
+}
+
+/// A publish held until tx.commit.
+pub type Held = Routed<Vec<QueueRef>>;
+
+impl Routed {
+    /// The publish as a transaction holds it.
+    pub fn held(self) -> Held {
+        let Routed { exchange, routing_key, mandatory, message, queues } = self;
+        Routed { exchange, routing_key, mandatory, message, queues: queues.to_vec() }
+    }
+}
+
+impl Held {
+    /// The publish as tx.commit hands it to its queues.
+    pub fn committed(self) -> Routed {
+        let Routed { exchange, routing_key, mandatory, message, queues } = self;
+        Routed { exchange, routing_key, mandatory, message, queues: queues.into() }
+    }
 }
 
 /// What a settlement does to the deliveries it names.
@@ -60,7 +82,7 @@ pub enum SettleKind {
 #[derive(Debug, Default)]
 pub struct Tx {
     /// Publishes held until tx.commit, in arrival order.
-    pub publishes: Vec<Routed>,
+    pub publishes: Vec<Held>,
     /// Settlements held until tx.commit, in arrival order, each with the tags it took
     /// from the ledger (for tx.rollback).
     pub settles: Vec<(SettleKind, Vec<(DeliveryTag, Unacked)>)>,

@@ -128,7 +128,10 @@ pub fn sample() -> bool {
 pub const SAMPLE_EVERY: u32 = 16;
 
 /// Counters of one core. Relaxed atomics: written by their core only, read on scrape.
+/// Aligned to 128 bytes (two cache lines, as the adjacent-line prefetcher pairs them), so
+/// that one core's counters never share a line with the next core's in `Vec<Stats>`.
 #[derive(Debug, Default)]
+#[repr(align(128))]
 pub struct Stats {
     /// End of basic.publish → the queue stored the message (appended; for a persistent
     /// message in a durable queue: synced).
@@ -164,9 +167,14 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Adds `n` to a counter.
+    /// Adds `n` to a counter of this core's `Stats`.
+    ///
+    /// A load and a store, not an atomic add: every counter has one writer, its core's
+    /// thread, so no increment can be lost, and a `lock`-prefixed add per publish and per
+    /// delivery was 2-3 % of a saturated core (`perf annotate` of the 16 B row). Scrapes
+    /// read a value that is at most a few increments old.
     pub fn add(c: &AtomicU64, n: u64) {
-        c.fetch_add(n, Ordering::Relaxed);
+        c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
     }
 }
 

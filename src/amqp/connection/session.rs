@@ -139,7 +139,11 @@ pub(super) async fn reader<R: futures_lite::AsyncRead + Unpin>(s: Rc<Session>, m
             let frame_max = s.st.borrow().frame_max;
             match decode_frame(&mut buf, frame_max) {
                 Ok(Some(frame)) => {
-                    if let Err(e) = s.on_frame(frame).await {
+                    let done = match s.on_frame_now(frame) {
+                        Ok(Some(frame)) => s.on_frame(frame).await,
+                        other => other.map(|_| ()),
+                    };
+                    if let Err(e) = done {
                         s.fail(e);
                     }
                     if s.st.borrow().finish {

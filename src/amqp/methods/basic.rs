@@ -21,31 +21,49 @@ use crate::broker::reply_to;
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
+/// basic.publish (spec 1.8.3.7): the channel awaits the content (`PendingPublish`).
+///
+/// # Errors
+/// 540 NOT_IMPLEMENTED for immediate=true (as RabbitMQ 3.x).
+pub fn publish_started(s: &Session, channel: u16, p: basic::Publish) -> Result<(), AmqpError> {
+    if p.immediate {
+        // As RabbitMQ 3.x: the immediate flag is not supported (hard 540).
+        return Err(AmqpError::not_implemented("immediate=true"));
+    }
+    let mut st = s.st.borrow_mut();
+    if let Some(c) = st.channels.get_mut(&channel) {
+        c.publish = Some(PendingPublish {
+            exchange: p.exchange.into(),
+            routing_key: p.routing_key.into(),
+            mandatory: p.mandatory,
+            body_size: None,
+            properties: None,
+            raw_properties: Default::default(),
+            first: None,
+            body: Default::default(),
+            received: 0,
+            reserved: None,
+        });
+    }
+    Ok(())
+}
+
+/// basic.ack (spec 1.8.3.13): settles the delivery `a.delivery_tag` (and, with `multiple`,
+/// every earlier one) of `channel`.
+///
+/// # Errors
+/// 406 PRECONDITION_FAILED for an unknown delivery tag (`settle`).
+pub fn ack(s: &Rc<Session>, channel: u16, a: basic::Ack) -> Result<(), AmqpError> {
+    if let Some(done) = settle(s, channel, DeliveryTag(a.delivery_tag), a.multiple, SettleKind::Ack)? {
+        apply_settle(s, channel, SettleKind::Ack, done);
+    }
+    Ok(())
+}
+
 /// Dispatches a basic method (publish starts content assembly; see [`publish`]).
 pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Result<(), AmqpError> {
     match m {
-        basic::AMQPMethod::Publish(p) => {
-            if p.immediate {
-                // As RabbitMQ 3.x: the immediate flag is not supported (hard 540).
-                return Err(AmqpError::not_implemented("immediate=true"));
-            }
-            let mut st = s.st.borrow_mut();
-            if let Some(c) = st.channels.get_mut(&channel) {
-                c.publish = Some(PendingPublish {
-                    exchange: p.exchange.into(),
-                    routing_key: p.routing_key.into(),
-                    mandatory: p.mandatory,
-                    body_size: None,
-                    properties: None,
-                    raw_properties: Default::default(),
-                    first: None,
-                    body: Default::default(),
-                    received: 0,
-                    reserved: None,
-                });
-            }
-            Ok(())
-        }
+        basic::AMQPMethod::Publish(p) => publish_started(s, channel, p),
         basic::AMQPMethod::Qos(q) => {
             let mut wake = Vec::new();
             if let Some(c) = s.st.borrow_mut().channels.get_mut(&channel) {
@@ -87,12 +105,7 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
             Ok(())
         }
         basic::AMQPMethod::Get(g) => get(s, channel, g).await,
-        basic::AMQPMethod::Ack(a) => {
-            if let Some(done) = settle(s, channel, DeliveryTag(a.delivery_tag), a.multiple, SettleKind::Ack)? {
-                apply_settle(s, channel, SettleKind::Ack, done);
-            }
-            Ok(())
-        }
+        basic::AMQPMethod::Ack(a) => ack(s, channel, a),
         basic::AMQPMethod::Reject(r) => {
             let kind = if r.requeue { SettleKind::Requeue } else { SettleKind::Reject };
             if let Some(done) = settle(s, channel, DeliveryTag(r.delivery_tag), false, kind)? {
@@ -372,7 +385,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
         let mut st = s.st.borrow_mut();
         let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
         if let Some(tx) = c.tx.as_mut() {
-            tx.publishes.push(routed);
+            tx.publishes.push(routed.held());
             return Ok(());
         }
         c.confirms.enabled.then(|| c.confirms.take_seq(routed.queues.len()))
@@ -430,12 +443,12 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
         p.raw_properties = encode_properties(&props).into();
     }
     let headers = props.headers().as_ref();
-    let queues = match p.exchange.is_empty().then(|| reply_to::target(&vhost, &p.routing_key)).flatten() {
+    let queues: Rc<[crate::broker::QueueRef]> = match p.exchange.is_empty().then(|| reply_to::target(&vhost, &p.routing_key)).flatten() {
         // A reply to a name of this node that is no longer consumed is unroutable (a
         // mandatory one comes back); another node's name is that node's to judge.
-        Some(t) if t.owner_node == s.core.shared.meta.node_id() && !s.core.shared.reply_to.serves(&t.key.name) => Vec::new(),
-        Some(t) => vec![t],
-        None => router.route(&vhost, &p.exchange, &p.routing_key, headers).queues,
+        Some(t) if t.owner_node == s.core.shared.meta.node_id() && !s.core.shared.reply_to.serves(&t.key.name) => Rc::new([]),
+        Some(t) => Rc::new([t]),
+        None => router.route_shared(&vhost, &p.exchange, &p.routing_key, headers),
     };
     let persistent = *props.delivery_mode() == Some(2);
     let body = p.take_body();

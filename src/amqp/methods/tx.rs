@@ -74,7 +74,7 @@ fn commit(s: &Rc<Session>, channel: u16) -> Result<(), AmqpError> {
             Some(c) => c.confirms.take_seq(routed.queues.len()),
             None => return Ok(()),
         };
-        deliver(s, channel, routed, Some(seq));
+        deliver(s, channel, routed.committed(), Some(seq));
     }
     for (kind, held) in settles {
         apply_settle(s, channel, kind, held.into_iter().map(|(_, u)| u).collect());
