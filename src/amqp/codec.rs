@@ -302,13 +302,13 @@ pub fn encode_deliver(
     consumer_tag: &str,
     delivery_tag: u64,
     redelivered: bool,
-    exchange: &str,
-    routing_key: &str,
+    exchange: &[u8],
+    routing_key: &[u8],
 ) {
-    fn short(s: &str) -> &[u8] {
-        &s.as_bytes()[..s.len().min(255)]
+    fn short(s: &[u8]) -> &[u8] {
+        &s[..s.len().min(255)]
     }
-    let (ct, ex, rk) = (short(consumer_tag), short(exchange), short(routing_key));
+    let (ct, ex, rk) = (short(consumer_tag.as_bytes()), short(exchange), short(routing_key));
     let size = 4 + 1 + ct.len() + 8 + 1 + 1 + ex.len() + 1 + rk.len();
     out.reserve(size + FRAME_OVERHEAD);
     out.put_u8(FRAME_METHOD);
@@ -417,7 +417,7 @@ mod tests {
     #[test]
     fn hand_encoded_deliver_matches_the_generic_encoder() {
         let mut a = Vec::new();
-        encode_deliver(&mut a, 7, "ctag-1", 42, true, "amq.topic", "a.b");
+        encode_deliver(&mut a, 7, "ctag-1", 42, true, b"amq.topic", b"a.b");
         let mut b = Vec::new();
         encode_method(
             &mut b,

@@ -22,12 +22,25 @@
 //! B's store writer) as it would for a queue of its own node, and neither A's data lane nor
 //! B's inboxes hold more than the connection's credit of its messages.
 //!
+//! A publish to one open queue of the connection's own core is handed to the queue directly
+//! ([`Node::publish_from_connection`]) and takes its credit only if the queue keeps it (the
+//! egress rules or a store writer behind, `Queue::hold_credit`): otherwise the credit would
+//! be taken and given back in the same call, an allocation and four atomic operations per
+//! message (4 % of a core at 1 M msgs/s).
+//!
 //! Shapes: one [`PublishCredit`] per connection (an `Arc`: the queue's core gives credit back);
 //! one [`CreditHeld`] per routed publish, shared by the ops of a fanout (an `Arc`, released
 //! with the last of them).
 
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
+
+use super::message::Message;
+use super::node::{Node, Slot};
+use super::queue::Queue;
+use super::{ConfirmTo, QueueOp, QueueRef};
 
 use super::{ClientEvent, ClientTx};
 
@@ -138,6 +151,36 @@ impl Drop for CreditHeld {
             if n.fetch_add(1, Ordering::AcqRel) == 0 {
                 let _ = tx.send(ClientEvent::PublishesTaken);
             }
+        }
+    }
+}
+
+impl Node {
+    /// Hands a publish of one of this core's connections to `queue`, with credit for
+    /// `bytes` (body and header) from the connection's `pool`. An open queue of this core
+    /// and node that serves it takes it at once, and the credit only if it keeps it; any
+    /// other goes as a `QueueOp::Publish` with its credit taken.
+    pub fn publish_from_connection(
+        self: &Rc<Self>,
+        queue: &QueueRef,
+        message: Message,
+        confirm: Option<ConfirmTo>,
+        published: Option<Instant>,
+        pool: &Arc<PublishCredit>,
+        bytes: usize,
+    ) {
+        let local = queue.owner_core != super::reply_to::DIRECT_CORE
+            && queue.owner_core % self.shared.cores == self.id
+            && queue.owner_node == self.shared.meta.node_id();
+        let open = match self.queues.borrow().get(&queue.key) {
+            Some(Slot::Open(cell)) if local => Some(cell.clone()),
+            _ => None,
+        };
+        // A replicated copy that does not serve (a failover not acted on yet) takes the
+        // general path, which reopens it as the server first.
+        match open.filter(|cell| !cell.borrow().replicated() || cell.borrow().serving()) {
+            Some(cell) => Queue::publish_local(&cell, message, confirm, published, || Some(pool.take(bytes))),
+            None => self.send_from_connection(queue, QueueOp::Publish { message, confirm, published, credit: Some(pool.take(bytes)) }),
         }
     }
 }

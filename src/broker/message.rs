@@ -86,6 +86,13 @@ impl Message {
         split_header(self.header.get(self.deadline_len()..).unwrap_or_default())
     }
 
+    /// [`Message::parts`] as bytes, for a basic.deliver: what `Message::new` wrote from
+    /// strings already checked, so not checked again (validating both per delivery was 2 %
+    /// of a core at 1 M msgs/s).
+    pub fn wire_parts(&self) -> (&[u8], &[u8], &[u8]) {
+        split_header_bytes(self.header.get(self.deadline_len()..).unwrap_or_default())
+    }
+
     /// The expiry deadline (ms since the Unix epoch), when the message has one.
     pub fn deadline(&self) -> Option<u64> {
         deadline_of(self.flags, &self.header)
@@ -161,14 +168,23 @@ pub fn check_ttl(n: i128) -> Result<u64, String> {
 
 /// Splits a stored header into (exchange, routing key, raw properties).
 pub fn split_header(h: &[u8]) -> (&str, &str, &[u8]) {
-    let get = |at: usize| -> Option<(&str, usize)> {
+    let (x, rk, props) = split_header_bytes(h);
+    match (std::str::from_utf8(x), std::str::from_utf8(rk)) {
+        (Ok(x), Ok(rk)) => (x, rk, props),
+        _ => ("", "", &[]),
+    }
+}
+
+/// [`split_header`] without the UTF-8 check: exchange and routing key as the short
+/// strings' bytes. A malformed header yields empty parts.
+pub fn split_header_bytes(h: &[u8]) -> (&[u8], &[u8], &[u8]) {
+    let get = |at: usize| -> Option<(&[u8], usize)> {
         let len = *h.get(at)? as usize;
-        let s = std::str::from_utf8(h.get(at + 1..at + 1 + len)?).ok()?;
-        Some((s, at + 1 + len))
+        Some((h.get(at + 1..at + 1 + len)?, at + 1 + len))
     };
     match get(0).and_then(|(x, n)| get(n).map(|(rk, m)| (x, rk, m))) {
         Some((x, rk, m)) => (x, rk, &h[m..]),
-        None => ("", "", &[]),
+        None => (&[], &[], &[]),
     }
 }
 
@@ -216,6 +232,7 @@ mod tests {
         let m = Message::new("amq.direct", "rk.1", &[0x80, 0, 1, b'x'], Bytes::from_static(b"body"), true);
         assert!(m.persistent());
         assert_eq!(m.parts(), ("amq.direct", "rk.1", &[0x80, 0, 1, b'x'][..]));
+        assert_eq!(m.wire_parts(), (&b"amq.direct"[..], &b"rk.1"[..], &[0x80, 0, 1, b'x'][..]));
         assert_eq!(split_header(&[5, b'a']), ("", "", &[][..]));
     }
 

@@ -172,7 +172,7 @@ impl Session {
                     // The channel is gone; its ChannelClosed requeues this delivery.
                     return;
                 };
-                let (exchange, rk, props) = d.message.parts();
+                let (exchange, rk, props) = d.message.wire_parts();
                 codec::encode_deliver(out, d.channel.0, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel.0, props, &d.message.body, frame_max);
                 Stats::add(&self.core.stats().delivered, 1);
@@ -187,7 +187,7 @@ impl Session {
                         // The channel is gone; its ChannelClosed requeues these deliveries.
                         break;
                     };
-                    let (exchange, rk, props) = message.parts();
+                    let (exchange, rk, props) = message.wire_parts();
                     codec::encode_deliver(out, b.channel.0, &b.consumer_tag, tag.0, *redelivered, exchange, rk);
                     codec::encode_content(out, b.channel.0, props, &message.body, frame_max);
                     n += 1;

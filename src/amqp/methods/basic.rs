@@ -488,8 +488,14 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
     let published = crate::observe::sample().then(std::time::Instant::now);
     let last = queues.len() - 1;
     let chan_uid = chan_uid(s, channel);
+    let bytes = message.body.len() + message.header.len();
+    if let [q] = &queues[..] {
+        let confirm = seq.map(|seq| ConfirmTo { tx: s.tx.clone(), conn: s.id, channel: ChannelId(channel), chan_uid, seq });
+        s.core.publish_from_connection(q, message, confirm, published, &s.credit, bytes);
+        return;
+    }
     // One credit for the message, whatever the fanout (`broker::credit`).
-    let mut credit = Some(s.credit.take(message.body.len() + message.header.len()));
+    let mut credit = Some(s.credit.take(bytes));
     let mut message = Some(message);
     for (i, q) in queues.iter().enumerate() {
         // The last queue gets the message and the credit themselves: no reference counted.

@@ -301,11 +301,21 @@ impl Queue {
     /// group) caught up, so its connection is not read and the bodies wait in the client, not
     /// in write buffers or Raft proposals (measured without it: 2 GiB of 1 MiB transient
     /// messages from one pika publisher held 4.5 GB of RSS in them). Otherwise the credit is
-    /// given back at once (dropped).
-    pub(super) fn hold_credit(&mut self, cell: &QueueCell, credit: Option<std::sync::Arc<crate::broker::credit::CreditHeld>>) {
+    /// given back at once (dropped). `credit` gives it: a publish of this core's connection
+    /// takes it only when called (`Queue::publish_local`), so one the queue does not keep
+    /// costs nothing.
+    pub(super) fn hold_credit(
+        &mut self,
+        cell: &QueueCell,
+        credit: impl FnOnce() -> Option<std::sync::Arc<crate::broker::credit::CreditHeld>>,
+    ) {
         self.check_egress_on_publish();
-        let Some(credit) = credit.and_then(|c| self.egress.hold(c)) else { return };
-        if !self.shard.write_backlogged() && !self.repl.as_ref().is_some_and(|r| r.backlogged()) {
+        let backlogged = self.shard.write_backlogged() || self.repl.as_ref().is_some_and(|r| r.backlogged());
+        if !backlogged && !self.egress.holding() {
+            return;
+        }
+        let Some(credit) = credit().and_then(|c| self.egress.hold(c)) else { return };
+        if !backlogged {
             return;
         }
         let first = self.held_credit.is_empty();

@@ -111,6 +111,11 @@ impl Egress {
         }
     }
 
+    /// Whether a hold is on (rule 2).
+    pub fn holding(&self) -> bool {
+        self.since.is_some()
+    }
+
     /// Keeps `credit` while holding (rule 2); gives it back to the caller otherwise.
     pub fn hold(&mut self, credit: Arc<CreditHeld>) -> Option<Arc<CreditHeld>> {
         if self.since.is_none() {

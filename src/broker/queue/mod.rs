@@ -511,18 +511,42 @@ impl Queue {
         }
     }
 
+    /// A publish from a connection of this core (`Node::publish_from_connection`): as
+    /// `QueueOp::Publish`, but its credit is taken from the connection's pool only if the
+    /// queue keeps it ([`Queue::hold_credit`]), which it rarely does.
+    pub fn publish_local(
+        cell: &QueueCell,
+        message: Message,
+        confirm: Option<ConfirmTo>,
+        published: Option<Instant>,
+        credit: impl FnOnce() -> Option<std::sync::Arc<crate::broker::credit::CreditHeld>>,
+    ) {
+        let mut q = cell.borrow_mut();
+        q.used = true;
+        q.take_publish(cell, message, confirm, published, credit);
+    }
+
+    fn take_publish(
+        &mut self,
+        cell: &QueueCell,
+        message: Message,
+        confirm: Option<ConfirmTo>,
+        published: Option<Instant>,
+        credit: impl FnOnce() -> Option<std::sync::Arc<crate::broker::credit::CreditHeld>>,
+    ) {
+        self.counters.published += 1;
+        self.publish(cell, message, confirm, published);
+        // The message is taken (stored, proposed or refused): its connection may send more,
+        // unless the store's writer is behind or its consumers are (egress).
+        self.hold_credit(cell, credit);
+    }
+
     /// Executes one operation. Called by the owner core in arrival order.
     pub fn handle(cell: &QueueCell, op: QueueOp) {
         let mut q = cell.borrow_mut();
         q.used |= !matches!(op, QueueOp::Info { .. });
         match op {
-            QueueOp::Publish { message, confirm, published, credit } => {
-                q.counters.published += 1;
-                q.publish(cell, message, confirm, published);
-                // The message is taken (stored, proposed or refused): its connection may send
-                // more, unless the store's writer is behind.
-                q.hold_credit(cell, credit);
-            }
+            QueueOp::Publish { message, confirm, published, credit } => q.take_publish(cell, message, confirm, published, || credit),
             QueueOp::Get { no_ack, holder, reply } => {
                 q.renew_lease();
                 drop(q);
