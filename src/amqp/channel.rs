@@ -53,7 +53,8 @@ pub struct PendingPublish {
     pub mandatory: bool,
     /// Set once the header frame arrived: declared body size in bytes.
     pub body_size: Option<u64>,
-    /// Parsed properties (after the header frame).
+    /// Parsed properties (after the header frame); `None` for a plain header, whose
+    /// properties are read from `raw_properties` (`codec::plain_properties`).
     pub properties: Option<Box<AMQPProperties>>,
     /// Raw properties as received.
     pub raw_properties: Bytes,

@@ -46,8 +46,10 @@ pub enum Frame {
         class_id: u16,
         /// Total body size in bytes.
         body_size: u64,
-        /// Parsed properties.
-        properties: Box<AMQPProperties>,
+        /// Parsed properties; `None` for the plain forms (no property, or `delivery_mode`
+        /// alone), which [`plain_properties`] reads from the raw ones (parsing and boxing
+        /// them was 2 % of a core at 1 M msgs/s).
+        properties: Option<Box<AMQPProperties>>,
         /// The property flags and fields exactly as received (what a delivery sends back).
         raw_properties: Bytes,
     },
@@ -168,10 +170,14 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
     if frame_type == FRAME_HEADER {
         // Parsed in place too; only the raw properties are kept (12 bytes in: class id,
         // weight, body size), and the two forms nearly every publisher sends are static.
-        let (class_id, body_size, properties) = match decode_header(&buf[7..7 + size]) {
-            Some(Ok(parsed)) => parsed,
-            Some(Err(e)) => return Err(e),
-            None => return Err(AmqpError::syntax_error("malformed content header frame")),
+        let payload = &buf[7..7 + size];
+        let (class_id, body_size, properties) = match plain_header(payload) {
+            Some((class_id, body_size)) => (class_id, body_size, None),
+            None => match decode_header(payload) {
+                Some(Ok((class_id, body_size, properties))) => (class_id, body_size, Some(Box::new(properties))),
+                Some(Err(e)) => return Err(e),
+                None => return Err(AmqpError::syntax_error("malformed content header frame")),
+            },
         };
         let raw_properties = match &buf[7 + 12..7 + size] {
             [0, 0] => Bytes::from_static(&[0, 0]),
@@ -181,11 +187,11 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<Frame>,
                 buf.advance(7 + 12);
                 let raw = buf.split_to(size - 12).freeze();
                 buf.advance(1);
-                return Ok(Some(Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties: raw }));
+                return Ok(Some(Frame::Header { channel, class_id, body_size, properties, raw_properties: raw }));
             }
         };
         buf.advance(7 + size + 1);
-        return Ok(Some(Frame::Header { channel, class_id, body_size, properties: Box::new(properties), raw_properties }));
+        return Ok(Some(Frame::Header { channel, class_id, body_size, properties, raw_properties }));
     }
     buf.advance(7);
     let frame = match frame_type {
@@ -274,6 +280,28 @@ fn decode_header(payload: &[u8]) -> Option<Result<(u16, u64, AMQPProperties), Am
         }
         Ok((&[], header)) => Some(Ok((header.class_id, header.body_size, header.properties))),
         _ => None,
+    }
+}
+
+/// A content header payload of a plain form (spec 4.2.6.1: class, weight, body size, then
+/// property flags announcing no property, or `delivery_mode` alone, and nothing else):
+/// its class id and body size. `None` for any other payload.
+fn plain_header(payload: &[u8]) -> Option<(u16, u64)> {
+    let flags = u16::from_be_bytes([*payload.get(12)?, *payload.get(13)?]);
+    match (flags, payload.len()) {
+        (NO_PROPERTIES, 14) | (DELIVERY_MODE_ONLY, 15) => {
+            Some((u16::from_be_bytes([payload[0], payload[1]]), u64::from_be_bytes(payload[4..12].try_into().expect("8 bytes"))))
+        }
+        _ => None,
+    }
+}
+
+/// The properties of a plain content header ([`Frame::Header`] without parsed ones) from
+/// its raw properties: `delivery_mode` when given, nothing else.
+pub fn plain_properties(raw: &[u8]) -> AMQPProperties {
+    match raw {
+        &[0x10, 0, mode] => AMQPProperties::default().with_delivery_mode(mode),
+        _ => AMQPProperties::default(),
     }
 }
 
@@ -501,7 +529,7 @@ mod tests {
             match f {
                 Frame::Header { body_size, properties, raw_properties, .. } => {
                     assert_eq!(body_size, 10_000);
-                    assert_eq!(*properties, props);
+                    assert_eq!(*properties.expect("parsed"), props);
                     assert_eq!(&raw_properties[..], &raw[..]);
                 }
                 Frame::Body { payload, .. } => {
@@ -535,7 +563,9 @@ mod tests {
         for (i, props) in forms.iter().enumerate() {
             match decode_frame(&mut b, 4096).unwrap() {
                 Some(Frame::Header { body_size: 3, properties, raw_properties, .. }) => {
-                    assert_eq!(*properties, *props, "form {i}");
+                    assert_eq!(properties.is_none(), i < 4, "form {i}: only the plain ones are left unparsed");
+                    let properties = properties.map_or_else(|| plain_properties(&raw_properties), |p| *p);
+                    assert_eq!(properties, *props, "form {i}");
                     assert_eq!(&raw_properties[..], &encode_properties(props)[..], "form {i}");
                 }
                 f => panic!("form {i}: expected a header, got {f:?}"),

@@ -121,7 +121,7 @@ impl Session {
                     return Err(AmqpError::unexpected_frame(format!("content header of class {class_id}, expected 60")));
                 }
                 p.body_size = Some(body_size);
-                p.properties = Some(properties);
+                p.properties = properties;
                 p.raw_properties = raw_properties;
                 let max = self.core.shared.config.max_message_size;
                 if body_size > max {

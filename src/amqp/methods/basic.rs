@@ -427,22 +427,23 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
             Some(_) => {}
         }
     }
-    let mut props = p.properties.take().unwrap_or_default();
+    // `None`: a plain header, no property but perhaps `delivery_mode` (`codec::plain_properties`).
+    let mut props = p.properties.take();
     // A per-message TTL (RabbitMQ's `check_expiration_header`): its deadline is fixed here,
     // at publish, and goes with the message (`broker::queue::ttl`).
-    let expires_in = match props.expiration() {
+    let expires_in = match props.as_ref().and_then(|p| p.expiration().as_ref()) {
         None => None,
         Some(e) => {
             Some(parse_expiration(e.as_str()).map_err(|why| AmqpError::precondition_failed(format!("invalid expiration '{e}': {why}")))?)
         }
     };
-    if props.reply_to().as_ref().is_some_and(|r| r.as_str() == reply_to::PSEUDO_QUEUE) {
+    if let Some(props) = props.as_mut().filter(|p| p.reply_to().as_ref().is_some_and(|r| r.as_str() == reply_to::PSEUDO_QUEUE)) {
         let name = s.st.borrow().channels.get(&channel).and_then(|c| c.reply_to.as_ref().map(|r| r.name.clone()));
         let name = name.ok_or_else(|| AmqpError::precondition_failed("fast reply consumer does not exist"))?;
-        *props = props.with_reply_to(name.as_str().into());
-        p.raw_properties = encode_properties(&props).into();
+        **props = std::mem::take(&mut **props).with_reply_to(name.as_str().into());
+        p.raw_properties = encode_properties(props).into();
     }
-    let headers = props.headers().as_ref();
+    let headers = props.as_ref().and_then(|p| p.headers().as_ref());
     let queues: Rc<[crate::broker::QueueRef]> = match p.exchange.is_empty().then(|| reply_to::target(&vhost, &p.routing_key)).flatten() {
         // A reply to a name of this node that is no longer consumed is unroutable (a
         // mandatory one comes back); another node's name is that node's to judge.
@@ -450,7 +451,10 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
         Some(t) => Rc::new([t]),
         None => router.route_shared(&vhost, &p.exchange, &p.routing_key, headers),
     };
-    let persistent = *props.delivery_mode() == Some(2);
+    let persistent = match &props {
+        Some(props) => *props.delivery_mode() == Some(2),
+        None => p.raw_properties[..] == [0x10, 0, 2],
+    };
     let body = p.take_body();
     let mut message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
     if let Some(ttl) = expires_in {
