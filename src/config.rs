@@ -82,8 +82,9 @@ pub struct Cli {
     /// Spinning trades CPU for wake-up latency: for machines whose cores are the broker's alone.
     #[arg(long, value_name = "US")]
     pub spin_before_park_us: Option<u64>,
-    /// Move a connection whose publishes all go to queues of another core to that core, so a
-    /// flow stays on one core [default: true]
+    /// Move a connection whose publishes all go to queues of another core to that core, and a
+    /// connection that only consumes from queues of another core to that core, so a flow
+    /// stays on one core [default: true]
     #[arg(long, value_name = "BOOL")]
     pub move_publishers: Option<bool>,
     /// Free bytes on the data directory's filesystem below which the disk alarm is raised:

@@ -1,7 +1,9 @@
-//! A publishing connection moves to the core of the queue it publishes to (issue 15 item 3,
+//! A publishing connection moves to the core of the queue it publishes to, and a consuming
+//! one to the core of the queue it consumes from (issue 15 item 3,
 //! `amqp::connection::handoff`): the client (lapin) sees nothing, every message arrives
-//! once and in order, every confirm comes; a connection that consumes, or a broker started
-//! with `--move-publishers false`, stays where the kernel put it.
+//! once and in order, every confirm comes, deliveries left unacked before the move are acked
+//! after it; a connection that publishes and consumes, or a broker started with
+//! `--move-publishers false`, stays where the kernel put it.
 //!
 //! ringmq only (cores are ringmq's notion); every wait is bounded.
 
@@ -12,7 +14,7 @@ use std::time::Duration;
 
 use common::http::{get_json, http_get};
 use common::*;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 
@@ -108,6 +110,54 @@ async fn a_publisher_moves_to_its_queues_core_and_the_client_sees_nothing() {
     }
     assert_no_delivery(&mut consumer, Duration::from_millis(300), "after 3,000").await;
     assert_eq!(ready_count(&cch, &q).await, 0);
+}
+
+#[tokio::test]
+async fn a_consumer_moves_to_its_queues_core_with_its_unacked_deliveries() {
+    let b = Broker::start();
+    require_own_broker!(b, "ringmq's cores");
+    let port = b.management_port();
+    // The queue is declared by a setup connection, on that connection's core.
+    let (_sc, sch, q, q_core) = consumer_queue(&b, "follow").await;
+    let (cc, c_name) = connection_off_core(&b, q_core).await;
+    let cch = t("channel", cc.create_channel()).await.unwrap();
+    t("basic.qos", cch.basic_qos(100, BasicQosOptions::default())).await.unwrap();
+    let mut consumer =
+        t("basic.consume", cch.basic_consume(q.as_str().into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()))
+            .await
+            .unwrap();
+    confirm_mode(&sch).await;
+    publish_run(&sch, &q, 0, 2_000).await;
+    assert_eq!(moved(&b), 0.0);
+
+    // The first 10 stay unacked across the move; the rest are acked as they come.
+    let mut kept = Vec::new();
+    for i in 0..2_000u32 {
+        let d = next_delivery(&mut consumer, Duration::from_secs(10)).await;
+        assert_eq!(d.data, i.to_be_bytes(), "message {i} in order, once");
+        assert!(!d.redelivered, "message {i}");
+        if i < 10 {
+            kept.push(d.delivery_tag);
+        } else {
+            t("basic.ack", cch.basic_ack(d.delivery_tag, BasicAckOptions::default())).await.unwrap();
+        }
+    }
+    assert_eq!(core_of(port, "connections", &c_name), q_core, "the consumer's connection after 2,000 deliveries");
+    assert_eq!(moved(&b), 1.0, "one move");
+    for tag in kept {
+        t("basic.ack", cch.basic_ack(tag, BasicAckOptions::default())).await.unwrap();
+    }
+    // Deliveries go on on the new core, and every ack took: nothing comes back when the
+    // consumer's connection closes.
+    publish_run(&sch, &q, 2_000, 2_100).await;
+    for i in 2_000..2_100u32 {
+        let d = next_delivery(&mut consumer, Duration::from_secs(10)).await;
+        assert_eq!(d.data, i.to_be_bytes(), "message {i} after the move");
+        t("basic.ack", cch.basic_ack(d.delivery_tag, BasicAckOptions::default())).await.unwrap();
+    }
+    assert!(cc.status().connected(), "lapin still connected");
+    t("close", cc.close(200, "done".into())).await.unwrap();
+    assert_eq!(ready_count(&sch, &q).await, 0, "no delivery came back: every ack, before and after the move, took");
 }
 
 #[tokio::test]

@@ -1,4 +1,5 @@
-//! A publishing connection moves to the core of the queue it publishes to.
+//! A publishing connection moves to the core of the queue it publishes to; a consuming one to
+//! the core of the queues it consumes from.
 //!
 //! A connection lives on the core whose accept thread took it, and that is chosen by the
 //! kernel (SO_REUSEPORT); a queue lives on the core of the connection that declared it
@@ -12,11 +13,22 @@
 //! bytes read but not yet taken go to that core through its inbox, where the connection
 //! goes on as it was (`adopt`). The client sees nothing.
 //!
+//! A queue declared by another connection (a setup connection, or the publisher) may lie on
+//! another core than its consumer's connection, and then every delivery and every ack
+//! crosses cores. So a connection that never published and whose consumers all consume from
+//! queues of one other core of this node moves there too, once its last [`MOVE_AFTER`]
+//! deliveries all came from there ([`Session::delivered_from`]). Its consumers, its unsettled
+//! deliveries (the ledger) and its delivery tags go with its state: the queues know it by
+//! connection and channel id and send to its event channel, which moves with it. The reader
+//! stops between two frames, so a consumer that sends none (auto-ack, no heartbeat) stays
+//! until it sends one.
+//!
 //! # Invariants
 //! - Only a connection that holds nothing another task or queue waits on moves: a plain
-//!   socket (not TLS), not closing or blocked, no consumer, no unsettled delivery, no
-//!   transaction, no direct reply-to, no exclusive queue, no message half received, and no
-//!   task holding its session besides its two halves. What a queue sends it meanwhile
+//!   socket (not TLS), not closing or blocked, no transaction, no direct reply-to, no
+//!   exclusive queue, no message half received, and no task holding its session besides its
+//!   two halves; a publisher with no consumer and no unsettled delivery, a consumer that
+//!   never published and consumes only from queues of the core it moves to. What a queue sends it meanwhile
 //!   (confirms) waits in its event channel, which moves with it.
 //! - Order: the publishes it sent to the new core's queues went through that core's inbox
 //!   before the hand-off message, so they are taken before any publish after the move.
@@ -55,6 +67,8 @@ pub struct Handoff {
     to: Option<u32>,
     /// The reader stopped for the move: the writer pauses once it wrote what it has.
     pausing: bool,
+    /// The move follows its consumers' queues (module doc), not its publishes.
+    consuming: bool,
 }
 
 impl Handoff {
@@ -70,7 +84,27 @@ impl Handoff {
 
     /// Calls off a move that could not be carried out: the connection stays.
     fn call_off(&mut self) {
-        (self.to, self.pausing, self.run) = (None, false, 0);
+        (self.to, self.pausing, self.run, self.consuming) = (None, false, 0, false);
+    }
+
+    /// Counts `n` more operations in a row toward core `c`, or ends the run (`None`);
+    /// true once the run reached [`MOVE_AFTER`] and a move may be decided.
+    fn count(&mut self, c: Option<u32>, n: u32) -> bool {
+        match c {
+            Some(c) => {
+                if self.toward != c {
+                    (self.toward, self.run) = (c, 0);
+                }
+                self.run = self.run.saturating_add(n);
+            }
+            None => self.run = 0,
+        }
+        if self.run < MOVE_AFTER || self.to.is_some() {
+            return false;
+        }
+        // Checked once per run of MOVE_AFTER, not on each.
+        self.run = 0;
+        self.moved_at.is_none_or(|t| t.elapsed() >= MOVE_INTERVAL)
     }
 }
 
@@ -101,22 +135,24 @@ impl Session {
             _ => None,
         };
         let mut st = self.st.borrow_mut();
-        let h = &mut st.handoff;
-        match target {
-            Some(c) if c != self.core.id => {
-                if h.toward != c {
-                    (h.toward, h.run) = (c, 0);
-                }
-                h.run = h.run.saturating_add(1);
-            }
-            _ => h.run = 0,
+        let target = target.filter(|&c| c != self.core.id);
+        if st.handoff.count(target, 1) && settled(&st, None) {
+            st.handoff.to = Some(st.handoff.toward);
         }
-        if h.run >= MOVE_AFTER && h.to.is_none() {
-            // Checked once per run of MOVE_AFTER publishes, not on each.
-            h.run = 0;
-            if h.moved_at.is_none_or(|t| t.elapsed() >= MOVE_INTERVAL) && settled(&st) {
-                st.handoff.to = Some(st.handoff.toward);
-            }
+    }
+
+    /// Counts `n` deliveries from `queue` toward a move (module doc). Called by the writer.
+    pub(super) fn delivered_from(&self, st: &mut ConnState, queue: &QueueRef, n: u32) {
+        if !self.movable || !self.core.shared.config.move_publishers || st.published {
+            return;
+        }
+        let here = self.core.shared.meta.node_id();
+        let target = (queue.owner_node == here && queue.owner_core != DIRECT_CORE)
+            .then(|| queue.owner_core % self.core.shared.cores)
+            .filter(|&c| c != self.core.id);
+        if st.handoff.count(target, n) && settled(st, Some((here, st.handoff.toward, self.core.shared.cores))) {
+            st.handoff.to = Some(st.handoff.toward);
+            st.handoff.consuming = true;
         }
     }
 
@@ -127,7 +163,11 @@ impl Session {
     /// for a reply would be one more).
     pub(super) fn start_move(self: &Rc<Self>, holders: usize) -> bool {
         let mut st = self.st.borrow_mut();
-        if !settled(&st) || Rc::strong_count(self) != holders {
+        let consuming = match (st.handoff.consuming, st.handoff.to) {
+            (true, Some(to)) => Some((self.core.shared.meta.node_id(), to, self.core.shared.cores)),
+            _ => None,
+        };
+        if !settled(&st, consuming) || Rc::strong_count(self) != holders {
             st.handoff.call_off();
             return false;
         }
@@ -139,18 +179,27 @@ impl Session {
     }
 }
 
-/// Whether the connection holds nothing that ties it to its core (module doc).
-fn settled(st: &ConnState) -> bool {
+/// Whether the connection holds nothing that ties it to its core (module doc). `consuming`:
+/// the move follows its consumers to core `.1` of node `.0` (of `.2` cores); without it, a
+/// consumer or an unsettled delivery ties the connection.
+fn settled(st: &ConnState, consuming: Option<(crate::meta::NodeId, u32, u32)>) -> bool {
+    let consumers_go = |c: &crate::amqp::channel::Channel| match consuming {
+        None => c.consumers.is_empty() && c.ledger.is_empty(),
+        Some((node, core, cores)) => c
+            .consumers
+            .values()
+            .all(|x| x.queue.owner_node == node && x.queue.owner_core != DIRECT_CORE && x.queue.owner_core % cores == core),
+    };
     st.closing.is_none()
         && !st.finish
         && !st.linger
         && !st.peer_gone
         && !st.blocked
+        && (consuming.is_none() || !st.published)
         && st.exclusive_queues.is_empty()
         && st.channels.values().all(|c| {
             c.state == crate::amqp::channel::ChannelState::Open
-                && c.consumers.is_empty()
-                && c.ledger.is_empty()
+                && consumers_go(c)
                 && c.tx.is_none()
                 && c.reply_to.is_none()
                 && c.publish.is_none()
@@ -194,7 +243,7 @@ pub(super) fn send_away(
     let m = Migrant { stream: std::net::TcpStream::from(dup), id, tx, rx, pending_bytes, credit, st, unblocked, unblocked_rx, leftover };
     core.conns.borrow_mut().remove(&id);
     Stats::add(&core.stats().connections_moved, 1);
-    tracing::debug!(conn = %id, from = core.id, to, "connection moves to its queue's core");
+    tracing::debug!(conn = %id, from = core.id, to, "connection moves to its queues' core");
     let work = OnCore(Box::new(move |node: &Rc<Node>| {
         glommio::spawn_local(adopt(node.clone(), m)).detach();
     }));

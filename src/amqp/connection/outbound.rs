@@ -167,6 +167,7 @@ impl Session {
             ClientEvent::Deliver(d) => {
                 let mut st = self.st.borrow_mut();
                 let frame_max = st.frame_max;
+                self.delivered_from(&mut st, &d.queue, 1);
                 let unacked = d.track.then_some(Unacked { queue: d.queue, offset: d.offset });
                 let Some(tag) = tags::assign_delivery_tag(&mut st.channels, d.channel.0, d.chan_uid, unacked) else {
                     // The channel is gone; its ChannelClosed requeues this delivery.
@@ -179,6 +180,7 @@ impl Session {
             }
             ClientEvent::Deliveries(b) => {
                 let mut st = self.st.borrow_mut();
+                self.delivered_from(&mut st, &b.queue, b.items.len() as u32);
                 let frame_max = st.frame_max;
                 let mut n = 0;
                 for (offset, redelivered, message) in &b.items {
