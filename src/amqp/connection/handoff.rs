@@ -28,8 +28,9 @@
 //!   socket (not TLS), not closing or blocked, no transaction, no direct reply-to, no
 //!   exclusive queue, no message half received, and no task holding its session besides its
 //!   two halves; a publisher with no consumer and no unsettled delivery, a consumer that
-//!   never published and consumes only from queues of the core it moves to. What a queue sends it meanwhile
-//!   (confirms) waits in its event channel, which moves with it.
+//!   never published and consumes only from queues of the core it moves to. What a queue
+//!   sends it meanwhile (confirms, deliveries) waits in its event channel, which moves with
+//!   it.
 //! - Order: the publishes it sent to the new core's queues went through that core's inbox
 //!   before the hand-off message, so they are taken before any publish after the move.
 //! - A connection moves at most once per [`MOVE_INTERVAL`], so a connection that publishes
