@@ -32,15 +32,17 @@ fn core_of(port: u16, what: &str, name: &str) -> u64 {
 }
 
 /// Opens lapin connections until one is served by a core other than `not` (the kernel picks
-/// the core: 32 tries at most); returns it and its name. The others are closed.
-async fn connection_off_core(b: &Broker, not: u64) -> (Connection, String) {
+/// the core: 32 tries at most); returns it, its name and a channel on it. The others are
+/// closed.
+async fn connection_off_core(b: &Broker, not: u64) -> (Connection, String, lapin::Channel) {
     let port = b.management_port();
     for _ in 0..32 {
         let before = connection_names(port);
         let c = connect(b).await;
         let name = connection_names(port).difference(&before).next().cloned().expect("the new connection is listed");
         if core_of(port, "connections", &name) != not {
-            return (c, name);
+            let ch = t("channel", c.create_channel()).await.unwrap();
+            return (c, name, ch);
         }
         let _ = c.close(200, "wrong core".into()).await;
     }
@@ -84,8 +86,7 @@ async fn a_publisher_moves_to_its_queues_core_and_the_client_sees_nothing() {
     require_own_broker!(b, "ringmq's cores");
     let port = b.management_port();
     let (_cc, cch, q, q_core) = consumer_queue(&b, "handoff").await;
-    let (pc, p_name) = connection_off_core(&b, q_core).await;
-    let pch = t("channel", pc.create_channel()).await.unwrap();
+    let (pc, p_name, pch) = connection_off_core(&b, q_core).await;
     confirm_mode(&pch).await;
     assert_eq!(moved(&b), 0.0);
 
@@ -119,8 +120,7 @@ async fn a_consumer_moves_to_its_queues_core_with_its_unacked_deliveries() {
     let port = b.management_port();
     // The queue is declared by a setup connection, on that connection's core.
     let (_sc, sch, q, q_core) = consumer_queue(&b, "follow").await;
-    let (cc, c_name) = connection_off_core(&b, q_core).await;
-    let cch = t("channel", cc.create_channel()).await.unwrap();
+    let (cc, c_name, cch) = connection_off_core(&b, q_core).await;
     t("basic.qos", cch.basic_qos(100, BasicQosOptions::default())).await.unwrap();
     let mut consumer =
         t("basic.consume", cch.basic_consume(q.as_str().into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()))
@@ -168,9 +168,9 @@ async fn a_connection_that_consumes_or_spreads_its_publishes_stays() {
     let (_cc, _cch, q, q_core) = consumer_queue(&b, "stay").await;
 
     // A consumer on the publishing connection ties it to its core.
-    let (pc, p_name) = connection_off_core(&b, q_core).await;
+    let (pc, p_name, first) = connection_off_core(&b, q_core).await;
     let own_core = core_of(port, "connections", &p_name);
-    let own = plain_queue(&t("channel", pc.create_channel()).await.unwrap(), "own").await;
+    let own = plain_queue(&first, "own").await;
     let consuming = t("channel", pc.create_channel()).await.unwrap();
     let _consumer =
         t("basic.consume", consuming.basic_consume(own.as_str().into(), "mine".into(), Default::default(), FieldTable::default()))
@@ -182,9 +182,8 @@ async fn a_connection_that_consumes_or_spreads_its_publishes_stays() {
     assert_eq!(core_of(port, "connections", &p_name), own_core, "a consuming connection stays");
 
     // Publishes alternating between a queue of each core never make a run long enough.
-    let (pc2, p2_name) = connection_off_core(&b, q_core).await;
+    let (_pc2, p2_name, ch2) = connection_off_core(&b, q_core).await;
     let p2_core = core_of(port, "connections", &p2_name);
-    let ch2 = t("channel", pc2.create_channel()).await.unwrap();
     let here = plain_queue(&ch2, "here").await;
     assert_eq!(core_of(port, "queues", &here), p2_core);
     confirm_mode(&ch2).await;
@@ -201,8 +200,7 @@ async fn with_move_publishers_false_a_publisher_stays() {
     require_own_broker!(b, "ringmq's cores");
     let port = b.management_port();
     let (_cc, _cch, q, q_core) = consumer_queue(&b, "off").await;
-    let (pc, p_name) = connection_off_core(&b, q_core).await;
-    let pch = t("channel", pc.create_channel()).await.unwrap();
+    let (_pc, p_name, pch) = connection_off_core(&b, q_core).await;
     confirm_mode(&pch).await;
     publish_run(&pch, &q, 0, 1_000).await;
     assert_ne!(core_of(port, "connections", &p_name), q_core);

@@ -299,9 +299,17 @@ fn plain_header(payload: &[u8]) -> Option<(u16, u64)> {
 /// The properties of a plain content header ([`Frame::Header`] without parsed ones) from
 /// its raw properties: `delivery_mode` when given, nothing else.
 pub fn plain_properties(raw: &[u8]) -> AMQPProperties {
-    match raw {
-        &[0x10, 0, mode] => AMQPProperties::default().with_delivery_mode(mode),
-        _ => AMQPProperties::default(),
+    match plain_delivery_mode(raw) {
+        Some(mode) => AMQPProperties::default().with_delivery_mode(mode),
+        None => AMQPProperties::default(),
+    }
+}
+
+/// The `delivery_mode` of a plain content header's raw properties, when given.
+pub fn plain_delivery_mode(raw: &[u8]) -> Option<u8> {
+    match *raw {
+        [0x10, 0, mode] => Some(mode),
+        _ => None,
     }
 }
 

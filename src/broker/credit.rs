@@ -178,7 +178,7 @@ impl Node {
         };
         // A replicated copy that does not serve (a failover not acted on yet) takes the
         // general path, which reopens it as the server first.
-        match open.filter(|cell| !cell.borrow().replicated() || cell.borrow().serving()) {
+        match open.filter(|cell| cell.borrow().serving()) {
             Some(cell) => Queue::publish_local(&cell, message, confirm, published, || Some(pool.take(bytes))),
             None => self.send_from_connection(queue, QueueOp::Publish { message, confirm, published, credit: Some(pool.take(bytes)) }),
         }

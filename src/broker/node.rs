@@ -342,7 +342,7 @@ impl Node {
         match queues.get_mut(&qref.key) {
             Some(Slot::Open(cell)) => {
                 let cell = cell.clone();
-                let take_over = !replicated && cell.borrow().replicated() && !cell.borrow().serving();
+                let take_over = !replicated && !cell.borrow().serving();
                 if take_over {
                     // The metadata says this node serves it now (a failover the watch has not
                     // acted on yet): the copy reopens as the server first, the op waits.

@@ -129,14 +129,11 @@ impl Session {
         if !self.movable || !self.core.shared.config.move_publishers {
             return;
         }
-        let here = self.core.shared.meta.node_id();
-        let cores = self.core.shared.cores;
         let target = match queues {
-            [q] if q.owner_node == here && q.owner_core != DIRECT_CORE => Some(q.owner_core % cores),
+            [q] => self.other_core_of(q),
             _ => None,
         };
         let mut st = self.st.borrow_mut();
-        let target = target.filter(|&c| c != self.core.id);
         if st.handoff.count(target, 1) && settled(&st, None) {
             st.handoff.to = Some(st.handoff.toward);
         }
@@ -147,14 +144,23 @@ impl Session {
         if !self.movable || !self.core.shared.config.move_publishers || st.published {
             return;
         }
-        let here = self.core.shared.meta.node_id();
-        let target = (queue.owner_node == here && queue.owner_core != DIRECT_CORE)
-            .then(|| queue.owner_core % self.core.shared.cores)
-            .filter(|&c| c != self.core.id);
-        if st.handoff.count(target, n) && settled(st, Some((here, st.handoff.toward, self.core.shared.cores))) {
+        let target = self.other_core_of(queue);
+        if st.handoff.count(target, n) && settled(st, Some(&|q| self.core_of(q) == Some(st.handoff.toward))) {
             st.handoff.to = Some(st.handoff.toward);
             st.handoff.consuming = true;
         }
+    }
+
+    /// The core of this node that serves `queue`; `None` for another node's queue or the
+    /// direct reply-to pseudo-queue.
+    fn core_of(&self, queue: &QueueRef) -> Option<u32> {
+        let here = queue.owner_node == self.core.shared.meta.node_id() && queue.owner_core != DIRECT_CORE;
+        here.then(|| queue.owner_core % self.core.shared.cores)
+    }
+
+    /// [`Session::core_of`], when it is not this connection's own core: where a move would go.
+    fn other_core_of(&self, queue: &QueueRef) -> Option<u32> {
+        self.core_of(queue).filter(|&c| c != self.core.id)
     }
 
     /// Called by the reader between two frames once a move is due: true when the reader
@@ -164,11 +170,9 @@ impl Session {
     /// for a reply would be one more).
     pub(super) fn start_move(self: &Rc<Self>, holders: usize) -> bool {
         let mut st = self.st.borrow_mut();
-        let consuming = match (st.handoff.consuming, st.handoff.to) {
-            (true, Some(to)) => Some((self.core.shared.meta.node_id(), to, self.core.shared.cores)),
-            _ => None,
-        };
-        if !settled(&st, consuming) || Rc::strong_count(self) != holders {
+        let to = st.handoff.to.filter(|_| st.handoff.consuming);
+        let on_target = |q: &QueueRef| self.core_of(q) == to;
+        if !settled(&st, to.map(|_| &on_target as &dyn Fn(&QueueRef) -> bool)) || Rc::strong_count(self) != holders {
             st.handoff.call_off();
             return false;
         }
@@ -181,15 +185,12 @@ impl Session {
 }
 
 /// Whether the connection holds nothing that ties it to its core (module doc). `consuming`:
-/// the move follows its consumers to core `.1` of node `.0` (of `.2` cores); without it, a
+/// the move follows its consumers, each of whose queues it must accept; without it, a
 /// consumer or an unsettled delivery ties the connection.
-fn settled(st: &ConnState, consuming: Option<(crate::meta::NodeId, u32, u32)>) -> bool {
+fn settled(st: &ConnState, consuming: Option<&dyn Fn(&QueueRef) -> bool>) -> bool {
     let consumers_go = |c: &crate::amqp::channel::Channel| match consuming {
         None => c.consumers.is_empty() && c.ledger.is_empty(),
-        Some((node, core, cores)) => c
-            .consumers
-            .values()
-            .all(|x| x.queue.owner_node == node && x.queue.owner_core != DIRECT_CORE && x.queue.owner_core % cores == core),
+        Some(goes) => c.consumers.values().all(|x| goes(&x.queue)),
     };
     st.closing.is_none()
         && !st.finish

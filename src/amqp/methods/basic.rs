@@ -10,7 +10,7 @@ use amq_protocol::protocol::{basic, AMQPClass};
 use super::queue::lookup;
 use super::{authorize, unique_suffix};
 use crate::amqp::channel::{ChannelConsumer, PendingPublish};
-use crate::amqp::codec::{encode_content, encode_method};
+use crate::amqp::codec::{encode_content, encode_method, plain_delivery_mode};
 use crate::amqp::connection::Session;
 use crate::amqp::error::{code, AmqpError};
 use crate::amqp::transaction::{Routed, SettleKind};
@@ -453,7 +453,7 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
     };
     let persistent = match &props {
         Some(props) => *props.delivery_mode() == Some(2),
-        None => p.raw_properties[..] == [0x10, 0, 2],
+        None => plain_delivery_mode(&p.raw_properties) == Some(2),
     };
     let body = p.take_body();
     let mut message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
@@ -490,7 +490,6 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
         return;
     }
     let published = crate::observe::sample().then(std::time::Instant::now);
-    let last = queues.len() - 1;
     let chan_uid = chan_uid(s, channel);
     let bytes = message.body.len() + message.header.len();
     if let [q] = &queues[..] {
@@ -498,6 +497,7 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
         s.core.publish_from_connection(q, message, confirm, published, &s.credit, bytes);
         return;
     }
+    let last = queues.len() - 1;
     // One credit for the message, whatever the fanout (`broker::credit`).
     let mut credit = Some(s.credit.take(bytes));
     let mut message = Some(message);
