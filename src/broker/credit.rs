@@ -159,7 +159,8 @@ impl Node {
     /// Hands a publish of one of this core's connections to `queue`, with credit for
     /// `bytes` (body and header) from the connection's `pool`. An open queue of this core
     /// and node that serves it takes it at once, and the credit only if it keeps it; any
-    /// other goes as a `QueueOp::Publish` with its credit taken.
+    /// other goes as a `QueueOp::Publish` with its credit taken (so does every publish while
+    /// some are parked: `remote::park_behind` must see it).
     pub fn publish_from_connection(
         self: &Rc<Self>,
         queue: &QueueRef,
@@ -171,7 +172,8 @@ impl Node {
     ) {
         let local = queue.owner_core != super::reply_to::DIRECT_CORE
             && queue.owner_core % self.shared.cores == self.id
-            && queue.owner_node == self.shared.meta.node_id();
+            && queue.owner_node == self.shared.meta.node_id()
+            && !self.shared.remote.as_ref().is_some_and(|r| r.parking());
         let open = match self.queues.borrow().get(&queue.key) {
             Some(Slot::Open(cell)) if local => Some(cell.clone()),
             _ => None,

@@ -278,7 +278,7 @@ impl ChannelCredit {
 }
 
 /// A consumer as the queue sees it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ConsumerSpec {
     /// Unique id.
     pub id: ConsumerId,

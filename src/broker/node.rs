@@ -321,6 +321,7 @@ impl Node {
         if qref.owner_core == super::reply_to::DIRECT_CORE {
             return self.direct_reply(qref, here, op);
         }
+        let Some(op) = self.steered(qref, op) else { return };
         // Replicated data is for this node's own store, whoever serves the queue.
         let replicated = matches!(op, QueueOp::Replicated(_));
         if qref.owner_node != here && !replicated {

@@ -210,6 +210,9 @@ impl super::node::Node {
         loop {
             glommio::timer::sleep(WATCH_PERIOD).await;
             if self.id == 0 {
+                if let Some(remote) = &self.shared.remote {
+                    remote.retry_held();
+                }
                 self.move_queues_of_gone_peers(&mut watch).await;
                 self.grow_replica_sets(&mut grows).await;
             }

@@ -10,7 +10,8 @@ use super::Remote;
 use crate::broker::credit::CreditHeld;
 use crate::broker::queue::consumer::pending_weight;
 use crate::broker::{
-    ChannelId, ClientEvent, ClientTx, ConnId, ConsumerTag, Delivery, GetReply, Offset, QueueError, QueueOp, QueueRef, Reply,
+    ChannelId, ClientEvent, ClientTx, ConfirmTo, ConnId, ConsumerSpec, ConsumerTag, Delivery, GetReply, Offset, QueueError, QueueKey,
+    QueueOp, QueueRef, Reply,
 };
 use crate::meta::NodeId;
 
@@ -44,7 +45,7 @@ struct Conn {
 }
 
 /// A consumer of another node's queue.
-struct Consumer {
+pub(super) struct Consumer {
     peer: NodeId,
     conn: u64,
     channel: u16,
@@ -52,6 +53,10 @@ struct Consumer {
     cancel_notify: bool,
     /// basic.cancel sent, its cancel-ok not back yet: `Some(send_ok)`.
     cancelling: Option<bool>,
+    /// Its queue and itself as sent, to follow the queue to its next server
+    /// (`failover.rs`, rule 4).
+    queue: QueueKey,
+    spec: ConsumerSpec,
 }
 
 /// A's forwarding state (under `Remote::client`).
@@ -60,7 +65,7 @@ pub struct ClientSide {
     /// Requests waiting for their reply, with their queue (whose node answers).
     waiting: HashMap<u64, (QueueRef, Waiting)>,
     conns: HashMap<u64, Conn>,
-    consumers: HashMap<u64, Consumer>,
+    pub(super) consumers: HashMap<u64, Consumer>,
     /// Confirms not answered yet: (peer, conn, chan_uid, seq) → (channel, answers due: one
     /// per target queue on that peer).
     confirms: HashMap<(NodeId, u64, u64, u64), (u16, u32)>,
@@ -69,6 +74,9 @@ pub struct ClientSide {
     /// `broker::credit`): (peer, conn) → credits. An entry stays while the connection lives
     /// (it names the peers to tell when the connection closes).
     held: HashMap<(NodeId, u64), VecDeque<Arc<CreditHeld>>>,
+    /// Publishes and consumers held while their replicated queue has no server in reach
+    /// (`failover.rs`).
+    pub(super) failover: super::failover::Held,
 }
 
 impl ClientSide {
@@ -79,7 +87,7 @@ impl ClientSide {
     }
 }
 
-fn unreachable(qref: &QueueRef, why: &str) -> QueueError {
+pub(super) fn unreachable(qref: &QueueRef, why: &str) -> QueueError {
     QueueError::NotFound(format!(
         "home node {} of queue '{}' in vhost '{}' is down or inaccessible ({why})",
         qref.owner_node, qref.key.name, qref.key.vhost
@@ -88,35 +96,22 @@ fn unreachable(qref: &QueueRef, why: &str) -> QueueError {
 
 impl Remote {
     /// Sends `op` on `qref` (a queue of another node) to its node. Never blocks; when the
-    /// lane is down the operation is answered at once as refused (a publish is nacked).
+    /// lane is down the operation is answered at once as refused (a publish is nacked), but
+    /// for what `failover.rs` holds until the queue has a server again.
     pub fn forward(&self, qref: &QueueRef, op: QueueOp) {
+        self.forward_in(&mut self.client.lock(), qref, op);
+    }
+
+    /// [`Remote::forward`] under the client lock `cl`.
+    pub(super) fn forward_in(&self, cl: &mut ClientSide, qref: &QueueRef, op: QueueOp) {
+        if self.must_park(cl, qref, &op) {
+            return self.park(cl, qref, op);
+        }
         let peer = qref.owner_node;
         let queue = qref.key.clone();
-        let mut cl = self.client.lock();
         let (req, waiting) = match op {
             QueueOp::Publish { message, confirm, credit, .. } => {
-                let rc = confirm.as_ref().map(|c| {
-                    cl.conn(c.conn, &c.tx, peer);
-                    cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
-                    RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
-                });
-                let credit = credit.filter(|c| c.conn() != 0);
-                let credit_conn = credit.as_ref().map_or(0, |c| c.conn());
-                let sent = self.send_request(peer, &Frame::Request(Request::Publish { queue, message, confirm: rc, credit: credit_conn }));
-                if let (Ok(()), Some(credit)) = (&sent, credit) {
-                    // Held until the peer's queue took it (`Event::Taken`).
-                    cl.held.entry((peer, credit_conn)).or_default().push_back(credit);
-                }
-                if let (Err(why), Some(c)) = (sent, confirm) {
-                    tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
-                    let key = (peer, c.conn.0, c.chan_uid, c.seq);
-                    if let Some(e) = cl.confirms.get_mut(&key) {
-                        e.1 -= 1;
-                        if e.1 == 0 {
-                            cl.confirms.remove(&key);
-                        }
-                    }
-                    drop(cl);
+                if let Some(c) = self.send_publish(cl, qref, message, confirm, credit) {
                     c.answer(false);
                 }
                 return;
@@ -131,9 +126,19 @@ impl Remote {
                 let conn = cl.conn(c.conn, &c.tx, peer);
                 conn.pending_bytes = Some(c.pending_bytes.clone());
                 let cancel_notify = c.cancel_notify;
+                let (tag, spec) = (c.tag.0.to_string(), c.clone());
                 cl.consumers.insert(
                     c.id,
-                    Consumer { peer, conn: c.conn.0, channel: c.channel.0, tag: c.tag.0.to_string(), cancel_notify, cancelling: None },
+                    Consumer {
+                        peer,
+                        conn: c.conn.0,
+                        channel: c.channel.0,
+                        tag,
+                        cancel_notify,
+                        cancelling: None,
+                        queue: queue.clone(),
+                        spec,
+                    },
                 );
                 let req = self.next_req();
                 let consumer = RemoteConsumer {
@@ -211,6 +216,49 @@ impl Remote {
                     }
                 }
             }
+        }
+    }
+
+    /// Sends a publish to `qref`'s node, under the client lock `cl` (so parked publishes
+    /// sent on by `failover.rs` keep their order with new ones). Returns the confirm ticket to
+    /// nack, after the lock is let go, when it could not be sent.
+    pub(super) fn send_publish(
+        &self,
+        cl: &mut ClientSide,
+        qref: &QueueRef,
+        message: crate::broker::Message,
+        confirm: Option<ConfirmTo>,
+        credit: Option<Arc<CreditHeld>>,
+    ) -> Option<ConfirmTo> {
+        let peer = qref.owner_node;
+        let rc = confirm.as_ref().map(|c| {
+            cl.conn(c.conn, &c.tx, peer);
+            cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
+            RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
+        });
+        let credit = credit.filter(|c| c.conn() != 0);
+        let credit_conn = credit.as_ref().map_or(0, |c| c.conn());
+        let frame = Frame::Request(Request::Publish { queue: qref.key.clone(), message, confirm: rc, credit: credit_conn });
+        match (self.send_request(peer, &frame), confirm) {
+            (Ok(()), _) => {
+                if let Some(credit) = credit {
+                    // Held until the peer's queue took it (`Event::Taken`).
+                    cl.held.entry((peer, credit_conn)).or_default().push_back(credit);
+                }
+                None
+            }
+            (Err(why), Some(c)) => {
+                tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
+                let key = (peer, c.conn.0, c.chan_uid, c.seq);
+                if let Some(e) = cl.confirms.get_mut(&key) {
+                    e.1 -= 1;
+                    if e.1 == 0 {
+                        cl.confirms.remove(&key);
+                    }
+                }
+                Some(c)
+            }
+            (Err(_), None) => None,
         }
     }
 
@@ -314,6 +362,11 @@ impl Remote {
         let mut events: Vec<(ClientTx, ClientEvent)> = Vec::new();
         for id in gone {
             if let Some(c) = cl.consumers.remove(&id) {
+                if c.cancelling.is_none() && self.replicated(&c.queue) {
+                    // Another member will serve the queue: the consumer follows it there.
+                    cl.failover.orphans.push(super::failover::Orphan::new(c.queue, c.spec));
+                    continue;
+                }
                 let Some(conn) = cl.conns.get(&c.conn) else { continue };
                 let (channel, consumer_tag) = (ChannelId(c.channel), ConsumerTag::from(c.tag.as_str()));
                 // A cancel on its way gets its cancel-ok (the consumer is gone either way);
@@ -359,6 +412,8 @@ impl Remote {
         let released: Vec<_> = credited.into_iter().filter_map(|k| cl.held.remove(&k).map(|h| (k.0, h))).collect();
         peers.extend(released.iter().map(|(p, _)| *p));
         cl.consumers.retain(|_, k| k.conn != conn.0);
+        cl.failover.orphans.retain(|o| o.spec.conn != conn);
+        cl.failover.followed.retain(|_, f| f.2 != conn);
         cl.confirms.retain(|k, _| k.1 != conn.0);
         drop(cl);
         drop(released);

@@ -19,19 +19,26 @@
 //!    them on the queue's core in that order, so a connection's operations on one queue keep
 //!    the order they have on a single node.
 //! 2. A publish is confirmed only by B's queue (its `Stored` event): nothing stored on B, no
-//!    confirm on A (DESIGN.md rule 9). A publish that cannot be sent is nacked at once.
+//!    confirm on A (DESIGN.md rule 9). A publish that cannot be sent is nacked at once, but
+//!    for invariant 6.
 //! 3. When the lane to a peer goes down, each side acts at once, not after a timeout: B
 //!    requeues everything A's channels held (their channels are closed as far as B knows);
 //!    A nacks the confirms B had not answered, answers A's waiting requests with an error,
-//!    and cancels its consumers of B's queues (basic.cancel to clients that asked for it).
+//!    and cancels its consumers of B's queues (basic.cancel to clients that asked for it),
+//!    but for those of replicated queues (invariant 6).
 //! 4. B never runs an operation on a queue it does not own: the metadata decides (the
 //!    queue's `owner_node`).
 //! 5. A publish's credit (`broker::credit`) stays on A until B answers `Event::Taken` for it:
 //!    B counts the releases of the credit its queues took for A's connection, whatever became
 //!    of the publish (stored, proposed, refused, a direct reply-to), and A gives back as
 //!    many; a lost link gives back all A held for that peer.
+//! 6. A publish to a replicated queue whose serving node is out of reach waits on A, in
+//!    order, until the metadata names a server in reach (a failover), and goes there; it is
+//!    nacked only after [`PARK_LIMIT`]. A consumer of such a queue is not cancelled: it
+//!    follows the queue to its next server (`failover.rs`).
 
 mod client;
+mod failover;
 mod owner;
 pub mod wire;
 
@@ -46,6 +53,7 @@ use crate::core::mesh::Inboxes;
 use crate::meta::{MetaHandle, NodeId};
 
 pub use client::ClientSide;
+pub use failover::PARK_LIMIT;
 pub use owner::OwnerSide;
 
 /// First id of the connection ids the broker makes up for its own publishes (dead-letter
@@ -85,6 +93,8 @@ pub struct Remote {
     links: Mutex<std::collections::HashSet<NodeId>>,
     /// This node's direct reply-to consumers: replies from peers go straight to them.
     reply_to: Arc<crate::broker::reply_to::ReplyConsumers>,
+    /// How many operations are parked (`failover.rs`), for a check without the lock.
+    parked_count: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Remote {
@@ -187,6 +197,7 @@ impl Remote {
             client: Mutex::new(ClientSide::default()),
             owner: Mutex::new(OwnerSide::default()),
             links: Mutex::new(Default::default()),
+            parked_count: Default::default(),
         }
     }
 
