@@ -383,12 +383,12 @@ fn return_counts_survive_the_failover_of_a_replicated_queue() {
     });
 }
 
-/// Invariant 6 of `broker::remote`: a publisher on node 2 goes on publishing (one in flight,
-/// as pika's blocking channel does) through the kill -9 of node 1, which serves its
-/// replicated queue. What it publishes while the queue has no server waits on node 2 and is
-/// confirmed once a survivor serves the queue: no nack but for the one publish that may be in
-/// flight at the kill (its fate is unknown), and every confirmed message comes out of the
-/// queue in publish order.
+/// Invariant 6 of `broker::remote`: a publisher on node 2 goes on publishing, 20 publishes in
+/// flight, through the kill -9 of node 1, which serves its replicated queue. What was in
+/// flight to node 1 and what it publishes while the queue has no server waits on node 2 and
+/// is confirmed once a survivor serves the queue: not one nack, and every confirmed message
+/// comes out of the queue in publish order (a publish in flight at the kill may come twice:
+/// node 1 may have stored it before it died).
 #[test]
 fn publishes_through_the_kill_of_the_queues_node_are_held_then_confirmed_in_order() {
     run(async {
@@ -399,8 +399,9 @@ fn publishes_through_the_kill_of_the_queues_node_are_held_then_confirmed_in_orde
         let n2 = connect_uri(&c.amqp_uri(1)).await;
         let p2 = confirming(&n2).await;
         let (mut acked, mut nacked, mut killed_at, mut slowest) = (Vec::new(), Vec::new(), None, Duration::ZERO);
-        for i in 0..100_000u32 {
-            if killed_at.is_none() && acked.len() == 300 {
+        let mut in_flight = std::collections::VecDeque::new();
+        for i in 0..200_000u32 {
+            if killed_at.is_none() && acked.len() >= 300 {
                 c.kill9(0);
                 killed_at = Some(Instant::now());
             }
@@ -408,22 +409,33 @@ fn publishes_through_the_kill_of_the_queues_node_are_held_then_confirmed_in_orde
                 break;
             }
             let body = format!("m-{i}");
-            let sent = Instant::now();
             let pc = t("basic.publish", p2.basic_publish("".into(), q.as_str().into(), Default::default(), body.as_bytes(), persistent()))
                 .await
                 .unwrap();
+            in_flight.push_back((i, Instant::now(), pc));
+            while in_flight.len() >= 20 {
+                let (n, sent, pc) = in_flight.pop_front().unwrap();
+                let confirm = tt("publisher confirm", Duration::from_secs(15), pc).await.expect("confirm");
+                slowest = slowest.max(sent.elapsed());
+                if confirm.is_ack() {
+                    acked.push(n)
+                } else {
+                    nacked.push(n)
+                }
+            }
+        }
+        for (n, _, pc) in in_flight {
             let confirm = tt("publisher confirm", Duration::from_secs(15), pc).await.expect("confirm");
-            slowest = slowest.max(sent.elapsed());
             if confirm.is_ack() {
-                acked.push(i);
+                acked.push(n)
             } else {
-                nacked.push(i);
+                nacked.push(n)
             }
         }
         let few = &nacked[..nacked.len().min(10)];
         eprintln!("{} confirmed, {} nacked {few:?}, the slowest confirm took {} ms", acked.len(), nacked.len(), slowest.as_millis());
         assert!(killed_at.is_some(), "300 confirms never came before the kill");
-        assert!(nacked.len() <= 1, "{} publishes nacked while the queue failed over, e.g. {few:?}", nacked.len());
+        assert!(nacked.is_empty(), "{} publishes nacked while the queue failed over, e.g. {few:?}", nacked.len());
         assert!(slowest >= Duration::from_secs(1), "no publish waited for the failover ({slowest:?}): the test did not test it");
 
         // Every confirmed message is in the queue, in publish order, served by a survivor.
@@ -436,10 +448,19 @@ fn publishes_through_the_kill_of_the_queues_node_are_held_then_confirmed_in_orde
             got.push(body.trim_start_matches("m-").parse().expect("a body of this test"));
             t("basic.ack", d.ack(BasicAckOptions::default())).await.unwrap();
         }
-        let present: BTreeSet<u32> = got.iter().copied().collect();
-        let lost: Vec<&u32> = acked.iter().filter(|i| !present.contains(i)).take(10).collect();
+        let mut first: Vec<u32> = Vec::new();
+        let mut seen = BTreeSet::new();
+        for &n in &got {
+            if seen.insert(n) {
+                first.push(n);
+            }
+        }
+        let lost: Vec<&u32> = acked.iter().filter(|i| !seen.contains(i)).take(10).collect();
         assert!(lost.is_empty(), "confirmed messages lost: {lost:?} ({} received)", got.len());
-        assert!(got.windows(2).all(|w| w[0] < w[1]), "deliveries out of publish order: {:?}", &got[..got.len().min(50)]);
+        let twice = got.len() - first.len();
+        eprintln!("{} delivered, {twice} of them a second copy", got.len());
+        assert!(twice <= 20, "{twice} second copies: more than were in flight at the kill");
+        assert!(first.windows(2).all(|w| w[0] < w[1]), "deliveries out of publish order: {:?}", &first[..first.len().min(50)]);
     });
 }
 

@@ -59,6 +59,17 @@ pub(super) struct Consumer {
     spec: ConsumerSpec,
 }
 
+/// A publish sent to a peer whose confirm is not back yet.
+struct Unanswered {
+    channel: u16,
+    /// Answers due: one per target queue on that peer.
+    due: u32,
+    /// The publish as sent, while it went to one queue there: parked for the queue's next
+    /// server if the link goes down before the answer and the queue is replicated
+    /// (`failover.rs`, rule 1), instead of nacked.
+    resend: Option<(QueueRef, crate::broker::Message)>,
+}
+
 /// A's forwarding state (under `Remote::client`).
 #[derive(Default)]
 pub struct ClientSide {
@@ -66,9 +77,8 @@ pub struct ClientSide {
     waiting: HashMap<u64, (QueueRef, Waiting)>,
     conns: HashMap<u64, Conn>,
     pub(super) consumers: HashMap<u64, Consumer>,
-    /// Confirms not answered yet: (peer, conn, chan_uid, seq) → (channel, answers due: one
-    /// per target queue on that peer).
-    confirms: HashMap<(NodeId, u64, u64, u64), (u16, u32)>,
+    /// Confirms not answered yet: (peer, conn, chan_uid, seq) → what is due.
+    confirms: HashMap<(NodeId, u64, u64, u64), Unanswered>,
     /// Publish credit of this node's connections held for their publishes to a peer's
     /// queues, oldest first, until the peer says they were taken (`Event::Taken`;
     /// `broker::credit`): (peer, conn) → credits. An entry stays while the connection lives
@@ -233,7 +243,10 @@ impl Remote {
         let peer = qref.owner_node;
         let rc = confirm.as_ref().map(|c| {
             cl.conn(c.conn, &c.tx, peer);
-            cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert((c.channel.0, 0)).1 += 1;
+            let e =
+                cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert(Unanswered { channel: c.channel.0, due: 0, resend: None });
+            e.due += 1;
+            e.resend = (e.due == 1).then(|| (qref.clone(), message.clone()));
             RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
         });
         let credit = credit.filter(|c| c.conn() != 0);
@@ -248,14 +261,19 @@ impl Remote {
                 None
             }
             (Err(why), Some(c)) => {
-                tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
                 let key = (peer, c.conn.0, c.chan_uid, c.seq);
                 if let Some(e) = cl.confirms.get_mut(&key) {
-                    e.1 -= 1;
-                    if e.1 == 0 {
+                    e.due -= 1;
+                    if e.due == 0 {
                         cl.confirms.remove(&key);
                     }
                 }
+                if let (Frame::Request(Request::Publish { message, .. }), true) = (frame, self.replicated(&qref.key)) {
+                    // The link went down (or its queue is full) since `must_park` looked.
+                    self.park(cl, qref, QueueOp::Publish { message, confirm: Some(c), published: None, credit });
+                    return None;
+                }
+                tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
                 Some(c)
             }
             (Err(_), None) => None,
@@ -308,8 +326,9 @@ impl Remote {
             Event::Stored { channel, chan_uid, seq, ok } => {
                 let key = (from, conn, chan_uid, seq);
                 if let Some(e) = cl.confirms.get_mut(&key) {
-                    e.1 = e.1.saturating_sub(1);
-                    if e.1 == 0 {
+                    e.due = e.due.saturating_sub(1);
+                    e.resend = None;
+                    if e.due == 0 {
                         cl.confirms.remove(&key);
                     }
                 }
@@ -383,16 +402,31 @@ impl Remote {
         }
         // The credit held for the peer comes back: what it had not taken is lost with it.
         let released: Vec<_> = cl.held.iter_mut().filter(|((p, _), _)| *p == peer).flat_map(|(_, h)| h.drain(..)).collect();
-        let unanswered: Vec<_> = cl.confirms.keys().filter(|k| k.0 == peer).copied().collect();
+        // Publish order per channel: what is parked again goes to the next server in it.
+        let mut unanswered: Vec<_> = cl.confirms.keys().filter(|k| k.0 == peer).copied().collect();
+        unanswered.sort_unstable();
+        let mut resend = Vec::new();
         for key in unanswered {
-            let Some((channel, due)) = cl.confirms.remove(&key) else { continue };
+            let Some(u) = cl.confirms.remove(&key) else { continue };
             let (_, conn, chan_uid, seq) = key;
-            if let Some(c) = cl.conns.get(&conn) {
-                for _ in 0..due {
-                    events.push((c.tx.clone(), ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok: false }));
+            let Some(tx) = cl.conns.get(&conn).map(|c| c.tx.clone()) else { continue };
+            let channel = ChannelId(u.channel);
+            match u.resend.filter(|(q, _)| u.due == 1 && self.replicated(&q.key)) {
+                // Its fate on the dead node is unknown: the next server stores it (a duplicate
+                // when the dead one had stored it too; the publisher would send it again after
+                // a nack all the same).
+                Some((qref, message)) => {
+                    let confirm = ConfirmTo { tx, conn: ConnId(conn), channel, chan_uid, seq };
+                    resend.push((qref, QueueOp::Publish { message, confirm: Some(confirm), published: None, credit: None }));
+                }
+                None => {
+                    for _ in 0..u.due {
+                        events.push((tx.clone(), ClientEvent::Stored { channel, chan_uid, seq, ok: false }));
+                    }
                 }
             }
         }
+        self.park_first(&mut cl, resend);
         drop(cl);
         drop(released);
         for (qref, w) in failed {

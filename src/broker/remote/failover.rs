@@ -7,8 +7,10 @@
 //! # Publishes and requests
 //! 1. Parked: a publish, purge, delete or passive declare (`Stats`) on a replicated queue
 //!    whose serving node's data link is not up in both directions (it died, or it restarted
-//!    and the link is not back yet), and any of those on a queue that already has parked
-//!    ones on this node (so none overtakes them; checked where a publish reaches its queue's
+//!    and the link is not back yet); a confirm-mode publish to one such queue that was in
+//!    flight when the link went down (its fate there is unknown: sent again, it may be stored
+//!    twice, as after a nack and a retry), ahead of the others; and any of those on a queue
+//!    that already has parked ones on this node (so none overtakes them; checked where a publish reaches its queue's
 //!    core, [`Node::steered`], and in `Remote::forward`). Not a get or a consume: the channel
 //!    keeps the queue as it addressed it, for the delivery tags and the consumer they make,
 //!    and the next server would be another (they get 404 as before, and the client retries).
@@ -130,6 +132,16 @@ impl Remote {
                 "operations on a replicated queue whose node is out of reach are held until it has a server again");
         }
         cl.failover.list.push_back(Parked { qref: qref.clone(), op, since: Instant::now() });
+        self.parked_count.store(cl.failover.list.len(), Ordering::Relaxed);
+    }
+
+    /// Parks `ops`, publishes that were in flight to a server that is now out of reach, in
+    /// their order ahead of every parked operation: those were parked after these were sent
+    /// (a publish is parked when its queue has parked ones, so none was in flight then).
+    pub(super) fn park_first(&self, cl: &mut ClientSide, ops: Vec<(QueueRef, QueueOp)>) {
+        for (qref, op) in ops.into_iter().rev() {
+            cl.failover.list.push_front(Parked { qref, op, since: Instant::now() });
+        }
         self.parked_count.store(cl.failover.list.len(), Ordering::Relaxed);
     }
 
