@@ -160,7 +160,7 @@ impl Node {
     /// `bytes` (body and header) from the connection's `pool`. An open queue of this core
     /// and node that serves it takes it at once, and the credit only if it keeps it; any
     /// other goes as a `QueueOp::Publish` with its credit taken (so does every publish while
-    /// some are parked: `remote::park_behind` must see it).
+    /// some are parked: `Node::steered` must see it).
     pub fn publish_from_connection(
         self: &Rc<Self>,
         queue: &QueueRef,

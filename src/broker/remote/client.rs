@@ -230,8 +230,9 @@ impl Remote {
     }
 
     /// Sends a publish to `qref`'s node, under the client lock `cl` (so parked publishes
-    /// sent on by `failover.rs` keep their order with new ones). Returns the confirm ticket to
-    /// nack, after the lock is let go, when it could not be sent.
+    /// sent on by `failover.rs` keep their order with new ones). When it cannot be sent, a
+    /// publish to a replicated queue is parked; otherwise the confirm ticket to nack is
+    /// returned.
     pub(super) fn send_publish(
         &self,
         cl: &mut ClientSide,

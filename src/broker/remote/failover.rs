@@ -10,8 +10,8 @@
 //!    and the link is not back yet); a confirm-mode publish to one such queue that was in
 //!    flight when the link went down (its fate there is unknown: sent again, it may be stored
 //!    twice, as after a nack and a retry), ahead of the others; and any of those on a queue
-//!    that already has parked ones on this node (so none overtakes them; checked where a publish reaches its queue's
-//!    core, [`Node::steered`], and in `Remote::forward`). Not a get or a consume: the channel
+//!    that already has parked ones on this node (so none overtakes them; checked where a
+//!    publish reaches its queue's core, [`Node::steered`], and in `Remote::forward`). Not a get or a consume: the channel
 //!    keeps the queue as it addressed it, for the delivery tags and the consumer they make,
 //!    and the next server would be another (they get 404 as before, and the client retries).
 //! 2. Sent on (`Remote::retry_held`, every `replicas::WATCH_PERIOD` on core 0), per queue,
@@ -106,8 +106,14 @@ impl Held {
         !self.list.is_empty() && self.list.iter().any(|p| p.qref.key == *key)
     }
 
+    /// Takes the parked operations on `key` out of the list, in their order.
     fn take(&mut self, key: &QueueKey) -> VecDeque<Parked> {
-        let (out, keep) = std::mem::take(&mut self.list).into_iter().partition(|p| p.qref.key == *key);
+        self.take_where(|p| p.qref.key == *key)
+    }
+
+    /// Takes the parked operations that `f` picks out of the list, in their order.
+    fn take_where(&mut self, f: impl Fn(&Parked) -> bool) -> VecDeque<Parked> {
+        let (out, keep) = std::mem::take(&mut self.list).into_iter().partition(|p| f(p));
         self.list = keep;
         out
     }
@@ -206,9 +212,7 @@ impl Remote {
                     self.forward_in(&mut cl, &now, p.op);
                 }
             } else if !cl.failover.flushing.contains(&key) {
-                let (old, keep): (VecDeque<Parked>, VecDeque<Parked>) =
-                    std::mem::take(&mut cl.failover.list).into_iter().partition(|p| p.qref.key == key && p.since.elapsed() >= PARK_LIMIT);
-                cl.failover.list = keep;
+                let old = cl.failover.take_where(|p| p.qref.key == key && p.since.elapsed() >= PARK_LIMIT);
                 if !old.is_empty() {
                     tracing::warn!(queue = %key.name, vhost = %key.vhost, count = old.len(),
                         "operations held {} s for a replicated queue with no server in reach: refused", PARK_LIMIT.as_secs());
