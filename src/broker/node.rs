@@ -750,7 +750,7 @@ fn refuse_remote(qref: &QueueRef, here: crate::meta::NodeId, op: QueueOp) {
 
 /// Answers an operation on a queue whose store cannot be opened: a publish is nacked
 /// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
-fn refuse_unstored(op: QueueOp, err: QueueError) {
+pub(super) fn refuse_unstored(op: QueueOp, err: QueueError) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {
             c.answer(false);

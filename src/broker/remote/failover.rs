@@ -294,12 +294,10 @@ async fn attached(rx: flume::Receiver<Result<(), QueueError>>, o: Orphan, remote
 /// Rule 3: `op` found no server of `qref` in reach: a publish is nacked, a request gets
 /// 404 (RabbitMQ's "home node … is down or inaccessible").
 fn refuse_unreachable(qref: &QueueRef, op: QueueOp) {
-    let e = || super::client::unreachable(qref, "no server of it was in reach for 10 s");
+    let e = super::client::unreachable(qref, "no server of it was in reach for 10 s");
     match op {
-        QueueOp::Publish { confirm: Some(c), .. } => c.answer(false),
-        QueueOp::Stats { reply } => drop(reply.send(Err(e()))),
-        QueueOp::Purge { reply } | QueueOp::Delete { reply, .. } => drop(reply.send(Err(e()))),
-        _ => {}
+        QueueOp::Delete { reply, .. } => drop(reply.send(Err(e))),
+        op => crate::broker::node::refuse_unstored(op, e),
     }
 }
 
