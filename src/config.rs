@@ -23,7 +23,9 @@ use clap::Parser;
 use serde::Deserialize;
 
 mod access;
+mod listen;
 mod memory;
+pub use listen::ListenAddr;
 pub use memory::{Watermark, DEFAULT_MEMORY_HIGH_WATERMARK};
 mod management_tls;
 mod tls;
@@ -36,10 +38,11 @@ pub use tls::{Tls, TlsArgs, TlsSettings};
 #[derive(Parser, Debug, Default)]
 #[command(name = "ringmq", version, about = "ringmq: an AMQP 0-9-1 broker (io_uring, thread-per-core)")]
 pub struct Cli {
-    /// AMQP listen address; give it more than once to listen on several (e.g. `0.0.0.0:5672`
-    /// and `[::]:5672`) [default: 127.0.0.1:5672 and [::1]:5672, loopback in both families]
+    /// AMQP listen address or host name with port; give it more than once to listen on several
+    /// (e.g. `0.0.0.0:5672` and `[::]:5672`; `localhost:5672` is every address of localhost)
+    /// [default: 127.0.0.1:5672 and [::1]:5672, loopback in both families]
     #[arg(long, value_name = "ADDR:PORT", action = clap::ArgAction::Append)]
-    pub listen: Vec<SocketAddr>,
+    pub listen: Vec<ListenAddr>,
     /// The TLS listeners' flags (amqps and the management API's HTTPS).
     #[command(flatten)]
     pub tls: TlsArgs,
@@ -159,12 +162,12 @@ pub const MAX_MESSAGE_SIZE_CAP: u64 = 512 << 20;
 /// 140k to 84k msgs/s. Turn it on where the broker has its cores to itself.
 pub const DEFAULT_SPIN_BEFORE_PARK_US: u64 = 0;
 
-/// `listen` in the TOML file: one address, or a list.
+/// `listen` in the TOML file: one address (or host name with port), or a list.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 enum OneOrMany {
-    One(SocketAddr),
-    Many(Vec<SocketAddr>),
+    One(ListenAddr),
+    Many(Vec<ListenAddr>),
 }
 
 /// The default AMQP listen addresses: loopback in both families, as RabbitMQ's default
@@ -199,6 +202,7 @@ struct FileConfig {
     segment_bytes: Option<u64>,
     spin_before_park_us: Option<u64>,
     move_publishers: Option<bool>,
+    #[serde(default, deserialize_with = "memory::bytes_or_text")]
     disk_free_limit: Option<u64>,
     memory_high_watermark: Option<toml::Value>,
     log: Option<String>,
@@ -220,8 +224,12 @@ struct FileConfig {
 pub struct Config {
     /// AMQP listen addresses (at least one; [`DEFAULT_LISTEN`] unless given).
     pub listen: Vec<SocketAddr>,
-    /// `listen` is [`DEFAULT_LISTEN`]: an address the host lacks (no ::1) is skipped.
+    /// `listen` is [`DEFAULT_LISTEN`].
     pub listen_is_default: bool,
+    /// Addresses of `listen` skipped with a warning where the host cannot bind them (no
+    /// IPv6): the default's `[::1]`, and the IPv6 addresses of a host name that also resolved
+    /// to IPv4 (`localhost`).
+    pub listen_optional: Vec<SocketAddr>,
     /// The amqps listener, its certificate and client verification; `None` without
     /// `--tls-listen`.
     pub tls: Option<Tls>,
@@ -356,16 +364,22 @@ impl Config {
             (None, Some(table)) => collect_peers(table.iter().map(|(id, addr)| peer_entry(id, addr)))?,
             (None, None) => BTreeMap::new(),
         };
-        let listen = match (cli.listen, file.listen) {
+        let given = match (cli.listen, file.listen) {
             (given, _) if !given.is_empty() => given,
             (_, Some(OneOrMany::One(a))) => vec![a],
             (_, Some(OneOrMany::Many(list))) if !list.is_empty() => list,
             (_, Some(OneOrMany::Many(_))) => return Err(ConfigError::Invalid("listen is an empty list: give at least one address".into())),
             (_, None) => Vec::new(),
         };
-        let listen_is_default = listen.is_empty();
+        let listen_is_default = given.is_empty();
+        let default: Vec<SocketAddr> = DEFAULT_LISTEN.iter().map(|a| a.parse().expect("literal")).collect();
         let mut c = Config {
-            listen: if listen_is_default { DEFAULT_LISTEN.iter().map(|a| a.parse().expect("literal")).collect() } else { listen },
+            listen: if listen_is_default { default.clone() } else { given.iter().flat_map(|l| l.addrs.iter().copied()).collect() },
+            listen_optional: if listen_is_default {
+                default.into_iter().filter(SocketAddr::is_ipv6).collect()
+            } else {
+                listen::optional_ipv6(&given)
+            },
             listen_is_default,
             tls,
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),

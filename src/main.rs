@@ -8,6 +8,8 @@ use std::sync::Arc;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use std::io::Write;
+
 use clap::Parser;
 use ringmq::config::{Cli, Config};
 use ringmq::meta::MetaHandle;
@@ -16,26 +18,35 @@ fn main() {
     let config = match Config::load(Cli::parse()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("ringmq: {e}");
+            ringmq::observe::log::stderr_line(&format!("ringmq: {e}"));
             std::process::exit(2);
         }
     };
     let filter = tracing_subscriber::EnvFilter::try_new(&config.log).unwrap_or_else(|e| {
-        eprintln!("ringmq: invalid --log filter {:?} ({e}); using \"info\"", config.log);
+        ringmq::observe::log::stderr_line(&format!("ringmq: invalid --log filter {:?} ({e}); using \"info\"", config.log));
         tracing_subscriber::EnvFilter::new("info")
     });
     use std::io::IsTerminal;
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).log_internal_errors(false);
+    // Lines go to stderr through one writer thread that drops and counts what it cannot write
+    // (observe::log): a closed log pipe must not take the broker down.
+    match ringmq::observe::log::stderr_sink() {
+        Ok(sink) => fmt.with_writer(sink).init(),
+        Err(_) => fmt.with_writer(std::io::stderr).init(),
+    }
     ringmq::core::fatal::install_panic_hook();
     if let Some(id) = config.forget_node {
         let (line, code) = ringmq::membership::forget(&config, id);
-        println!("{line}");
+        // A closed stdout must not turn the outcome into a panic.
+        let _ = writeln!(std::io::stdout(), "{line}");
+        ringmq::observe::log::flush(std::time::Duration::from_secs(1));
         std::process::exit(code);
     }
     if let Err(e) = run(config) {
-        eprintln!("ringmq: {e}");
+        ringmq::observe::log::stderr_line(&format!("ringmq: {e}"));
         std::process::exit(1);
     }
+    ringmq::observe::log::flush(std::time::Duration::from_secs(1));
 }
 
 fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {

@@ -130,7 +130,7 @@ fn listen_addrs(config: &Config) -> std::io::Result<Vec<std::net::SocketAddr>> {
     for &addr in &config.listen {
         match accept::wait_port_free(addr) {
             Ok(()) => out.push(addr),
-            Err(e) if config.listen_is_default && addr.is_ipv6() && e.kind() != std::io::ErrorKind::AddrInUse => {
+            Err(e) if config.listen_optional.contains(&addr) && e.kind() != std::io::ErrorKind::AddrInUse => {
                 tracing::warn!(%addr, error = %e, "not listening on the IPv6 loopback (this host has none); IPv4 only");
             }
             Err(e) => return Err(e),
@@ -174,8 +174,10 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
             hard,
             "open-files limit is low: each durable queue holds 2 descriptors or more; raise the hard limit (LimitNOFILE=) for many queues"
         );
-    } else {
+    } else if soft > soft_before {
         tracing::info!(soft_before, soft, hard, "open-files limit raised to the hard limit");
+    } else {
+        tracing::info!(soft, hard, "open-files limit");
     }
     let mut shared = Shared::new(config.clone(), meta.clone(), inboxes.clone(), alarms.clone());
     if let Some(parts) = cluster {

@@ -20,6 +20,11 @@
 //!   topology changed between two reads of it while another core deleted the queue): a
 //!   lookup racing deletes answers 404 and the broker stays up.
 //!
+//! - kombu's `test_ack_from_another_thread` deletes the queue on the channel consuming from
+//!   it: py-amqp raises `ConsumerCancelled` out of `queue_delete` when the consumer's
+//!   basic.cancel comes before queue.delete-ok. RabbitMQ sends delete-ok first, on the
+//!   consumer's own channel and to the connection's other channels.
+//!
 //! amqplib's and pika's `updateSecret` tests are in tests/connection.rs
 //! (`update_secret_is_accepted_and_the_connection_goes_on`).
 //! Runs against RabbitMQ too (`RINGMQ_TEST_BROKER=host:port cargo test --test client_suites`).
@@ -219,5 +224,39 @@ async fn auto_delete_exchange_redeclared_right_after_the_connection_that_bound_i
             .await
             .unwrap();
         t("close", c.close(200, "".into())).await.expect("connection.close-ok");
+    }
+}
+
+/// kombu's `test_ack_from_another_thread`: queue.delete on a channel that consumes from the
+/// queue, with a second consumer of it on another channel of the connection. On the wire,
+/// queue.delete-ok comes before either consumer's basic.cancel (RabbitMQ's order).
+#[test]
+fn queue_delete_ok_comes_before_its_consumers_basic_cancel() {
+    let b = Broker::start();
+    for round in 0..5 {
+        let q = uniq("delete-order");
+        let mut c = RawConn::open_notify(b.addr());
+        c.open_channel(1);
+        c.open_channel(2);
+        c.queue_declare(1, &q);
+        c.basic_consume(1, &q, "on-1");
+        c.basic_consume(2, &q, "on-2");
+        let mut a = Vec::new();
+        a.extend_from_slice(&0u16.to_be_bytes());
+        shortstr(&mut a, &q);
+        a.push(0); // if-unused, if-empty, nowait: all false
+        c.send_method(1, 50, 40, &a);
+        let mut seen = Vec::new();
+        while seen.len() < 3 {
+            let f = c.read_frame().unwrap_or_else(|| panic!("round {round}: the broker sent only {seen:?}"));
+            match f.method_id() {
+                Some((50, 41)) => seen.push(format!("delete-ok on {}", f.channel)),
+                Some((60, 30)) => seen.push(format!("cancel on {}", f.channel)),
+                other => panic!("round {round}: unexpected {other:?} on channel {} after {seen:?}", f.channel),
+            }
+        }
+        assert_eq!(seen[0], "delete-ok on 1", "round {round}: delete-ok must come first: {seen:?}");
+        seen[1..].sort();
+        assert_eq!(seen[1..], ["cancel on 1".to_string(), "cancel on 2".to_string()], "round {round}");
     }
 }

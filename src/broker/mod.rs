@@ -139,6 +139,15 @@ pub enum ClientEvent {
         /// Consumer tag.
         consumer_tag: ConsumerTag,
     },
+    /// A queue.delete of this connection is answered: `frames` (its delete-ok, or nothing),
+    /// then the basic.cancel notices held back for `queue`'s consumers on this connection
+    /// while it was being deleted, so the client reads delete-ok first (RabbitMQ's order).
+    Deleted {
+        /// The reply frames, already encoded.
+        frames: Vec<u8>,
+        /// The deleted queue's name, in the connection's vhost.
+        queue: QueueName,
+    },
     /// One queue stored (and, when required, synced) publish `seq` of a confirm-mode channel,
     /// or failed to (`ok == false` → basic.nack).
     Stored {

@@ -768,7 +768,8 @@ impl Mesh for Node {
     fn send(&self, queue: &QueueRef, op: QueueOp) {
         let core = (queue.owner_core % self.shared.cores) as usize;
         if self.shared.inboxes.send(core, NodeMsg::Queue { queue: queue.clone(), op }).is_err() {
-            tracing::warn!("core {core} inbox closed (shutting down)");
+            // Only a stopping broker closes a core's inbox: nothing to warn about.
+            tracing::debug!("core {core} inbox closed (shutting down)");
         }
     }
 }

@@ -24,12 +24,31 @@ pub struct User {
     /// SHA-256(salt ‖ password)), as a definitions export has it; instead of `password`.
     #[serde(default)]
     pub password_hash: Option<String>,
-    /// Tags (`administrator`, `monitoring`, `management`, …).
-    #[serde(default)]
+    /// Tags (`administrator`, `monitoring`, `management`, …): a list, or one text with the
+    /// tags separated by commas (`"administrator,monitoring"`, as RabbitMQ's definitions
+    /// files have them).
+    #[serde(default, deserialize_with = "tag_list")]
     pub tags: Vec<String>,
     /// Only from loopback addresses (RabbitMQ's loopback_users; true for guest).
     #[serde(default)]
     pub loopback_only: bool,
+}
+
+/// `tags` as a list or as one comma-separated text (empty entries dropped).
+///
+/// # Errors
+/// A value that is neither.
+fn tag_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Tags {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match Tags::deserialize(d)? {
+        Tags::List(l) => l,
+        Tags::Text(t) => t.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_string).collect(),
+    })
 }
 
 /// A user's permissions in a vhost (`[[permissions]]`; RabbitMQ's `set_permissions`).
@@ -146,6 +165,16 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::super::tests::{load, refused};
+
+    #[test]
+    fn tags_as_a_list_or_as_rabbitmqs_comma_separated_text() {
+        let c = load(&[], "[[users]]\nname = \"a\"\npassword = \"x\"\ntags = \"administrator, monitoring\"\n").unwrap();
+        assert_eq!(c.users[0].tags, ["administrator", "monitoring"]);
+        let c = load(&[], "[[users]]\nname = \"a\"\npassword = \"x\"\ntags = \"administrator\"\n").unwrap();
+        assert_eq!(c.users[0].tags, ["administrator"]);
+        let c = load(&[], "[[users]]\nname = \"a\"\npassword = \"x\"\ntags = [\"monitoring\"]\n").unwrap();
+        assert_eq!(c.users[0].tags, ["monitoring"]);
+    }
 
     #[test]
     fn duplicate_user_names_are_refused() {

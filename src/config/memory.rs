@@ -72,6 +72,24 @@ impl Watermark {
     }
 }
 
+/// A TOML byte count given as a number (`50000000`) or as the flag takes it (`"50MB"`,
+/// `"1GiB"`: [`Watermark::parse_bytes`]), for `disk_free_limit`.
+///
+/// # Errors
+/// The parse error of a text that is not a byte count, or a value of another type.
+pub(super) fn bytes_or_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Bytes {
+        Number(u64),
+        Text(String),
+    }
+    match <Bytes as serde::Deserialize>::deserialize(d)? {
+        Bytes::Number(n) => Ok(Some(n)),
+        Bytes::Text(t) => Watermark::parse_bytes(&t).map(Some).map_err(serde::de::Error::custom),
+    }
+}
+
 impl fmt::Display for Watermark {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -84,6 +102,15 @@ impl fmt::Display for Watermark {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn toml_disk_free_limit_takes_a_number_or_the_flags_text() {
+        use super::super::tests::{load, refused};
+        assert_eq!(load(&[], "disk_free_limit = \"1GB\"").unwrap().disk_free_limit, 1_000_000_000);
+        assert_eq!(load(&[], "disk_free_limit = \"512MiB\"").unwrap().disk_free_limit, 512 << 20);
+        assert_eq!(load(&[], "disk_free_limit = 50000000").unwrap().disk_free_limit, 50_000_000);
+        assert!(refused(&[], "disk_free_limit = \"lots\"").contains("expected bytes"));
+    }
 
     #[test]
     fn fractions_bytes_and_units() {

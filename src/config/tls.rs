@@ -113,8 +113,8 @@ pub(super) fn load(args: TlsArgs, file: &FileConfig) -> Result<(Option<Tls>, Opt
     let amqp = TlsSettings {
         listen: match (args.tls_listen, &file.tls_listen) {
             (given, _) if !given.is_empty() => given,
-            (_, Some(OneOrMany::One(a))) => vec![*a],
-            (_, Some(OneOrMany::Many(list))) => list.clone(),
+            (_, Some(OneOrMany::One(a))) => a.addrs.clone(),
+            (_, Some(OneOrMany::Many(list))) => list.iter().flat_map(|a| a.addrs.iter().copied()).collect(),
             (_, None) => Vec::new(),
         },
         cert: args.tls_cert.or_else(|| file.tls_cert.clone()),

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 /// Decides at accept whether a connection from `peer` is kept (true) or closed at once.
 pub type Admit = Arc<dyn Fn(SocketAddr) -> bool + Send + Sync>;
 
-/// Waits (up to 10 s) until no other socket listens on `addr`.
+/// Waits (up to 10 s) until no other socket listens on `addr`; refuses at once when a live
+/// process listens there ([`listener_process`]: another broker, a RabbitMQ), naming it.
 ///
 /// Every core binds with SO_REUSEPORT, which would also let us share the port with a
 /// listener that is still alive, for instance one of a killed ringmq whose io_uring the
@@ -43,10 +44,68 @@ pub fn wait_port_free(addr: SocketAddr) -> std::io::Result<()> {
                 return Ok(());
             }
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                // A live process's listener does not go away by waiting: say who holds it now.
+                // Only a listener no process holds (a killed ringmq's, until the kernel tears
+                // its io_uring down) is worth the wait.
+                if let Some(owner) = listener_process(addr) {
+                    return Err(std::io::Error::new(e.kind(), format!("cannot listen on {addr}: in use by {owner}")));
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
             Err(e) => return Err(std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}"))),
         }
+    }
+}
+
+/// The live process listening where `addr` would ("pid 1234 (beam.smp)"), found through
+/// /proc/net/tcp and tcp6 (a listening socket on the port whose address is `addr`'s, or
+/// either one unspecified: its inode) and /proc/*/fd; None when no process holds such a
+/// socket, when this process does, or when /proc cannot tell (not permitted).
+pub fn listener_process(addr: SocketAddr) -> Option<String> {
+    // Columns: sl local_address rem_address st … inode; local_address is HEXIP:HEXPORT (the
+    // IP as 32-bit words in host order), st 0A is LISTEN.
+    let overlaps = |hex_ip: &str| {
+        proc_net_ip(hex_ip).is_some_and(|ip| ip.is_unspecified() || addr.ip().is_unspecified() || ip.to_canonical() == addr.ip())
+    };
+    let mut inodes: Vec<String> = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        inodes.extend(text.lines().skip(1).filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            let (ip, port) = cols.get(1)?.rsplit_once(':')?;
+            let listens = u16::from_str_radix(port, 16).ok()? == addr.port() && *cols.get(3)? == "0A" && overlaps(ip);
+            listens.then(|| format!("socket:[{}]", cols.get(9).copied().unwrap_or("")))
+        }));
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    let me = std::process::id().to_string();
+    for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+        let pid = proc.file_name().to_string_lossy().into_owned();
+        if pid == me || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(proc.path().join("fd")) else { continue };
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else { continue };
+            if inodes.iter().any(|i| target.as_os_str() == i.as_str()) {
+                let name = std::fs::read_to_string(proc.path().join("comm")).unwrap_or_default();
+                return Some(format!("pid {pid} ({})", name.trim()));
+            }
+        }
+    }
+    None
+}
+
+/// An address as /proc/net/tcp{,6} prints it: 8 or 32 hex digits, 32-bit words in host order.
+fn proc_net_ip(hex: &str) -> Option<std::net::IpAddr> {
+    let words = (0..hex.len() / 8).map(|i| u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16).ok()).collect::<Option<Vec<u32>>>()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    match bytes.len() {
+        4 => Some(std::net::Ipv4Addr::from(<[u8; 4]>::try_from(bytes.as_slice()).ok()?).into()),
+        16 => Some(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(bytes.as_slice()).ok()?).into()),
+        _ => None,
     }
 }
 

@@ -5,7 +5,7 @@
 /// Logs `what` and exits the whole process with status 70 (EX_SOFTWARE).
 pub fn fatal(what: &str) -> ! {
     tracing::error!("fatal: {what}");
-    eprintln!("ringmq: fatal: {what}");
+    crate::observe::log::stderr_line(&format!("ringmq: fatal: {what}"));
     std::process::exit(70)
 }
 
@@ -15,7 +15,7 @@ pub fn install_panic_hook() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         default(info);
-        eprintln!("ringmq: fatal: panic, exiting");
+        crate::observe::log::stderr_line("ringmq: fatal: panic, exiting");
         std::process::abort();
     }));
 }

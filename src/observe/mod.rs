@@ -11,6 +11,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+pub mod log;
 mod per_object;
 pub use per_object::render_per_object;
 
@@ -378,6 +379,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
         ("ringmq_messages_store_refused", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused)),
         ("ringmq_queue_store_reopens", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens)),
         ("ringmq_connections_refused", "Connections closed at accept: file descriptors low.", a.connections_refused),
+        ("ringmq_log_lines_dropped", "Log lines not written to stderr (its reader gone or too slow).", log::dropped()),
         ("ringmq_raft_entries", "Raft entries appended by this node.", raft.entries_appended),
         ("ringmq_raft_fsyncs", "fdatasync calls of the Raft log.", raft.fsyncs),
         ("ringmq_raft_commands", "Metadata commands applied.", raft.commands_applied),

@@ -160,12 +160,33 @@ impl RawConn {
     /// Connect and complete the handshake (PLAIN guest/guest, vhost "/", heartbeat 0, the
     /// broker's frame_max); the connection is open, no channel yet.
     pub fn open(addr: SocketAddr) -> RawConn {
+        Self::open_with_properties(addr, &[])
+    }
+
+    /// [`RawConn::open`] announcing the client capability `consumer_cancel_notify` (so the
+    /// broker sends basic.cancel when a consumed queue goes).
+    pub fn open_notify(addr: SocketAddr) -> RawConn {
+        let mut caps = Vec::new();
+        shortstr(&mut caps, "consumer_cancel_notify");
+        caps.extend_from_slice(b"t\x01");
+        let mut entries = Vec::new();
+        shortstr(&mut entries, "capabilities");
+        entries.push(b'F');
+        entries.extend_from_slice(&(caps.len() as u32).to_be_bytes());
+        entries.extend_from_slice(&caps);
+        Self::open_with_properties(addr, &entries)
+    }
+
+    /// [`RawConn::open`] with `entries` (encoded field-table entries, no length prefix) as
+    /// connection.start-ok's client-properties.
+    pub fn open_with_properties(addr: SocketAddr, entries: &[u8]) -> RawConn {
         let mut c = Self::tcp(addr);
         c.write(PROTOCOL_HEADER);
         let start = c.read_method();
         assert_eq!(start.method_id(), Some((10, 10)), "expected connection.start");
         let mut a = Vec::new();
-        a.extend_from_slice(&0u32.to_be_bytes()); // client-properties: empty table
+        a.extend_from_slice(&(entries.len() as u32).to_be_bytes()); // client-properties
+        a.extend_from_slice(entries);
         shortstr(&mut a, "PLAIN");
         longstr(&mut a, b"\0guest\0guest");
         shortstr(&mut a, "en_US");

@@ -47,6 +47,9 @@ pub(super) struct Tuned {
     pub(super) heartbeat: u16,
     pub(super) cancel_notify: bool,
     pub(super) blocked_notify: bool,
+    /// basic.qos with global=false limits the channel as a whole, at once (the spec's reading),
+    /// not each later consumer (RabbitMQ's): see [`spec_qos_client`].
+    pub(super) spec_qos: bool,
     /// The client connected from a loopback address (for users allowed only there).
     pub(super) loopback: bool,
     pub(super) leftover: BytesMut,
@@ -277,6 +280,7 @@ pub(super) async fn handshake<S: Transport>(
         _ => false,
     };
     let (cancel_notify, blocked_notify) = (capability("consumer_cancel_notify"), capability("connection.blocked"));
+    let spec_qos = spec_qos_client(&start_ok.client_properties);
     let mechanism = start_ok.mechanism.as_str().to_owned();
     let creds = login(&mechanism, start_ok.response.as_bytes(), peer_cert);
     let loopback = peer.map(|p| p.ip().is_loopback()).unwrap_or(false);
@@ -375,7 +379,21 @@ pub(super) async fn handshake<S: Transport>(
         write_close(stream, &mut buf, &e).await;
         return Err(e);
     }
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, leftover: buf })
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, spec_qos, loopback, leftover: buf })
+}
+
+/// Whether the client reads basic.qos as the AMQP 0-9-1 spec does (spec 1.8.3.1: global=false
+/// limits "the current channel", at once) rather than as RabbitMQ does since 3.3 (global=false:
+/// a limit for each consumer started afterwards; global=true: the channel).
+///
+/// py-amqp, the client of kombu and Celery: kombu sends RabbitMQ 3.3-3.x global=true and every
+/// other server global=false (`qos_semantics_matches_spec`, decided by the server's `product`),
+/// and Celery's worker raises its prefetch while it holds ETA/countdown tasks through that one
+/// call on its running consumer. Read as RabbitMQ reads global=false, the raise would never
+/// reach the consumer, and a worker holding countdown tasks would stop taking work until they
+/// ran. Every other client gets RabbitMQ's reading (README, "basic.qos").
+pub(super) fn spec_qos_client(client_properties: &FieldTable) -> bool {
+    matches!(client_properties.inner().get("product"), Some(AMQPValue::LongString(p)) if p.as_bytes() == b"py-amqp")
 }
 
 #[cfg(test)]
@@ -423,6 +441,20 @@ mod tests {
     #[test]
     fn unknown_mechanism_has_no_credentials() {
         assert_eq!(credentials("EXTERNAL", b"\0guest\0guest"), None);
+    }
+
+    #[test]
+    fn only_py_amqp_gets_the_spec_reading_of_basic_qos() {
+        let props = |product: &str| {
+            let mut p = FieldTable::default();
+            p.insert("product".into(), AMQPValue::LongString(product.into()));
+            p
+        };
+        assert!(spec_qos_client(&props("py-amqp")), "kombu's and Celery's client");
+        for other in ["pika", "RabbitMQ", "amqp-client", "py-amqp-fork"] {
+            assert!(!spec_qos_client(&props(other)), "{other} gets RabbitMQ's reading");
+        }
+        assert!(!spec_qos_client(&FieldTable::default()), "no product: RabbitMQ's reading");
     }
 
     #[test]

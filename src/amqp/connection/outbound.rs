@@ -22,12 +22,13 @@ use amq_protocol::protocol::{basic, tx, AMQPClass};
 use futures_lite::io::AsyncWriteExt;
 
 use super::handshake::close_method;
+use super::session::ConnState;
 use super::{confirms, tags, Session, CLOSE_WAIT};
 use crate::amqp::channel::ChannelState;
 use crate::amqp::codec::{self, encode_heartbeat, encode_method};
 use crate::amqp::error::AmqpError;
 use crate::amqp::unacked::Unacked;
-use crate::broker::{ChannelId, ClientEvent};
+use crate::broker::{ChannelId, ClientEvent, ConsumerTag};
 use crate::observe::Stats;
 
 /// How the writer half ended.
@@ -216,16 +217,28 @@ impl Session {
             }
             ClientEvent::Cancelled { channel: ChannelId(channel), consumer_tag } => {
                 let mut st = self.st.borrow_mut();
-                if let Some(c) = st.channels.get_mut(&channel).filter(|c| c.state == ChannelState::Open) {
-                    if c.consumers.remove(consumer_tag.as_str()).is_some() {
-                        encode_method(
-                            out,
-                            channel,
-                            &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                                consumer_tag: consumer_tag.as_str().into(),
-                                nowait: true,
-                            })),
-                        );
+                let st = &mut *st;
+                let queue =
+                    st.channels.get(&channel).and_then(|c| c.consumers.get(consumer_tag.as_str())).map(|c| c.queue.key.name.clone());
+                match queue.filter(|q| st.deleting.contains(q)) {
+                    // This connection is deleting the queue: its delete-ok goes first.
+                    Some(queue) => st.held_cancels.push((channel, consumer_tag, queue)),
+                    None => write_cancel(st, out, channel, &consumer_tag),
+                }
+            }
+            ClientEvent::Deleted { frames, queue } => {
+                out.extend_from_slice(&frames);
+                let mut st = self.st.borrow_mut();
+                let st = &mut *st;
+                if let Some(i) = st.deleting.iter().position(|q| *q == queue) {
+                    st.deleting.swap_remove(i);
+                }
+                if !st.deleting.contains(&queue) {
+                    let (held, kept): (Vec<_>, Vec<_>) =
+                        std::mem::take(&mut st.held_cancels).into_iter().partition(|(_, _, q)| *q == queue);
+                    st.held_cancels = kept;
+                    for (channel, tag, _) in held {
+                        write_cancel(st, out, channel, &tag);
                     }
                 }
             }
@@ -336,5 +349,19 @@ impl Session {
             encode_method(out, c.channel, &c.method());
         }
         Stats::add(&self.core.stats().confirmed, n);
+    }
+}
+
+/// basic.cancel (nowait) to consumer `tag` of `channel`, whose queue cancelled it, if the
+/// channel is open and still has it (the consumer is forgotten here).
+fn write_cancel(st: &mut ConnState, out: &mut Vec<u8>, channel: u16, tag: &ConsumerTag) {
+    if let Some(c) = st.channels.get_mut(&channel).filter(|c| c.state == ChannelState::Open) {
+        if c.consumers.remove(tag.as_str()).is_some() {
+            encode_method(
+                out,
+                channel,
+                &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel { consumer_tag: tag.as_str().into(), nowait: true })),
+            );
+        }
     }
 }

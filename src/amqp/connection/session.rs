@@ -55,6 +55,9 @@ pub struct ConnState {
     pub channels: rustc_hash::FxHashMap<u16, Channel>,
     /// The client announced consumer_cancel_notify.
     pub cancel_notify: bool,
+    /// basic.qos(global=false) limits the channel at once, as the spec reads it
+    /// (`handshake::spec_qos_client`: py-amqp, so kombu and Celery); else RabbitMQ's reading.
+    pub spec_qos: bool,
     /// The server sent connection.close and waits for close-ok (until this instant).
     pub closing: Option<Instant>,
     /// The writer should flush what it has and end the connection.
@@ -68,6 +71,13 @@ pub struct ConnState {
     pub peer_gone: bool,
     /// Exclusive queues declared by this connection.
     pub exclusive_queues: Vec<QueueRef>,
+    /// Names of the queues (in this connection's vhost) a queue.delete of this connection is
+    /// deleting, delete-ok not yet sent: the basic.cancel of their consumers on this
+    /// connection waits in `held_cancels` until it is, so the client reads queue.delete-ok
+    /// first, as RabbitMQ sends them (`methods::queue`).
+    pub deleting: Vec<crate::broker::QueueName>,
+    /// basic.cancel notices held back by `deleting`: (channel, consumer tag, queue name).
+    pub held_cancels: Vec<(u16, crate::broker::ConsumerTag, crate::broker::QueueName)>,
     /// Completed publisher confirms to send: (channel, seq, ok).
     pub confirms_ready: Vec<(u16, u64, bool)>,
     /// The client announced the `connection.blocked` capability.

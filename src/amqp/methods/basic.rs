@@ -21,6 +21,10 @@ use crate::broker::reply_to;
 use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
+/// How long after qos-ok a py-amqp client's raise of its channel window reaches its running
+/// consumers (see the basic.qos arm of [`handle`]).
+const SPEC_QOS_RAISE_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// basic.publish (spec 1.8.3.7): the channel awaits the content (`PendingPublish`).
 ///
 /// # Errors
@@ -65,18 +69,34 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
     match m {
         basic::AMQPMethod::Publish(p) => publish_started(s, channel, p),
         basic::AMQPMethod::Qos(q) => {
-            let mut wake = Vec::new();
-            if let Some(c) = s.st.borrow_mut().channels.get_mut(&channel) {
-                if q.global {
-                    // RabbitMQ: global=true limits the channel as a whole, at once.
-                    c.credit.limit.store(q.prefetch_count as u32, std::sync::atomic::Ordering::Relaxed);
-                    wake.extend(c.consumers.values().map(|x| x.queue.clone()));
-                } else {
-                    c.prefetch = q.prefetch_count as u32;
+            let mut st = s.st.borrow_mut();
+            let spec_qos = st.spec_qos;
+            let Some(c) = st.channels.get_mut(&channel) else { return Ok(()) };
+            if q.global || spec_qos {
+                // RabbitMQ: global=true limits the channel as a whole, at once; so does
+                // global=false for a client that reads the spec (`ConnState::spec_qos`).
+                let credit = c.credit.clone();
+                let wake: Vec<_> = c.consumers.values().map(|x| x.queue.clone()).collect();
+                drop(st);
+                let limit = q.prefetch_count as u32;
+                if spec_qos && limit > credit.limit.load(std::sync::atomic::Ordering::Relaxed) && !wake.is_empty() {
+                    // py-amqp under Celery: kombu's event loop (its hub) reads a delivery that
+                    // reaches the socket before it polls again, then sleeps until its next
+                    // timer (up to a countdown away) before it raises the window further.
+                    // A raise for its running consumers takes effect a moment after qos-ok
+                    // (RabbitMQ's own deliveries come that much later), so the deliveries it
+                    // lets through wake the loop's poll.
+                    s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
+                    glommio::timer::sleep(SPEC_QOS_RAISE_DELAY).await;
+                    credit.limit.store(limit, std::sync::atomic::Ordering::Relaxed);
+                    wake.iter().for_each(|queue| s.queue_send(queue, QueueOp::Wake));
+                    return Ok(());
                 }
-            }
-            for queue in wake {
-                s.queue_send(&queue, QueueOp::Wake);
+                credit.limit.store(limit, std::sync::atomic::Ordering::Relaxed);
+                wake.iter().for_each(|queue| s.queue_send(queue, QueueOp::Wake));
+            } else {
+                c.prefetch = q.prefetch_count as u32;
+                drop(st);
             }
             s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
             Ok(())

@@ -7,11 +7,12 @@ use std::rc::Rc;
 use amq_protocol::protocol::{queue, AMQPClass};
 
 use super::{authorize, unique_suffix};
+use crate::amqp::codec::encode_method;
 use crate::amqp::connection::Session;
 use crate::amqp::error::AmqpError;
 use crate::broker::access::{Perm, Resource};
 use crate::broker::topology::{self, binding, Caller, QueueDeclare};
-use crate::broker::QueueRef;
+use crate::broker::{ClientEvent, QueueRef};
 use crate::meta::state::{DestKind, QueueDef};
 
 /// Looks a queue up for an operation by connection `conn` ([`topology::queue_lookup`]).
@@ -99,14 +100,28 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: queue::AMQPMethod) -> Resu
         }
         queue::AMQPMethod::Delete(d) => {
             authorize(s, Perm::Configure, Resource::Queue, d.queue.as_str())?;
-            let (n, q) = topology::queue_delete(&s.core, &vhost, d.queue.as_str(), me, d.if_unused, d.if_empty).await?;
-            if let Some(q) = q {
-                s.st.borrow_mut().exclusive_queues.retain(|x| x.key != q.key);
+            // The queue's basic.cancel to this connection's consumers of it waits until
+            // delete-ok is sent (RabbitMQ's order; py-amqp raises ConsumerCancelled out of
+            // queue_delete otherwise).
+            let name = crate::broker::QueueName::from(d.queue.as_str());
+            s.st.borrow_mut().deleting.push(name.clone());
+            let deleted = topology::queue_delete(&s.core, &vhost, d.queue.as_str(), me, d.if_unused, d.if_empty).await;
+            let mut frames = Vec::new();
+            if let Ok((n, q)) = &deleted {
+                if let Some(q) = q {
+                    s.st.borrow_mut().exclusive_queues.retain(|x| x.key != q.key);
+                }
+                if !d.nowait {
+                    encode_method(
+                        &mut frames,
+                        channel,
+                        &AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk { message_count: *n })),
+                    );
+                }
             }
-            if !d.nowait {
-                s.send_method(channel, &AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk { message_count: n })));
-            }
-            Ok(())
+            // Through the event channel, behind the cancels the queue sent before it answered.
+            let _ = s.tx.send(ClientEvent::Deleted { frames, queue: name });
+            deleted.map(|_| ()).map_err(Into::into)
         }
         _ => Err(AmqpError::command_invalid("this queue method is sent by the server")),
     }

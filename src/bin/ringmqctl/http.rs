@@ -112,20 +112,25 @@ impl Client {
             }
             Err(ureq::Error::Status(code, resp)) => {
                 let text = resp.into_string().unwrap_or_default();
-                Err(status_error(code, &text))
+                Err(status_error(code, &text, path))
             }
             Err(ureq::Error::Transport(t)) => Err(CtlError::Unavailable(format!("cannot reach the management API at {}: {t}", self.base))),
         }
     }
 }
 
-/// The error for an HTTP status `code` with body `text`: the server's `reason` (RabbitMQ's
-/// error shape `{"error": …, "reason": …}`) when it gives one.
-fn status_error(code: u16, text: &str) -> CtlError {
+/// The error for an HTTP status `code` with body `text` to a request for `path`: the server's
+/// `reason` (RabbitMQ's error shape `{"error": …, "reason": …}`) when it gives one; a 404
+/// names the object that `path` addresses ("queue 'jobs' in vhost '/' not found").
+fn status_error(code: u16, text: &str, path: &str) -> CtlError {
     let reason = serde_json::from_str::<Value>(text)
         .ok()
         .and_then(|v| v.get("reason").or_else(|| v.get("error")).and_then(Value::as_str).map(str::to_string))
         .unwrap_or_else(|| text.trim().to_string());
+    let reason = match (code, object_of(path)) {
+        (404, Some(object)) => format!("{object} not found"),
+        _ => reason,
+    };
     let msg = if reason.is_empty() { format!("the management API answered {code}") } else { format!("{code}: {reason}") };
     match code {
         401 | 403 => CtlError::NoPerm(msg),
@@ -133,6 +138,31 @@ fn status_error(code: u16, text: &str) -> CtlError {
         400 | 406 | 409 | 415 | 422 => CtlError::Data(msg),
         503 => CtlError::Unavailable(msg),
         _ => CtlError::Software(msg),
+    }
+}
+
+/// The object an API path names, in words: `/api/queues/%2F/jobs` → "queue 'jobs' in vhost
+/// '/'"; None for a path that names no single object.
+fn object_of(path: &str) -> Option<String> {
+    let path = path.split('?').next()?;
+    let parts: Vec<String> =
+        path.strip_prefix("/api/")?.split('/').map(|p| percent_encoding::percent_decode_str(p).decode_utf8_lossy().into_owned()).collect();
+    let kind = |plural: &str| match plural {
+        "queues" => Some("queue"),
+        "exchanges" => Some("exchange"),
+        "policies" => Some("policy"),
+        "operator-policies" => Some("operator policy"),
+        _ => None,
+    };
+    match parts.as_slice() {
+        [k, vhost, name, ..] if kind(k).is_some() && !name.is_empty() => Some(format!("{} '{name}' in vhost '{vhost}'", kind(k)?)),
+        [k, vhost] if kind(k).is_some() => Some(format!("vhost '{vhost}'")),
+        [k, name] if k == "users" => Some(format!("user '{name}'")),
+        [k, name] if k == "vhosts" => Some(format!("vhost '{name}'")),
+        [k, name] if k == "connections" => Some(format!("connection '{name}'")),
+        [k, vhost, user] if k == "permissions" => Some(format!("permissions of user '{user}' in vhost '{vhost}'")),
+        [k, name, ..] if k == "nodes" => Some(format!("node '{name}'")),
+        _ => None,
     }
 }
 
@@ -156,11 +186,15 @@ mod tests {
 
     #[test]
     fn statuses_map_to_exit_codes() {
-        let e = status_error(404, r#"{"error":"Object Not Found","reason":"Not Found"}"#);
-        assert_eq!((e.exit_code(), e.to_string()), (1, "404: Not Found".to_string()));
-        assert_eq!(status_error(401, "").exit_code(), 77);
-        assert_eq!(status_error(400, r#"{"error":"bad_request","reason":"x"}"#).exit_code(), 65);
-        assert_eq!(status_error(503, "").exit_code(), 69);
-        assert_eq!(status_error(500, "boom").to_string(), "500: boom");
+        let not_found = r#"{"error":"Object Not Found","reason":"Not Found"}"#;
+        let e = status_error(404, not_found, "/api/queues/%2F/jobs");
+        assert_eq!((e.exit_code(), e.to_string()), (1, "404: queue 'jobs' in vhost '/' not found".to_string()));
+        assert_eq!(status_error(404, not_found, "/api/users/bob").to_string(), "404: user 'bob' not found");
+        assert_eq!(status_error(404, not_found, "/api/queues/staging").to_string(), "404: vhost 'staging' not found");
+        assert_eq!(status_error(404, not_found, "/api/overview").to_string(), "404: Not Found");
+        assert_eq!(status_error(401, "", "/api/overview").exit_code(), 77);
+        assert_eq!(status_error(400, r#"{"error":"bad_request","reason":"x"}"#, "/api/queues").exit_code(), 65);
+        assert_eq!(status_error(503, "", "/api/overview").exit_code(), 69);
+        assert_eq!(status_error(500, "boom", "/api/overview").to_string(), "500: boom");
     }
 }

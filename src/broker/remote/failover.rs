@@ -270,7 +270,7 @@ impl Remote {
     fn on_core(&self, qref: &QueueRef, work: impl FnOnce(&Rc<Node>) + Send + 'static) {
         let core = qref.owner_core as usize;
         if self.inboxes.send(core, NodeMsg::Run(OnCore(Box::new(work)))).is_err() {
-            tracing::warn!(core, "core inbox closed (shutting down)");
+            tracing::debug!(core, "core inbox closed (shutting down)");
         }
     }
 }

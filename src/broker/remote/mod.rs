@@ -225,7 +225,10 @@ impl Remote {
             tracing::info!(peer, "data lane to node {peer} is up: its queues are served from here again");
             return;
         }
-        tracing::warn!(peer, "data lane to node {peer} is down: requeueing what its clients held here, cancelling consumers of its queues");
+        tracing::warn!(
+            peer,
+            "data lane to node {peer} is down: requeueing what its clients held here; consumers of its replicated queues wait to follow them to their next server, consumers of its other queues are cancelled"
+        );
         self.client_link_down(peer);
         self.owner_link_down(peer);
     }

@@ -366,6 +366,7 @@ fn forward_event(remote: &Remote, to: NodeId, conn: u64, ev: ClientEvent, pendin
         }
         // Connection-wide events go to this node's own connections only.
         ClientEvent::Frames(_)
+        | ClientEvent::Deleted { .. }
         | ClientEvent::Shutdown
         | ClientEvent::ResourceAlarm(_)
         | ClientEvent::Describe(_)
