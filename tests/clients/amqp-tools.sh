@@ -55,8 +55,8 @@ if tool amqp-consume --queue "$queue-missing" --count 1 cat; then
   fail "amqp-consume from a missing queue succeeded: $out"
 fi
 case "$out" in
-  *404*NOT_FOUND*) echo "consume from a missing queue refused: $(printf '%s' "$out" | tr '\n' ' ')" ;;
-  *) fail "consume from a missing queue failed without 404 NOT_FOUND: $out" ;;
+  *"channel error 404"*NOT_FOUND*) echo "consume from a missing queue refused: $(printf '%s' "$out" | tr '\n' ' ')" ;;
+  *) fail "consume from a missing queue failed without a channel error 404 NOT_FOUND: $out" ;;
 esac
 
 tool amqp-delete-queue --queue "$queue" || fail "amqp-delete-queue: $out"
