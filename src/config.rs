@@ -55,6 +55,10 @@ pub struct Cli {
     /// Prometheus metrics listen address, serving /metrics [default: 127.0.0.1:15692]
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+    /// The cluster's name on a fresh cluster (later: `ringmqctl set_cluster_name`)
+    /// [default: ringmq@<host of the first node to start>]
+    #[arg(long, value_name = "NAME")]
+    pub cluster_name: Option<String>,
     /// Management HTTP API listen address (RabbitMQ-compatible, /api/…), or `off`
     /// [default: 127.0.0.1:15672]
     #[arg(long, value_name = "ADDR:PORT|off")]
@@ -193,6 +197,7 @@ struct FileConfig {
     data_dir: Option<PathBuf>,
     cores: Option<u32>,
     metrics_listen: Option<SocketAddr>,
+    cluster_name: Option<String>,
     management_listen: Option<String>,
     heartbeat: Option<u16>,
     frame_max: Option<u32>,
@@ -239,6 +244,9 @@ pub struct Config {
     pub cores: u32,
     /// Metrics listen address.
     pub metrics_listen: SocketAddr,
+    /// The name a fresh cluster gets (`--cluster-name`, TOML `cluster_name`); `None`:
+    /// `ringmq@<host>` (`broker::cluster_name`).
+    pub cluster_name: Option<String>,
     /// Management API listen address; `None` when turned off (`--management-listen off`).
     pub management_listen: Option<SocketAddr>,
     /// The management API's HTTPS listener; `None` without `--management-tls-listen`.
@@ -385,6 +393,7 @@ impl Config {
             data_dir: cli.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("data")),
             cores: cli.cores.or(file.cores).unwrap_or(cpus),
             metrics_listen: cli.metrics_listen.or(file.metrics_listen).unwrap_or_else(|| "127.0.0.1:15692".parse().expect("literal")),
+            cluster_name: cli.cluster_name.or(file.cluster_name),
             management_listen: parse_management_listen(cli.management_listen.or(file.management_listen).as_deref())?,
             management_tls,
             heartbeat: cli.heartbeat.or(file.heartbeat).unwrap_or(60),

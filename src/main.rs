@@ -99,7 +99,8 @@ fn at<T>(path: &std::path::Path, doing: &str, r: std::io::Result<T>) -> Result<T
 
 /// Seeds a fresh data directory with the configuration's vhosts, users, permissions and
 /// policies (`broker::access::seed_commands`): only while the metadata has never held a user,
-/// so what was changed at run time is never overwritten by the file. In a cluster, first
+/// so what was changed at run time is never overwritten by the file; and names the cluster
+/// while it has no name (`broker::cluster_name::seed`). In a cluster, first
 /// catches up with the group (a node joining late must not reset another node's changes).
 fn seed(config: &Config, meta: &MetaHandle) -> Result<(), Box<dyn std::error::Error>> {
     if meta.is_cluster() {
@@ -112,6 +113,7 @@ fn seed(config: &Config, meta: &MetaHandle) -> Result<(), Box<dyn std::error::Er
         tracing::info!(users = config.users.len(), vhosts = config.vhosts.len(), "seeding users, vhosts, permissions and policies");
         meta.propose_blocking(cmds)?;
     }
+    ringmq::broker::cluster_name::seed(meta, config.cluster_name.as_deref())?;
     Ok(())
 }
 

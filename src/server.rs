@@ -206,9 +206,12 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     }
     let metrics = {
         let shared = shared.clone();
-        let render = move |path: &str| match path {
+        let render = move |path: &str, query: &str| match path {
             "/metrics" => Some(shared.metrics_text()),
-            "/metrics/per-object" => Some(observe::render_per_object(shared.queue_samples())),
+            "/metrics/per-object" => Some(observe::render_per_object(shared.queue_samples(), &shared.identity())),
+            "/metrics/detailed" => {
+                Some(observe::render_detailed(query, shared.queue_samples(), &shared.stats, &shared.live, &shared.identity()))
+            }
             _ => None,
         };
         match observe::serve_metrics(config.metrics_listen, Arc::new(render)) {

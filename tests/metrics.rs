@@ -1,10 +1,13 @@
-//! The Prometheus endpoint (issue 5 item 6: per-stage latency histograms) and the
-//! auto-delete exchange lifecycle, through lapin.
+//! The Prometheus endpoint (issue 5 item 6: per-stage latency histograms; issue 39 item 5:
+//! rabbitmq_prometheus's families, `/metrics/detailed`, one cluster name on every node) and
+//! the auto-delete exchange lifecycle, through lapin and ringmqctl.
 
 mod common;
 
 use std::io::{Read, Write};
 
+use common::cluster::{labelled_metric_value, run, Cluster};
+use common::http::{get_json, ringmqctl};
 use common::*;
 use lapin::options::*;
 use lapin::types::FieldTable;
@@ -133,7 +136,223 @@ async fn per_object_metrics_name_each_queue_with_rabbitmqs_series() {
     assert_eq!(value(&total, "rabbitmq_queue_messages_unacked"), 8.0);
     assert!(value(&total, "rabbitmq_global_messages_received_total") >= 40.0);
     assert_eq!(value(&total, "rabbitmq_connections"), 1.0);
-    assert_eq!(value(&total, "rabbitmq_identity_info{rabbitmq_node=\"ringmq@1\"}"), 1.0);
+    assert_eq!(labelled_metric_value(&total, "rabbitmq_identity_info", "rabbitmq_node", "ringmq@1"), Some(1.0), "{total}");
     let missing = tokio::task::spawn_blocking(move || scrape_path(port, "/nope")).await.unwrap();
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+}
+
+/// Every series of `text` (one scrape) as `name{labels}` → value.
+fn series(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What the client did, counted by rabbitmq_prometheus's families (as the RabbitMQ-Overview
+/// dashboard reads them): each one moves by exactly what the client did between two scrapes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_families_count_what_the_client_did() {
+    let b = Broker::start();
+    require_own_broker!(b, "reads ringmq's metrics endpoint");
+    let port = b.metrics_port();
+    let scrape_now = || async move { series(&tokio::task::spawn_blocking(move || scrape(port)).await.unwrap()) };
+    let before = scrape_now().await;
+    let c = connect(&b).await;
+    let (publisher, consumer) = (t("channel", c.create_channel()).await.unwrap(), t("channel", c.create_channel()).await.unwrap());
+    let q = plain_queue(&publisher, "families").await;
+    confirm_mode(&publisher).await;
+    for i in 0..5u8 {
+        assert!(publish_confirmed(&publisher, "", &q, &[i; 200], Default::default()).await.is_ack());
+    }
+    // One unroutable dropped, one unroutable returned (mandatory).
+    assert!(publish_confirmed(&publisher, "", "no-such-queue", b"x", Default::default()).await.is_ack());
+    let mandatory = BasicPublishOptions { mandatory: true, ..Default::default() };
+    let pc = t("publish", publisher.basic_publish("".into(), "no-such-queue".into(), mandatory, b"y", Default::default())).await.unwrap();
+    t("confirm", pc).await.unwrap();
+    // Five deliveries with manual ack; two nacked back and redelivered; all five acked.
+    let mut cons =
+        t("consume", consumer.basic_consume(q.as_str().into(), "".into(), Default::default(), FieldTable::default())).await.unwrap();
+    let first: Vec<_> = {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            v.push(next_delivery(&mut cons, std::time::Duration::from_secs(5)).await);
+        }
+        v
+    };
+    for d in &first[..2] {
+        t("nack", d.nack(BasicNackOptions { multiple: false, requeue: true })).await.unwrap();
+    }
+    for d in &first[2..] {
+        t("ack", d.ack(Default::default())).await.unwrap();
+    }
+    for _ in 0..2 {
+        let d = next_delivery(&mut cons, std::time::Duration::from_secs(5)).await;
+        assert!(d.redelivered);
+        t("ack", d.ack(Default::default())).await.unwrap();
+    }
+    // basic.get: one empty, one with auto-ack, one with manual ack.
+    let getter = t("channel", c.create_channel()).await.unwrap();
+    let q2 = plain_queue(&getter, "families-get").await;
+    assert!(get_body(&getter, &q2).await.is_none());
+    publish(&getter, "", &q2, b"a").await;
+    publish(&getter, "", &q2, b"b").await;
+    wait_ready(&getter, &q2, 2, std::time::Duration::from_secs(5)).await;
+    assert!(get_body(&getter, &q2).await.is_some());
+    let g = t("get", getter.basic_get(q2.as_str().into(), BasicGetOptions { no_ack: false })).await.unwrap().expect("a message");
+    t("ack", g.delivery.ack(Default::default())).await.unwrap();
+    t("delete", getter.queue_delete(q2.as_str().into(), Default::default())).await.unwrap();
+    // Scrape (bounded) until the last ack is counted.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let s = scrape_now().await;
+        let acked = s.get("rabbitmq_global_messages_acknowledged_total").copied().unwrap_or(0.0);
+        if acked - before.get("rabbitmq_global_messages_acknowledged_total").copied().unwrap_or(0.0) >= 6.0
+            || std::time::Instant::now() > deadline
+        {
+            break s;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let moved = |name: &str| after.get(name).copied().unwrap_or(f64::NAN) - before.get(name).copied().unwrap_or(0.0);
+    for (name, n) in [
+        ("rabbitmq_global_messages_received_total", 9.0),
+        ("rabbitmq_global_messages_received_confirm_total", 7.0),
+        ("rabbitmq_global_messages_routed_total", 7.0),
+        ("rabbitmq_global_messages_confirmed_total", 7.0),
+        ("rabbitmq_global_messages_unroutable_dropped_total", 1.0),
+        ("rabbitmq_global_messages_unroutable_returned_total", 1.0),
+        ("rabbitmq_global_messages_delivered_consume_manual_ack_total", 7.0),
+        ("rabbitmq_global_messages_delivered_consume_auto_ack_total", 0.0),
+        ("rabbitmq_global_messages_delivered_get_auto_ack_total", 1.0),
+        ("rabbitmq_global_messages_delivered_get_manual_ack_total", 1.0),
+        ("rabbitmq_global_messages_get_empty_total", 1.0),
+        ("rabbitmq_global_messages_redelivered_total", 2.0),
+        ("rabbitmq_global_messages_acknowledged_total", 6.0),
+        ("rabbitmq_channel_messages_published_total", 9.0),
+        ("rabbitmq_channel_messages_confirmed_total", 7.0),
+        ("rabbitmq_channel_messages_delivered_ack_total", 7.0),
+        ("rabbitmq_channel_messages_redelivered_total", 2.0),
+        ("rabbitmq_channel_messages_acked_total", 6.0),
+        ("rabbitmq_channel_messages_unroutable_dropped_total", 1.0),
+        ("rabbitmq_channel_messages_unroutable_returned_total", 1.0),
+        ("rabbitmq_channel_get_total", 1.0),
+        ("rabbitmq_channel_get_ack_total", 1.0),
+        ("rabbitmq_channel_get_empty_total", 1.0),
+        ("rabbitmq_channels_opened_total", 3.0),
+        ("rabbitmq_channels_closed_total", 0.0),
+        ("rabbitmq_queues_declared_total", 2.0),
+        ("rabbitmq_queues_created_total", 2.0),
+        ("rabbitmq_queues_deleted_total", 1.0),
+        ("rabbitmq_message_size_bytes_count{protocol=\"amqp091\"}", 9.0),
+        ("rabbitmq_message_size_bytes_bucket{protocol=\"amqp091\",le=\"100.0\"}", 4.0),
+        ("rabbitmq_message_size_bytes_bucket{protocol=\"amqp091\",le=\"1000.0\"}", 9.0),
+    ] {
+        assert_eq!(moved(name), n, "{name}");
+    }
+    // The harness's own readiness probe may be counted too (a TCP connection).
+    assert!(moved("rabbitmq_connections_opened_total") >= 1.0);
+    for (name, n) in [
+        ("rabbitmq_connections", 1.0),
+        ("rabbitmq_channels", 3.0),
+        ("rabbitmq_consumers", 1.0),
+        ("rabbitmq_channel_consumers", 1.0),
+        ("rabbitmq_global_consumers", 1.0),
+        ("rabbitmq_global_publishers", 2.0),
+        ("rabbitmq_queues", 1.0),
+    ] {
+        assert_eq!(after.get(name).copied(), Some(n), "{name}");
+    }
+    let text = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let default = format!("ringmq@{}", host.trim());
+    assert_eq!(labelled_metric_value(&text, "rabbitmq_identity_info", "rabbitmq_cluster", &default), Some(1.0), "{text}");
+    assert_eq!(labelled_metric_value(&text, "rabbitmq_identity_info", "rabbitmq_endpoint", "aggregated"), Some(1.0), "{text}");
+    assert_eq!(labelled_metric_value(&text, "rabbitmq_build_info", "product_name", "ringmq"), Some(1.0), "{text}");
+    // The channels and the consumer end with the connection.
+    t("close", c.close(200, "".into())).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let s = scrape_now().await;
+        let gone = ["rabbitmq_channels", "rabbitmq_consumers", "rabbitmq_global_publishers", "rabbitmq_connections"]
+            .iter()
+            .all(|n| s.get(*n) == Some(&0.0));
+        if gone {
+            assert_eq!(
+                s.get("rabbitmq_channels_closed_total").copied().unwrap_or(0.0)
+                    - before.get("rabbitmq_channels_closed_total").copied().unwrap_or(0.0),
+                3.0
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "channels, consumers or publishers left after the close: {s:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // /metrics/detailed: the queue families asked for, in the vhost asked for.
+    let path = "/metrics/detailed?family=queue_coarse_metrics&family=queue_consumer_count&vhost=%2F".to_string();
+    let detailed = tokio::task::spawn_blocking(move || scrape_path(port, &path)).await.unwrap();
+    assert!(detailed.starts_with("HTTP/1.1 200"), "{detailed}");
+    let labels = format!("{{vhost=\"/\",queue=\"{q}\"}}");
+    assert_eq!(value(&detailed, &format!("rabbitmq_detailed_queue_messages{labels}")), 0.0);
+    assert_eq!(value(&detailed, &format!("rabbitmq_detailed_queue_consumers{labels}")), 0.0);
+    assert_eq!(labelled_metric_value(&detailed, "rabbitmq_identity_info", "rabbitmq_endpoint", "detailed"), Some(1.0), "{detailed}");
+    let other =
+        tokio::task::spawn_blocking(move || scrape_path(port, "/metrics/detailed?family=queue_coarse_metrics&vhost=other")).await.unwrap();
+    assert!(!other.contains("rabbitmq_detailed_queue_messages{"), "vhost other has no queue: {other}");
+}
+
+/// One name for the whole cluster: every node of a real 3-node cluster reports the same
+/// default name and permanent id; `ringmqctl set_cluster_name` on one node renames it on
+/// all of them, in the management API and in `rabbitmq_identity_info`, the permanent id kept.
+#[test]
+fn one_cluster_name_on_every_node_set_by_ringmqctl() {
+    run(async {
+        let c = Cluster::start(3);
+        let identity = |i: usize, label: &str| -> Option<String> {
+            let text = c.try_metrics(i).ok()?;
+            let line = text.lines().find(|l| l.starts_with("rabbitmq_identity_info{"))?;
+            let want = format!("{label}=\"");
+            let start = line.find(&want)? + want.len();
+            Some(line[start..].split('"').next()?.to_string())
+        };
+        let names: Vec<_> = (0..3).map(|i| identity(i, "rabbitmq_cluster")).collect();
+        let ids: Vec<_> = (0..3).map(|i| identity(i, "rabbitmq_cluster_permanent_id")).collect();
+        assert!(names[0].as_deref().is_some_and(|n| n.starts_with("ringmq@")), "{names:?}");
+        assert!(names.iter().all(|n| *n == names[0]), "one default name: {names:?}");
+        assert!(ids[0].as_deref().is_some_and(|id| id.len() == 36) && ids.iter().all(|id| *id == ids[0]), "one permanent id: {ids:?}");
+        let (code, out, err) = ringmqctl(c.management_port(1), &["set_cluster_name", "prod-eu-1"]);
+        assert_eq!(code, 0, "set_cluster_name: {out}{err}");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        for i in 0..3 {
+            loop {
+                let (api, over) = (get_json(c.management_port(i), "/api/cluster-name"), get_json(c.management_port(i), "/api/overview"));
+                let seen = (
+                    api["name"].as_str().map(str::to_owned),
+                    over["cluster_name"].as_str().map(str::to_owned),
+                    identity(i, "rabbitmq_cluster"),
+                );
+                let want = Some("prod-eu-1".to_string());
+                if seen == (want.clone(), want.clone(), want) {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "node {i} reports {seen:?}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            assert_eq!(identity(i, "rabbitmq_cluster_permanent_id"), ids[0], "the permanent id stays");
+        }
+        // The management API's own form, and a refused name.
+        let r =
+            common::http::request(c.management_port(2), "PUT", "/api/cluster-name", Some(r#"{"name":"prod-eu-2"}"#), common::http::GUEST);
+        assert_eq!(r.status, 204, "{r:?}");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while get_json(c.management_port(0), "/api/cluster-name")["name"] != "prod-eu-2" {
+            assert!(std::time::Instant::now() < deadline, "node 0 never saw the name set on node 2");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let r = common::http::request(c.management_port(0), "PUT", "/api/cluster-name", Some(r#"{"name":""}"#), common::http::GUEST);
+        assert_eq!(r.status, 400, "{r:?}");
+    });
 }

@@ -22,12 +22,15 @@ pub enum ChannelState {
 }
 
 /// A consumer as its channel knows it.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ChannelConsumer {
     /// Consumer id (unique in this run).
     pub id: ConsumerId,
     /// Its queue.
     pub queue: QueueRef,
+    /// Counts it in the node's consumers while it lives (`rabbitmq_consumers`); `None` in
+    /// unit tests.
+    pub live: Option<crate::observe::Alive>,
 }
 
 /// The channel's consumer on the direct reply-to pseudo-queue (`broker::reply_to`).
@@ -184,6 +187,12 @@ pub struct Channel {
     pub publish: Option<PendingPublish>,
     /// channel.flow active flag as last set by the client.
     pub flow_active: bool,
+    /// Counts it in the node's open channels while it lives (`rabbitmq_channels`); `None`
+    /// in unit tests.
+    pub live: Option<crate::observe::Alive>,
+    /// Counts it in the node's publishers from its first basic.publish on
+    /// (`rabbitmq_global_publishers`).
+    pub publisher: Option<crate::observe::Alive>,
 }
 
 impl Channel {
@@ -204,6 +213,8 @@ impl Channel {
             reply_to: None,
             publish: None,
             flow_active: true,
+            live: None,
+            publisher: None,
         }
     }
 

@@ -15,6 +15,7 @@
 //! - [`topology`]: declare, delete, purge, bind and unbind as the domain does them, for the
 //!   AMQP methods and the management API alike.
 //! - [`clients`]: this node's connections, for the management API.
+//! - [`cluster_name`]: the cluster's one name and permanent id, in the metadata.
 //! - [`auth`]: who may log in, and with which tags (the seam user stores plug into).
 //! - [`access`]: users, vhosts, permissions: logins, permission checks, the run-time API;
 //!   [`policy`]: policies and operator policies, and the queue arguments they give.
@@ -32,6 +33,7 @@ pub mod access;
 pub mod alarms;
 pub mod auth;
 pub mod clients;
+pub mod cluster_name;
 pub mod credit;
 pub mod error;
 pub mod exchange;
@@ -53,6 +55,10 @@ pub mod topology;
 use std::sync::Arc;
 
 pub use error::QueueError;
+
+/// The RabbitMQ version this broker answers as: the management API's `rabbitmq_version` and
+/// `management_version` (tools read them to pick features) and `rabbitmq_build_info`'s label.
+pub const RABBITMQ_COMPAT_VERSION: &str = "3.13.7";
 pub use ids::{ChannelId, ConnId, ConsumerTag, Offset, QueueName};
 use message::Message;
 

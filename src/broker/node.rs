@@ -62,6 +62,10 @@ pub struct Shared {
     pub reply_to: Arc<super::reply_to::ReplyConsumers>,
     /// This node's open connections, for the management API (`broker::clients`).
     pub clients: super::clients::Clients,
+    /// This node's channels, consumers and publishers, for the metrics.
+    pub live: crate::observe::Live,
+    /// When the broker started (the metrics' uptime).
+    pub started: Instant,
 }
 
 /// Reports (peer id, link up) for every other member of the cluster.
@@ -84,65 +88,14 @@ impl Shared {
             remote: None,
             reply_to: Default::default(),
             clients: Default::default(),
+            live: Default::default(),
+            started: Instant::now(),
         }
     }
 
     /// A fresh id for a connection or consumer (unique within this run).
     pub fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Replicated queues whose replica set is smaller than their size (capped at `voters`):
-    /// those `broker/grow.rs` grows back.
-    fn queues_below_replicas(&self, voters: &[crate::meta::NodeId]) -> u64 {
-        if voters.len() < 2 {
-            return 0;
-        }
-        let topo = self.meta.topology();
-        topo.queues.values().filter(|q| super::replicas::below_size(self, q, voters.len())).count() as u64
-    }
-
-    /// The Prometheus text of every core's counters, the alarms and the metadata group
-    /// (`observe::render` does the formatting).
-    pub fn metrics_text(&self) -> String {
-        let a = &self.alarms;
-        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-        let gauges = crate::observe::Gauges {
-            open_fds: load(&a.open_fds),
-            max_fds: load(&a.max_fds),
-            disk_free_bytes: load(&a.disk_free_bytes),
-            disk_free_limit: a.disk_free_limit.load(Ordering::Relaxed),
-            disk_alarm: a.disk_alarm(),
-            fd_alarm: a.fd_alarm.load(Ordering::Relaxed),
-            memory_used: load(&a.memory_used),
-            memory_limit: load(&a.memory_limit),
-            memory_alarm: a.memory_alarm(),
-            connections_refused: load(&a.connections_refused),
-        };
-        let m = self.meta.stats();
-        let f = self.meta.cluster_figures();
-        let links = self.peer_links.as_ref().map(|l| l()).unwrap_or_default();
-        let peers = links
-            .iter()
-            .map(|&(id, up)| crate::observe::PeerFigures { id, up, lag: f.peers.iter().find(|p| p.id == id).map(|p| p.lag) })
-            .collect();
-        let raft = crate::observe::RaftFigures {
-            entries_appended: m.entries_appended,
-            fsyncs: m.fsyncs,
-            commands_applied: m.commands_applied,
-            is_leader: self.meta.is_leader(),
-            term: f.term,
-            leader: f.leader,
-            role: f.role.name(),
-            commit_index: f.commit_index,
-            applied_index: f.applied_index,
-            leader_changes: f.leader_changes,
-            peers,
-            members: f.voters.len() as u64,
-            replica_grows: self.meta.with_state(|s| s.growing.len() as u64),
-            queues_below_replicas: self.queues_below_replicas(&f.voters),
-        };
-        crate::observe::render(&self.stats, &gauges, &raft, &self.queue_samples(), &self.identity())
     }
 }
 
@@ -514,8 +467,9 @@ impl Node {
                         let me = self.clone();
                         glommio::spawn_local(async move {
                             let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
-                            if let Err(e) = me.shared.meta.propose(cmd).await {
-                                tracing::error!(error = %e, "metadata delete of queue failed");
+                            match me.shared.meta.propose(cmd).await {
+                                Ok(_) => Stats::add(&me.stats().queues_deleted, 1),
+                                Err(e) => tracing::error!(error = %e, "metadata delete of queue failed"),
                             }
                             destroy_shards(shard, index).await;
                             remove_dir(dir).await;

@@ -23,6 +23,7 @@ use super::{reply_channel, QueueError, QueueOp, QueueRef};
 use crate::core::placement;
 use crate::meta::state::{Binding, Command, DestKind, ExchangeDef, ExchangeKind, Outcome, QueueDef};
 use crate::meta::MetaError;
+use crate::observe::Stats;
 
 /// A refused topology operation, in the domain's words.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -210,7 +211,14 @@ pub async fn queue_declare(node: &Rc<Node>, req: QueueDeclare) -> Result<Declare
     loop {
         match declare_once(node, &def, caller).await {
             Err(e) if e.is_not_found() && std::time::Instant::now() < deadline => wait_gone(node, vhost, name, deadline).await,
-            r => return r,
+            r => {
+                if let Ok(d) = &r {
+                    let stats = node.stats();
+                    Stats::add(&stats.queues_declared, 1);
+                    Stats::add(&stats.queues_created, d.created.is_some() as u64);
+                }
+                return r;
+            }
         }
     }
 }

@@ -71,6 +71,7 @@ const TAG_GROW_REPLICA_SET: u8 = 16;
 const TAG_COPY_MESSAGES: u8 = 17;
 const TAG_JOIN_REPLICA_SET: u8 = 18;
 const TAG_RETURN: u8 = 19;
+const TAG_SET_CLUSTER_NAME: u8 = 20;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     if super::access::encode(cmd, out) {
@@ -248,6 +249,12 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_varint(out, *id);
             put_varint(out, *tail);
         }
+        Command::SetClusterName { name, permanent_id, initial } => {
+            out.push(TAG_SET_CLUSTER_NAME);
+            put_str(out, name);
+            put_str(out, permanent_id);
+            out.push(*initial as u8);
+        }
     }
 }
 
@@ -373,6 +380,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
             Command::CopyMessages { vhost, queue, id, from, to, messages }
         }
         TAG_JOIN_REPLICA_SET => Command::JoinReplicaSet { vhost: r.string()?, queue: r.string()?, id: r.varint()?, tail: r.varint()? },
+        TAG_SET_CLUSTER_NAME => Command::SetClusterName { name: r.string()?, permanent_id: r.string()?, initial: r.u8()? != 0 },
         32..=63 => super::access::decode(tag, r)?,
         _ => return Err(r.err("unknown command tag")),
     })

@@ -241,6 +241,8 @@ pub(super) struct Driver {
     /// Last leader seen (for the leader-change log line and counter).
     pub(super) last_leader: NodeId,
     pub(super) leader_changes: u64,
+    /// Request → applied time of this node's latest applied proposal, µs (metrics).
+    pub(super) commit_latency_us: u64,
     /// No compaction before this instant (set after a failed one).
     pub(super) compact_after: Option<Instant>,
     /// The state a compaction waits to write (taken when the log first wanted it).
@@ -365,6 +367,7 @@ impl Driver {
             last_tick: now,
             last_leader: 0,
             leader_changes: 0,
+            commit_latency_us: 0,
             compact_after: None,
             compact_state: None,
             compact_for_join: false,

@@ -82,7 +82,7 @@ pub use handle::{MetaHandle, Proposal};
 pub use members::MemberChange;
 pub use net::{ClusterFigures, ClusterSpec, NetInbox, NetInboxRx, RaftNet, Role};
 pub use state::{Command, MetaState, Outcome};
-pub use topology::{Binding, DestKind, ExchangeDef, ExchangeKind, NodeId, QueueDef, Topology, PREDECLARED_EXCHANGES};
+pub use topology::{Binding, ClusterIdentity, DestKind, ExchangeDef, ExchangeKind, NodeId, QueueDef, Topology, PREDECLARED_EXCHANGES};
 pub use wire::DecodeError;
 
 /// Errors of the metadata group.

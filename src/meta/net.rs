@@ -170,6 +170,13 @@ pub struct ClusterFigures {
     pub commit_index: u64,
     /// Highest log index applied to the state here.
     pub applied_index: u64,
+    /// Index of the last entry written to this node's log (RabbitMQ's `last_written_index`).
+    pub last_index: u64,
+    /// Index of the snapshot this node's log starts after (0: none).
+    pub snapshot_index: u64,
+    /// Time from the first request of this node's latest applied proposal to its
+    /// application here, µs (RabbitMQ's `commit_latency`; 0 before any).
+    pub commit_latency_us: u64,
     /// Times the known leader changed since start (to another node or to none).
     pub leader_changes: u64,
     /// Per peer progress; filled on the leader only (empty elsewhere).

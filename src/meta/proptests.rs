@@ -95,6 +95,8 @@ fn command() -> impl Strategy<Value = Command> {
         1 => (vhost.clone(), name(), 0u64..3, 0u64..3).prop_map(|(vhost, queue, id, tail)| Command::JoinReplicaSet { vhost, queue, id, tail }),
         1 => (vhost.clone(), name(), proptest::collection::vec((0u64..8, any::<u32>()), 0..3))
             .prop_map(|(vhost, queue, counts)| Command::Return { vhost, queue, counts }),
+        1 => ("[a-c]{1,2}", "[xy]", any::<bool>())
+            .prop_map(|(name, permanent_id, initial)| Command::SetClusterName { name, permanent_id, initial }),
         4 => access_command(vhost),
     ]
 }

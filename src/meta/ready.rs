@@ -212,6 +212,9 @@ impl Driver {
             role,
             commit_index: r.raft_log.committed,
             applied_index: r.raft_log.applied,
+            last_index: r.raft_log.last_index(),
+            snapshot_index: self.raw.store().snapshot_index(),
+            commit_latency_us: self.commit_latency_us,
             leader_changes: self.leader_changes,
             peers,
         };
@@ -304,6 +307,7 @@ impl Driver {
         }
         if let Some((_, seq)) = super::state::proposal_context(&e.context).filter(|(nonce, _)| *nonce == self.nonce) {
             if let Some(f) = self.in_flight.remove(&seq) {
+                self.commit_latency_us = self.now.saturating_duration_since(f.since).as_micros() as u64;
                 let mut rest = outcomes.into_iter();
                 for w in f.waiters {
                     let mine: Vec<Outcome> = rest.by_ref().take(w.count).collect();

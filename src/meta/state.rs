@@ -317,6 +317,17 @@ pub enum Command {
         /// An operator policy.
         operator: bool,
     },
+    /// Names the cluster ([`Topology::cluster`]) → `Created` (the first name, with
+    /// `permanent_id`) | `Updated` (renamed; the permanent id stays) | `Existed` (the same
+    /// name, or `initial` and a name is already set).
+    SetClusterName {
+        /// The new name.
+        name: String,
+        /// The permanent id to record if none is recorded yet.
+        permanent_id: String,
+        /// Only if the cluster has no name yet (a node's start proposes its default so).
+        initial: bool,
+    },
 }
 
 /// Result of applying one [`Command`].
@@ -582,6 +593,17 @@ impl MetaState {
             | Command::ClearPermission { .. }
             | Command::SetPolicy(_)
             | Command::ClearPolicy { .. } => topo.access.apply(&topo.vhosts, cmd),
+            Command::SetClusterName { name, permanent_id, initial } => match &mut topo.cluster {
+                None => {
+                    topo.cluster = Some(super::topology::ClusterIdentity { name: name.clone(), permanent_id: permanent_id.clone() });
+                    Outcome::Created
+                }
+                Some(c) if *initial || c.name == *name => Outcome::Existed,
+                Some(c) => {
+                    c.name = name.clone();
+                    Outcome::Updated
+                }
+            },
         }
     }
 

@@ -398,3 +398,22 @@ fn the_record_of_applied_entries_stays_bounded() {
     assert_eq!(st.applied_proposals.len(), MAX_PROPOSERS);
     assert!(!st.applied_proposals.contains_key(&1), "the proposer whose last entry is oldest is forgotten first");
 }
+
+#[test]
+fn the_cluster_is_named_once_then_renamed_keeping_its_id() {
+    let mut st = MetaState::default();
+    let name = |n: &str, id: &str, initial: bool| Command::SetClusterName { name: n.into(), permanent_id: id.into(), initial };
+    assert_eq!(st.apply(&name("ringmq@a", "id-a", true)), Outcome::Created);
+    // Another node's start: its default does not replace the first.
+    assert_eq!(st.apply(&name("ringmq@b", "id-b", true)), Outcome::Existed);
+    assert_eq!(st.apply(&name("prod", "id-c", false)), Outcome::Updated);
+    assert_eq!(st.apply(&name("prod", "id-d", false)), Outcome::Existed);
+    let c = st.topology.cluster.clone().expect("named");
+    assert_eq!((c.name.as_str(), c.permanent_id.as_str()), ("prod", "id-a"));
+    assert!(name("x", "y", false).changed_topology(&Outcome::Updated));
+    // A snapshot from before the name existed reads as unnamed.
+    let mut json = serde_json::to_value(MetaState::default()).unwrap();
+    json["topology"].as_object_mut().unwrap().remove("cluster");
+    let old: MetaState = serde_json::from_value(json).unwrap();
+    assert_eq!(old.topology.cluster, None);
+}

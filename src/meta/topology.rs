@@ -186,6 +186,23 @@ pub struct Topology {
     /// logins and permission checks, and by queue declares for policies.
     #[serde(default)]
     pub access: super::access::Access,
+    /// The cluster's name and permanent id ([`Command::SetClusterName`](super::state::Command::SetClusterName));
+    /// `None` until the first start of a node with this code sets them (a log or snapshot
+    /// from before has none: the next start sets them).
+    #[serde(default)]
+    pub cluster: Option<ClusterIdentity>,
+}
+
+/// One name and one permanent id for the whole cluster, as RabbitMQ's `cluster_name`
+/// (`rabbitmqctl set_cluster_name`, `PUT /api/cluster-name`) and `persistent_cluster_id`
+/// (the `rabbitmq_cluster` and `rabbitmq_cluster_permanent_id` labels of
+/// `rabbitmq_identity_info`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterIdentity {
+    /// The name: `ringmq@<host of the node that set it first>` unless an operator chose one.
+    pub name: String,
+    /// Set once, with the first name, and never changed: a UUID (version 4, random).
+    pub permanent_id: String,
 }
 
 impl Topology {

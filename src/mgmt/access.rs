@@ -10,6 +10,8 @@
 //! - `DELETE /api/vhosts/{vhost}`: its queues are deleted as queue.delete does (consumers
 //!   cancelled, stores removed), then the vhost with its exchanges, bindings, permissions
 //!   and policies;
+//! - `GET|PUT /api/cluster-name` (`{"name": …}`): the cluster's one name
+//!   (`broker::cluster_name`);
 //! - `GET /api/policies[/{vhost}[/{name}]]`, `PUT|DELETE /api/policies/{vhost}/{name}`
 //!   (`pattern`, `definition`, `priority`, `apply-to`), and the same under
 //!   `/api/operator-policies`.
@@ -72,6 +74,21 @@ fn string_of<'a>(body: &'a Value, key: &str) -> Result<&'a str, ApiError> {
 }
 
 impl Api {
+    /// `GET /api/cluster-name`: `{"name": …}`, the one name of the whole cluster.
+    pub(crate) fn cluster_name(&self) -> Reply {
+        Reply::ok(json!({"name": crate::broker::cluster_name::identity(&self.shared.meta.topology()).name}))
+    }
+
+    /// `PUT /api/cluster-name` with `{"name": …}` (RabbitMQ's `set_cluster_name`): renames
+    /// the cluster on every node; 204. 400 for a missing or refused name
+    /// (`broker::cluster_name::check_name`).
+    pub(crate) fn cluster_name_write(&self, rq: &Request<'_>) -> Result<Reply, ApiError> {
+        let name = string_of(&rq.json()?, "name")?.to_owned();
+        crate::broker::cluster_name::check_name(&name)?;
+        self.on_core(move |node| async move { crate::broker::cluster_name::set(&node.shared.meta, &name).await })??;
+        Ok(Reply::empty(204))
+    }
+
     /// `GET /api/users[/{name}]`.
     pub(crate) fn list_users(&self, name: Option<&str>) -> Result<Reply, ApiError> {
         let meta = &self.shared.meta;

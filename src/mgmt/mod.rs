@@ -70,8 +70,9 @@ const CORE_WAIT: Duration = Duration::from_secs(30);
 const MAX_RATE_SAMPLES: usize = 16_384;
 
 /// The RabbitMQ version whose management API this one follows (reported as
-/// `rabbitmq_version` / `management_version`, which tools read to pick features).
-pub const RABBITMQ_COMPAT_VERSION: &str = "3.13.7";
+/// `rabbitmq_version` / `management_version`, which tools read to pick features; defined
+/// in `broker`, where the metrics' `rabbitmq_build_info` reads it too).
+pub const RABBITMQ_COMPAT_VERSION: &str = crate::broker::RABBITMQ_COMPAT_VERSION;
 
 /// The API's state, shared by its threads.
 pub struct Api {
@@ -341,6 +342,8 @@ impl Api {
         let get = m == "GET" || m == "HEAD";
         match (p.as_slice(), get) {
             (["overview"], true) => self.overview(),
+            (["cluster-name"], true) => Ok(self.cluster_name()),
+            (["cluster-name"], false) if m == "PUT" => self.cluster_name_write(rq),
             (["nodes"], true) => self.nodes(),
             (["nodes", name], true) => self.node(name),
             (["ringmq", "latency"], true) => self.latency_node(),
@@ -491,6 +494,7 @@ fn known_path(p: &[&str]) -> bool {
         p.first().copied(),
         Some(
             "overview"
+                | "cluster-name"
                 | "nodes"
                 | "whoami"
                 | "health"

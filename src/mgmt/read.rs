@@ -369,7 +369,7 @@ impl Api {
             "erlang_version": "none",
             "erlang_full_version": "none",
             "rates_mode": "basic",
-            "cluster_name": format!("ringmq@{}", self.shared.meta.node_id()),
+            "cluster_name": crate::broker::cluster_name::identity(&self.shared.meta.topology()).name,
             "node": me,
             "disable_stats": false,
             "enable_queue_totals": true,

@@ -1,19 +1,29 @@
 //! Observability: one [`Stats`] block of plain counters per core, summed on scrape into the
 //! Prometheus text exposition format at `GET /metrics` on `--metrics-listen`.
 //!
-//! It renders what it is given ([`render`]: the cores' [`Stats`], resource [`Gauges`] and
-//! [`RaftFigures`]) and imports nothing of the layers above it; the broker hands
-//! [`serve_metrics`] the function that gathers them. The metrics server is a plain std
-//! thread (it never runs on an executor).
+//! It renders what it is given ([`render`]: the cores' [`Stats`], resource [`Gauges`],
+//! [`RaftFigures`], the node's [`Live`] objects and [`Identity`]) and imports nothing of the
+//! layers above it; the broker hands [`serve_metrics`] the function that gathers them. The
+//! metrics server is a plain std thread (it never runs on an executor).
+//!
+//! # Layout
+//! - this file: the per-core [`Stats`], the latency histograms, `/metrics` and the server;
+//! - `rabbit.rs`: rabbitmq_prometheus's families (global counters, churn, identity and build
+//!   info, message sizes, Raft), and the [`Churn`] of channels, consumers and publishers;
+//! - `per_object.rs`: `/metrics/per-object`; `detailed.rs`: `/metrics/detailed?family=…`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+mod detailed;
 pub mod log;
 mod per_object;
+mod rabbit;
+pub use detailed::render_detailed;
 pub use per_object::render_per_object;
+pub use rabbit::{Alive, Churn, Live, SizeHistogram, SIZE_BOUNDS};
 
 /// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
 /// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).
@@ -165,6 +175,32 @@ pub struct Stats {
     pub store_refused: AtomicU64,
     /// Queues whose store failed and were reopened from disk.
     pub store_reopens: AtomicU64,
+    /// basic.deliver sent to consumers that acknowledge (no_ack false).
+    pub delivered_consume_manual_ack: AtomicU64,
+    /// basic.deliver sent to consumers with no_ack.
+    pub delivered_consume_auto_ack: AtomicU64,
+    /// basic.get-ok sent on basic.get with no_ack false.
+    pub delivered_get_manual_ack: AtomicU64,
+    /// basic.get-ok sent on basic.get with no_ack.
+    pub delivered_get_auto_ack: AtomicU64,
+    /// basic.get-empty sent.
+    pub get_empty: AtomicU64,
+    /// Deliveries (basic.deliver, basic.get-ok) with the redelivered flag.
+    pub redelivered: AtomicU64,
+    /// Publishes routed to at least one queue.
+    pub routed: AtomicU64,
+    /// Publishes routed to no queue and not mandatory: dropped.
+    pub unroutable_dropped: AtomicU64,
+    /// Publishes received on channels in confirm mode.
+    pub received_confirm: AtomicU64,
+    /// queue.declare (and the management API's declares) answered, passive or not.
+    pub queues_declared: AtomicU64,
+    /// Queues created by those declares.
+    pub queues_created: AtomicU64,
+    /// Queues deleted (queue.delete, the management API, auto-delete) on this node.
+    pub queues_deleted: AtomicU64,
+    /// Body sizes of the messages published.
+    pub message_sizes: SizeHistogram,
 }
 
 impl Stats {
@@ -225,6 +261,12 @@ pub struct RaftFigures {
     pub commit_index: u64,
     /// Highest log index applied here.
     pub applied_index: u64,
+    /// Index of the last entry written to this node's log.
+    pub last_index: u64,
+    /// Index of the snapshot this node's log starts after.
+    pub snapshot_index: u64,
+    /// Request → applied time of this node's latest proposal, µs.
+    pub commit_latency_us: u64,
     /// Times the known leader changed since start.
     pub leader_changes: u64,
     /// Every member of the cluster but this node (empty for a single node).
@@ -271,13 +313,21 @@ pub struct QueueSample {
     pub stages: [HistogramCounts; 3],
 }
 
-/// Who this node is, for `rabbitmq_identity_info`.
+/// Who this node is, for `rabbitmq_identity_info` and `rabbitmq_build_info`.
 #[derive(Clone, Debug, Default)]
 pub struct Identity {
     /// The node's name (`ringmq@<id>`).
     pub node: String,
+    /// The cluster's name, the same on every node.
+    pub cluster: String,
+    /// The cluster's permanent id (a UUID), the same on every node.
+    pub cluster_permanent_id: String,
+    /// The RabbitMQ version this broker answers as.
+    pub rabbitmq_version: String,
     /// Open connections on this node.
     pub connections: u64,
+    /// Time since the broker started, ms.
+    pub uptime_ms: u64,
 }
 
 /// The role names of [`RaftFigures::role`], one `ringmq_raft_role` series each.
@@ -311,12 +361,9 @@ struct Snapshot {
     gauges: Vec<(&'static str, &'static str, i64)>,
     /// (stage label, histogram) of `ringmq_stage_latency_seconds`.
     stages: Vec<(&'static str, HistogramSnapshot)>,
-    /// Gauges with one label.
-    labeled: Vec<LabeledGauge>,
+    /// Gauges with labels.
+    labeled: Vec<rabbit::Labeled>,
 }
-
-/// (name, help, label name, [(label value, value)]).
-type LabeledGauge = (&'static str, &'static str, &'static str, Vec<(String, i64)>);
 
 impl prometheus_client::collector::Collector for Snapshot {
     fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -332,13 +379,7 @@ impl prometheus_client::collector::Collector for Snapshot {
             let g = ConstGauge::new(v);
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        for (name, help, label, series) in &self.labeled {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (value, v) in series {
-                let labels = [(*label, value.as_str())];
-                ConstGauge::new(*v).encode(family.encode_family(&labels)?)?;
-            }
-        }
+        encode_labeled(&mut encoder, &self.labeled)?;
         let help = "Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.";
         let mut family = encoder.encode_descriptor("ringmq_stage_latency_seconds", help, None, MetricType::Histogram)?;
         for (stage, h) in &self.stages {
@@ -349,23 +390,43 @@ impl prometheus_client::collector::Collector for Snapshot {
     }
 }
 
-/// Renders every core's counters and histograms (summed), the resource gauges and the
-/// metadata group's figures in the OpenMetrics text format (prometheus-client's encoder;
-/// Prometheus reads it as it reads its own text format).
-pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSample], id: &Identity) -> String {
+/// Encodes gauges with labels, one family each.
+fn encode_labeled(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+    labeled: &[rabbit::Labeled],
+) -> Result<(), std::fmt::Error> {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::gauge::ConstGauge;
+    for (name, help, series) in labeled {
+        let mut family = encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Gauge)?;
+        for (labels, v) in series {
+            let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            ConstGauge::new(*v).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Encodes `registry` and puts `extra` (families written by hand, in the text format) before
+/// the closing `# EOF`.
+fn encode_with(registry: &prometheus_client::registry::Registry, extra: &str) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    if let Some(at) = out.rfind("# EOF") {
+        out.insert_str(at, extra);
+    }
+    out
+}
+
+/// Renders every core's counters and histograms (summed), the resource gauges, the
+/// metadata group's figures and this node's objects (`live`) in the OpenMetrics text format
+/// (prometheus-client's encoder; Prometheus reads it as it reads its own text format):
+/// ringmq's own families and rabbitmq_prometheus's (`rabbit.rs`).
+pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSample], id: &Identity, live: &Live) -> String {
     let sum = |f: fn(&Stats) -> &AtomicU64| stats.iter().map(|s| f(s).load(Ordering::Relaxed)).sum::<u64>();
-    let queue_sum = |f: fn(&QueueSample) -> u64| i64::try_from(queues.iter().map(f).sum::<u64>()).unwrap_or(i64::MAX);
-    let counters = vec![
-        // rabbitmq_prometheus's global counters, so its dashboards read this node.
-        ("rabbitmq_global_messages_received", "Total number of messages received from publishers", sum(|s| &s.published)),
-        ("rabbitmq_global_messages_delivered", "Total number of messages delivered to consumers", sum(|s| &s.delivered)),
-        ("rabbitmq_global_messages_acknowledged", "Total number of messages acknowledged by consumers", sum(|s| &s.acked)),
-        ("rabbitmq_global_messages_confirmed", "Total number of messages confirmed to publishers", sum(|s| &s.confirmed)),
-        (
-            "rabbitmq_global_messages_unroutable_returned",
-            "Total number of messages published as mandatory into an exchange and returned to the publisher as unroutable",
-            sum(|s| &s.returned),
-        ),
+    let mut counters = rabbit::counters(stats, live);
+    counters.extend([
         ("ringmq_connections_opened", "Connections accepted.", sum(|s| &s.connections_opened)),
         ("ringmq_connections_closed", "Connections closed.", sum(|s| &s.connections_closed)),
         ("ringmq_connections_moved", "Connections moved to the core of the queue they publish to.", sum(|s| &s.connections_moved)),
@@ -384,16 +445,11 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
         ("ringmq_raft_fsyncs", "fdatasync calls of the Raft log.", raft.fsyncs),
         ("ringmq_raft_commands", "Metadata commands applied.", raft.commands_applied),
         ("ringmq_raft_leader_changes", "Times the metadata group's known leader changed.", raft.leader_changes),
-    ];
+    ]);
     // Resource gauges under rabbitmq_prometheus's names, so existing dashboards read them.
     let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-    let gauges = vec![
-        ("rabbitmq_queues", "Queues available", i64::try_from(queues.len()).unwrap_or(i64::MAX)),
-        ("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers", queue_sum(|q| q.ready)),
-        ("rabbitmq_queue_messages_unacked", "Messages delivered to consumers but not yet acknowledged", queue_sum(|q| q.unacked)),
-        ("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages - total queue depth", queue_sum(|q| q.ready + q.unacked)),
-        ("rabbitmq_queue_consumers", "Consumers on a queue", queue_sum(|q| q.consumers)),
-        ("rabbitmq_connections", "Connections currently open", g(id.connections)),
+    let mut gauges = rabbit::gauges(queues, id, live, raft);
+    gauges.extend([
         ("rabbitmq_process_open_fds", "Open file descriptors.", g(a.open_fds)),
         ("rabbitmq_process_max_fds", "Open file descriptors limit.", g(a.max_fds)),
         ("rabbitmq_disk_space_available_bytes", "Disk space available in bytes.", g(a.disk_free_bytes)),
@@ -415,40 +471,30 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
             "Replicated queues whose replica set is smaller than their size (they grow back onto live nodes).",
             g(raft.queues_below_replicas),
         ),
-    ];
-    let labeled = vec![
-        (
-            "rabbitmq_identity_info",
-            "RabbitMQ node & cluster identity info (here: the node's name, label rabbitmq_node)",
-            "rabbitmq_node",
-            vec![(id.node.clone(), 1)],
-        ),
+    ]);
+    let one = |label: &'static str, value: String, v: i64| (vec![(label, value)], v);
+    let mut labeled = rabbit::info(id, "aggregated");
+    labeled.extend([
         (
             "ringmq_raft_role",
             "1 for this node's role in the metadata group.",
-            "role",
-            ROLES.iter().map(|r| (r.to_string(), (*r == raft.role) as i64)).collect(),
+            ROLES.iter().map(|r| one("role", r.to_string(), (*r == raft.role) as i64)).collect(),
         ),
         (
             "ringmq_cluster_peer_up",
             "1 while the link to that peer is up.",
-            "peer",
-            raft.peers.iter().map(|p| (p.id.to_string(), p.up as i64)).collect(),
+            raft.peers.iter().map(|p| one("peer", p.id.to_string(), p.up as i64)).collect(),
         ),
         (
             "ringmq_raft_replication_lag_entries",
             "Metadata log entries a peer lacks (reported by the leader).",
-            "peer",
-            raft.peers.iter().filter_map(|p| Some((p.id.to_string(), g(p.lag?)))).collect(),
+            raft.peers.iter().filter_map(|p| Some(one("peer", p.id.to_string(), g(p.lag?)))).collect(),
         ),
-    ];
+    ]);
     let stages = STAGE_NAMES.iter().zip(&stage_counts(stats)).map(|(stage, h)| (*stage, HistogramSnapshot::of_counts(h))).collect();
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(Snapshot { counters, gauges, stages, labeled }));
-    let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-    out
+    encode_with(&registry, &(rabbit::message_sizes(stats) + &rabbit::commit_latency(raft)))
 }
 
 /// The Content-Type of [`render`]'s text.
@@ -458,7 +504,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 const MAX_SCRAPES: u64 = 16;
 
 /// Answers one HTTP request on `stream` (2 s read timeout).
-fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn(&str) -> Option<String> + Send + Sync)) {
+fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn(&str, &str) -> Option<String> + Send + Sync)) {
     let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
     let mut line = String::new();
     let Ok(clone) = stream.try_clone() else { return };
@@ -475,11 +521,14 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn(&str) -> Option<Stri
             Ok(_) => {}
         }
     }
-    // "GET /metrics/per-object?x HTTP/1.1" → "/metrics/per-object".
-    let path = line.strip_prefix("GET ").and_then(|r| r.split_whitespace().next()).map(|p| p.split('?').next().unwrap_or(p));
-    let (status, body) = match path.and_then(render) {
+    // "GET /metrics/detailed?family=x HTTP/1.1" → ("/metrics/detailed", "family=x").
+    let target = line.strip_prefix("GET ").and_then(|r| r.split_whitespace().next());
+    let (status, body) = match target.and_then(|t| {
+        let (path, query) = t.split_once('?').unwrap_or((t, ""));
+        render(path, query)
+    }) {
         Some(text) => ("200 OK", text),
-        None => ("404 Not Found", "not found; try /metrics or /metrics/per-object\n".to_string()),
+        None => ("404 Not Found", "not found; try /metrics, /metrics/per-object or /metrics/detailed?family=…\n".to_string()),
     };
     let _ = write!(
         stream,
@@ -488,12 +537,13 @@ fn answer(mut stream: std::net::TcpStream, render: &(dyn Fn(&str) -> Option<Stri
     );
 }
 
-/// The function a scrape calls with the request's path (`/metrics`, `/metrics/per-object`)
-/// for the exposition text; `None` for a path it does not serve (404).
-pub type RenderFn = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+/// The function a scrape calls with the request's path (`/metrics`, `/metrics/per-object`,
+/// `/metrics/detailed`) and query string (without `?`; empty when none) for the exposition
+/// text; `None` for a path it does not serve (404).
+pub type RenderFn = Arc<dyn Fn(&str, &str) -> Option<String> + Send + Sync>;
 
 /// Serves `GET /metrics` (and whatever else `render` answers) on `addr` from a background
-/// thread, answering each scrape with `render(path)`. Returns the address it listens on; `None` when it could not bind (logged:
+/// thread, answering each scrape with `render(path, query)`. Returns the address it listens on; `None` when it could not bind (logged:
 /// metrics stay off, the broker still runs, and its ready line says so).
 pub fn serve_metrics(addr: SocketAddr, render: RenderFn) -> Option<SocketAddr> {
     let listener = match TcpListener::bind(addr) {
@@ -547,8 +597,19 @@ mod tests {
         s.delivered_to_acked.record(Duration::from_secs(100_000)); // last bucket
         Stats::add(&s.published, 7);
         let q = QueueSample { ready: 3, unacked: 1, consumers: 2, ..Default::default() };
-        let id = Identity { node: "ringmq@1".into(), connections: 4 };
-        let out = render(&[s], &Gauges { disk_alarm: true, ..Default::default() }, &RaftFigures::default(), &[q.clone(), q], &id);
+        s.message_sizes.record(100);
+        s.message_sizes.record(5_000_000);
+        let id = Identity {
+            node: "ringmq@1".into(),
+            cluster: "prod".into(),
+            cluster_permanent_id: "u".into(),
+            connections: 4,
+            ..Default::default()
+        };
+        let live = Live::default();
+        let (_channel, _consumer) = (live.channels.enter(), live.consumers.enter());
+        drop(live.channels.enter());
+        let out = render(&[s], &Gauges { disk_alarm: true, ..Default::default() }, &RaftFigures::default(), &[q.clone(), q], &id, &live);
         let series = |name: &str| -> Option<f64> {
             out.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.parse().ok()))
         };
@@ -564,7 +625,16 @@ mod tests {
         assert_eq!(series("rabbitmq_queue_messages"), Some(8.0), "{out}");
         assert_eq!(series("rabbitmq_queues"), Some(2.0), "{out}");
         assert_eq!(series("rabbitmq_connections"), Some(4.0), "{out}");
-        assert_eq!(series("rabbitmq_identity_info{rabbitmq_node=\"ringmq@1\"}"), Some(1.0), "{out}");
+        let identity = r#"rabbitmq_identity_info{rabbitmq_node="ringmq@1",rabbitmq_cluster="prod",rabbitmq_cluster_permanent_id="u",rabbitmq_endpoint="aggregated"}"#;
+        assert_eq!(series(identity), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_channels"), Some(1.0), "one of two channels still open: {out}");
+        assert_eq!(series("rabbitmq_channels_opened_total"), Some(2.0), "{out}");
+        assert_eq!(series("rabbitmq_channels_closed_total"), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_consumers"), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_message_size_bytes_bucket{protocol=\"amqp091\",le=\"100.0\"}"), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_message_size_bytes_bucket{protocol=\"amqp091\",le=\"1e+06\"}"), Some(1.0), "{out}");
+        assert_eq!(series("rabbitmq_message_size_bytes_bucket{protocol=\"amqp091\",le=\"1e+07\"}"), Some(2.0), "{out}");
+        assert_eq!(series("rabbitmq_message_size_bytes_count{protocol=\"amqp091\"}"), Some(2.0), "{out}");
         assert!(out.contains("# TYPE ringmq_messages_published counter"), "{out}");
         assert!(out.trim_end().ends_with("# EOF"), "{out}");
     }

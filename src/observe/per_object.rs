@@ -11,9 +11,9 @@ use prometheus_client::metrics::MetricType;
 
 use super::{HistogramSnapshot, QueueSample, STAGE_NAMES};
 
-/// The samples, encoded on scrape.
+/// The samples and the node's identity (`rabbitmq_endpoint="per-object"`), encoded on scrape.
 #[derive(Debug)]
-struct PerObject(Vec<QueueSample>);
+struct PerObject(Vec<QueueSample>, Vec<super::rabbit::Labeled>);
 
 type Pick = fn(&QueueSample) -> u64;
 
@@ -58,18 +58,16 @@ impl prometheus_client::collector::Collector for PerObject {
                 family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &h.buckets, None)?;
             }
         }
-        Ok(())
+        super::encode_labeled(&mut encoder, &self.1)
     }
 }
 
-/// Renders `queues` in the OpenMetrics text format (as [`super::render`]).
-pub fn render_per_object(queues: Vec<QueueSample>) -> String {
+/// Renders `queues` and this node's `rabbitmq_identity_info` and `rabbitmq_build_info` in
+/// the OpenMetrics text format (as [`super::render`]).
+pub fn render_per_object(queues: Vec<QueueSample>, id: &super::Identity) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
-    registry.register_collector(Box::new(PerObject(queues)));
-    let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-    out
+    registry.register_collector(Box::new(PerObject(queues, super::rabbit::info(id, "per-object"))));
+    super::encode_with(&registry, "")
 }
 
 #[cfg(test)]
@@ -92,7 +90,7 @@ mod tests {
             acked: 2,
             stages: [h.counts(), Default::default(), Default::default()],
         };
-        let out = render_per_object(vec![q]);
+        let out = render_per_object(vec![q], &crate::observe::Identity::default());
         for line in [
             r#"rabbitmq_queue_messages_ready{vhost="/",queue="jobs"} 5"#,
             r#"rabbitmq_queue_messages_unacked{vhost="/",queue="jobs"} 2"#,

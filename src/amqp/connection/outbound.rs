@@ -177,13 +177,16 @@ impl Session {
                 let (exchange, rk, props) = d.message.wire_parts();
                 codec::encode_deliver(out, d.channel.0, &d.consumer_tag, tag.0, d.redelivered, exchange, rk);
                 codec::encode_content(out, d.channel.0, props, &d.message.body, frame_max);
-                Stats::add(&self.core.stats().delivered, 1);
+                let stats = self.core.stats();
+                Stats::add(&stats.delivered, 1);
+                Stats::add(if d.track { &stats.delivered_consume_manual_ack } else { &stats.delivered_consume_auto_ack }, 1);
+                Stats::add(&stats.redelivered, d.redelivered as u64);
             }
             ClientEvent::Deliveries(b) => {
                 let mut st = self.st.borrow_mut();
                 self.delivered_from(&mut st, &b.queue, b.items.len() as u32);
                 let frame_max = st.frame_max;
-                let mut n = 0;
+                let (mut n, mut again) = (0, 0);
                 for (offset, redelivered, message) in &b.items {
                     let unacked = b.track.then(|| Unacked { queue: b.queue.clone(), offset: *offset });
                     let Some(tag) = tags::assign_delivery_tag(&mut st.channels, b.channel.0, b.chan_uid, unacked) else {
@@ -194,8 +197,12 @@ impl Session {
                     codec::encode_deliver(out, b.channel.0, &b.consumer_tag, tag.0, *redelivered, exchange, rk);
                     codec::encode_content(out, b.channel.0, props, &message.body, frame_max);
                     n += 1;
+                    again += *redelivered as u64;
                 }
-                Stats::add(&self.core.stats().delivered, n);
+                let stats = self.core.stats();
+                Stats::add(&stats.delivered, n);
+                Stats::add(if b.track { &stats.delivered_consume_manual_ack } else { &stats.delivered_consume_auto_ack }, n);
+                Stats::add(&stats.redelivered, again);
             }
             ClientEvent::ConsumeOk { channel: ChannelId(channel), consumer_tag } => {
                 if self.channel_open(channel) {

@@ -257,7 +257,8 @@ async fn consume(s: &Rc<Session>, channel: u16, c: basic::Consume) -> Result<(),
         if ch.consumers.contains_key(&tag) {
             return Err(AmqpError::not_allowed(format!("attempt to reuse consumer tag '{tag}'")));
         }
-        ch.consumers.insert(tag.clone(), ChannelConsumer { id, queue: q.clone() });
+        let live = Some(s.core.shared.live.consumers.enter());
+        ch.consumers.insert(tag.clone(), ChannelConsumer { id, queue: q.clone(), live });
         ch.touched.insert(q.clone());
         ConsumerSpec {
             id,
@@ -359,8 +360,12 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
     s.queue_send(&q, QueueOp::Get { no_ack: g.no_ack, holder, reply });
     let r = rx.recv_async().await.map_err(|_| AmqpError::internal_error("queue did not answer"))??;
     let mut out = Vec::new();
+    let stats = s.core.stats();
     match r {
-        None => encode_method(&mut out, channel, &AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {}))),
+        None => {
+            Stats::add(&stats.get_empty, 1);
+            encode_method(&mut out, channel, &AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})))
+        }
         Some(got) => {
             let mut st = s.st.borrow_mut();
             let frame_max = st.frame_max;
@@ -385,7 +390,9 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
                 })),
             );
             encode_content(&mut out, channel, props, &got.message.body, frame_max);
-            Stats::add(&s.core.stats().delivered, 1);
+            Stats::add(&stats.delivered, 1);
+            Stats::add(if g.no_ack { &stats.delivered_get_auto_ack } else { &stats.delivered_get_manual_ack }, 1);
+            Stats::add(&stats.redelivered, got.redelivered as u64);
         }
     }
     s.send_frames(out);
@@ -404,9 +411,15 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
     let seq = {
         let mut st = s.st.borrow_mut();
         let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
+        if c.publisher.is_none() {
+            c.publisher = Some(s.core.shared.live.publishers.enter());
+        }
         if let Some(tx) = c.tx.as_mut() {
             tx.publishes.push(routed.held());
             return Ok(());
+        }
+        if c.confirms.enabled {
+            Stats::add(&s.core.stats().received_confirm, 1);
         }
         c.confirms.enabled.then(|| c.confirms.take_seq(routed.queues.len()))
     };
@@ -476,6 +489,7 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
         None => plain_delivery_mode(&p.raw_properties) == Some(2),
     };
     let body = p.take_body();
+    s.core.stats().message_sizes.record(body.len() as u64);
     let mut message = Message::new(&p.exchange, &p.routing_key, &p.raw_properties, body, persistent);
     if let Some(ttl) = expires_in {
         message = message.with_deadline(crate::broker::queue::index::now_ms() + ttl);
@@ -488,9 +502,10 @@ pub fn route(s: &Session, channel: u16, mut p: PendingPublish) -> Result<Routed,
 /// one comes back with basic.return.
 pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
     let Routed { exchange, routing_key, mandatory, message, queues } = r;
+    let stats = s.core.stats();
     if queues.is_empty() {
+        Stats::add(if mandatory { &stats.returned } else { &stats.unroutable_dropped }, 1);
         if mandatory {
-            Stats::add(&s.core.stats().returned, 1);
             let frame_max = s.st.borrow().frame_max;
             let mut out = Vec::new();
             let (_, _, raw) = message.parts();
@@ -509,6 +524,7 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
         }
         return;
     }
+    Stats::add(&stats.routed, 1);
     let published = crate::observe::sample().then(std::time::Instant::now);
     let chan_uid = chan_uid(s, channel);
     let bytes = message.body.len() + message.header.len();

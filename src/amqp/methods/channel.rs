@@ -19,7 +19,9 @@ pub fn open(s: &Rc<Session>, channel: u16) -> Result<(), AmqpError> {
         return Err(AmqpError::channel_error(format!("channel {channel} is above channel_max {}", st.channel_max)).on_method(20, 10));
     }
     let uid = s.core.shared.next_id();
-    st.channels.insert(channel, Channel::new(channel, uid));
+    let mut opened = Channel::new(channel, uid);
+    opened.live = Some(s.core.shared.live.channels.enter());
+    st.channels.insert(channel, opened);
     drop(st);
     s.send_method(channel, &AMQPClass::Channel(chan::AMQPMethod::OpenOk(chan::OpenOk {})));
     Ok(())

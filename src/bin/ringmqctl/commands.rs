@@ -133,6 +133,10 @@ pub fn run(cli: &Cli, client: &Client) -> Result<String, CtlError> {
             probe.get("/api/whoami")?;
             done(format!("Authenticating user \"{user}\" ...\nSuccess"))
         }
+        Cmd::SetClusterName { name } => {
+            client.put("/api/cluster-name", &json!({"name": name}))?;
+            done(format!("Setting cluster name to {name} ..."))
+        }
         Cmd::AddVhost { name } => {
             client.put(&format!("/api/vhosts/{}", seg(name)), &json!({}))?;
             done(format!("Adding vhost \"{name}\" ..."))

@@ -140,6 +140,9 @@ pub enum Cmd {
         #[arg(id = "user_password", value_name = "PASSWORD")]
         password: String,
     },
+    /// Names the cluster (every node reports the new name; its permanent id stays).
+    #[command(name = "set_cluster_name")]
+    SetClusterName { name: String },
     /// Creates a virtual host.
     #[command(name = "add_vhost")]
     AddVhost { name: String },
