@@ -49,6 +49,8 @@ pub(super) struct Tuned {
     pub(super) blocked_notify: bool,
     /// The client connected from a loopback address (for users allowed only there).
     pub(super) loopback: bool,
+    /// The start-ok's client properties (for the management API's connection listing).
+    pub(super) client_properties: FieldTable,
     pub(super) leftover: BytesMut,
 }
 
@@ -375,7 +377,8 @@ pub(super) async fn handshake<S: Transport>(
         write_close(stream, &mut buf, &e).await;
         return Err(e);
     }
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, leftover: buf })
+    let client_properties = start_ok.client_properties;
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, loopback, client_properties, leftover: buf })
 }
 
 #[cfg(test)]
