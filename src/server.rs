@@ -286,15 +286,16 @@ pub fn start(config: Arc<Config>, meta: MetaHandle, cluster: Option<ClusterParts
     Ok(())
 }
 
-/// The ready line's words for the management listeners of `config`: each one's URL, or why
-/// it is off (a bind failure is also logged at warn here).
+/// The ready line's words for the management listeners of `config`: each one's web UI URL
+/// (the API is under its `/api/`), or why it is off (a bind failure is also logged at warn here).
 fn management_line(config: &Config, bound: &crate::mgmt::Bound) -> String {
     let describe =
         |listener: &Option<std::io::Result<std::net::SocketAddr>>, asked: Option<std::net::SocketAddr>, name: &str, scheme: &str| {
             let asked = asked.map_or_else(String::new, |a| a.to_string());
             match listener {
                 None => None,
-                Some(Ok(addr)) => Some(format!("{name} on {scheme}://{addr}/api/")),
+                // The UI's URL (what an operator opens; RabbitMQ's log names it too).
+                Some(Ok(addr)) => Some(format!("{} on {scheme}://{addr}/ (its HTTP API under /api/)", name.replace("API", "UI"))),
                 Some(Err(e)) => {
                     tracing::warn!(addr = %asked, error = %e, "{name} disabled: cannot bind");
                     Some(format!("{name} off (cannot bind {asked}: {e})"))

@@ -340,7 +340,8 @@ fn definitions_export_delete_import_gives_the_same_topology() {
     assert_eq!(request(port, "DELETE", &format!("/api/exchanges/{V}/orders"), None, GUEST).status, 204);
     assert_eq!(get_json(port, "/api/definitions")["queues"], json!([]));
     let r = request(port, "POST", "/api/definitions", Some(&before.to_string()), GUEST);
-    assert_eq!(r.status, 204, "{r:?}");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["skipped"], json!([]), "{r:?}");
     assert_eq!(topology(&get_json(port, "/api/definitions")), topology(&before));
     // A RabbitMQ export (its field names, a vhost of its own, users and policies) imports.
     let rabbit = json!({
@@ -355,7 +356,7 @@ fn definitions_export_delete_import_gives_the_same_topology() {
         "bindings": [{"source": "x.prod", "vhost": "prod", "destination": "q.prod", "destination_type": "queue", "routing_key": "", "arguments": {}}]
     });
     let r = request(port, "POST", "/api/definitions", Some(&rabbit.to_string()), GUEST);
-    assert_eq!(r.status, 204, "{r:?}");
+    assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(get_json(port, "/api/queues/prod/q.prod")["durable"], true);
     assert_eq!(get_json(port, "/api/bindings/prod/e/x.prod/q/q.prod").as_array().unwrap().len(), 1);
     // RabbitMQ's user logs in here with its password, and has its permission.
@@ -377,6 +378,11 @@ fn a_taken_management_port_is_reported_off_not_claimed() {
     let ready = log.lines().find(|l| l.contains("ringmq ready")).expect("a ready line");
     assert!(ready.contains(&format!("management API off (cannot bind {addr}")), "{ready}");
     assert!(!ready.contains(&format!("http://{addr}")), "never claims a URL it does not own: {ready}");
+    // A management port it holds: the ready line gives the web UI's URL (issue 39 item 7).
+    let ui = Broker::start();
+    let ready = ui.log().lines().find(|l| l.contains("ringmq ready")).map(str::to_owned).expect("a ready line");
+    assert!(ready.contains(&format!("management UI on http://127.0.0.1:{}/ ", ui.management_port())), "{ready}");
+    assert!(!ready.contains("/api/ "), "the URL is the UI's, not the API's: {ready}");
     let off = Broker::start_with_args(&["--management-listen", "off"]);
     assert!(off.log().lines().any(|l| l.contains("ringmq ready") && l.contains("management API off")), "{}", off.log());
 }
@@ -471,6 +477,16 @@ fn any_cluster_node_lists_every_queue_with_its_depth() {
         .unwrap();
         assert_eq!(info["node"], "ringmq@1", "served by the declaring node: {info}");
         assert_eq!(info["messages_ready"], 5);
+        // A cluster's durable queue is replicated: reported as RabbitMQ reports its quorum
+        // queues, with its leader and members (issue 39 item 7).
+        assert_eq!(info["type"], "quorum", "{info}");
+        assert_eq!(info["leader"], "ringmq@1", "{info}");
+        assert_eq!(info["members"], json!(["ringmq@1", "ringmq@2", "ringmq@3"]), "{info}");
+        assert_eq!(info["online"], json!(["ringmq@1", "ringmq@2", "ringmq@3"]), "{info}");
+        let transient = declare_queue(&ch, "cluster-transient", QueueDeclareOptions::default(), FieldTable::default()).await;
+        let tpath = format!("/api/queues/{V}/{transient}");
+        let kind = tokio::task::spawn_blocking(move || wait_json(port, &tpath, |v| v["type"].is_string())).await.unwrap();
+        assert_eq!(kind["type"], "classic", "a transient queue is not replicated: {kind}");
         let list = tokio::task::spawn_blocking(move || get_json(port, "/api/queues")).await.unwrap();
         assert!(list.as_array().unwrap().iter().any(|x| x["name"] == q.as_str() && x["messages"] == 5), "{list}");
         // A get through node 3's API takes from the queue node 1 serves.

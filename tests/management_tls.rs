@@ -30,7 +30,7 @@ fn broker(files: &[&str]) -> (Broker, u16) {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let b = Broker::start_with_args(&[&["--management-tls-listen", listen.as_str()], files].concat());
-    let ready = format!("management API over TLS on https://{listen}/api/");
+    let ready = format!("management UI over TLS on https://{listen}/ (its HTTP API under /api/)");
     b.wait_for_log(&ready, "the ready line naming the HTTPS listener");
     (b, port)
 }
@@ -188,7 +188,7 @@ fn own_files_with_a_ca_and_fail_if_no_peer_cert_refuse_a_client_without_a_certif
     let (b, port) = broker(&[&own[..], &["--management-tls-fail-if-no-peer-cert", "--management-listen", "off"]].concat());
     require_own_broker!(b, "ringmq's HTTPS listener");
     assert!(b.log().contains("certificate=\"management_tls_cert\" verify_peer=true"), "{}", b.log());
-    assert!(!b.log().contains("management API on http://"), "--management-listen off: HTTPS only:\n{}", b.log());
+    assert!(!b.log().contains("management UI on http://"), "--management-listen off: HTTPS only:\n{}", b.log());
     // No certificate: the handshake fails (TLS 1.3: the client learns it at its first read).
     let e = https_get(port, &pki.ca, None, "/api/overview", Some(("guest", "guest"))).expect_err("no client certificate");
     assert!(e.contains("CertificateRequired") || e.contains("certificate"), "{e}");

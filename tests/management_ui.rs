@@ -141,3 +141,41 @@ async fn the_latency_view_reads_per_stage_histograms_of_the_node_and_of_one_queu
     assert_eq!(anonymous.status, 401, "the data needs a login, the page itself does not");
     assert_eq!(request(port, "GET", "/", None, None).status, 200);
 }
+
+/// RabbitMQ's UI links (`#/queues/%2F/<name>`, `#/exchanges/%2F/<name>`,
+/// `#/connections/<name>`, issue 39 item 7) open that object's page, not the list: the
+/// queue's page lists its consumer (from `consumer_details`) with the connection's given
+/// name, the connection's page shows its client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmqs_url_forms_land_on_the_objects_page() {
+    let Some(chrome) = chromium() else {
+        assert!(std::env::var_os("CI").is_none(), "CI needs chromium for the UI test (.ci/run installs it)");
+        eprintln!("NOTE: skipping the browser test: no chromium (set CHROMIUM)");
+        return;
+    };
+    let b = Broker::start();
+    require_own_broker!(b, "the management UI is ringmq's");
+    let props = lapin::ConnectionProperties::default().with_connection_name("ui-named-client".into());
+    let conn = t("connect", lapin::Connection::connect(&b.uri(), props)).await.unwrap();
+    let ch = t("channel", conn.create_channel()).await.unwrap();
+    let q = declare_queue(&ch, &uniq("ui-url"), QueueDeclareOptions::default(), FieldTable::default()).await;
+    let _consumer =
+        t("consume", ch.basic_consume(q.as_str().into(), "ui-tag".into(), Default::default(), FieldTable::default())).await.unwrap();
+    let base = format!("http://127.0.0.1:{}/", b.management_port());
+    let port = b.management_port();
+    let name =
+        tokio::task::spawn_blocking(move || get_json(port, "/api/connections")[0]["name"].as_str().unwrap().to_owned()).await.unwrap();
+
+    let dom = browse(&chrome, &format!("{base}#/login/guest/guest/queues/%2F/{q}"), "--dump-dom");
+    assert!(dom.contains(&format!("Queue {q}")), "the queue's page, not the list:\n{dom}");
+    assert!(dom.contains(">ui-tag</td>") && dom.contains("ui-named-client</a>"), "its consumer, with the connection's name:\n{dom}");
+
+    let dom = browse(&chrome, &format!("{base}#/login/guest/guest/exchanges/%2F/amq.direct"), "--dump-dom");
+    assert!(dom.contains("Exchange amq.direct"), "the exchange's page:\n{dom}");
+
+    let encoded: String =
+        name.bytes().map(|c| if c.is_ascii_alphanumeric() { (c as char).to_string() } else { format!("%{c:02X}") }).collect();
+    let dom = browse(&chrome, &format!("{base}#/login/guest/guest/connections/{encoded}"), "--dump-dom");
+    assert!(dom.contains("Connection ui-named-client"), "the connection's page:\n{dom}");
+    assert!(dom.contains("lapin"), "its client:\n{dom}");
+}

@@ -150,6 +150,7 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
         heartbeat: hb,
         frame_max: tuned.frame_max,
         channel_max: tuned.channel_max,
+        client_properties: tuned.client_properties,
         tx: tx.clone(),
     });
     // Listed before the client hears open-ok, so it can find itself at once.

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 
+use amq_protocol::types::{AMQPValue, FieldTable};
+
 use super::{ClientEvent, ClientTx, ConnId, QueueKey, Reply};
 use crate::meta::topology::Topology;
 
@@ -34,6 +36,10 @@ pub struct ClientInfo {
     pub frame_max: u32,
     /// Negotiated channel_max.
     pub channel_max: u16,
+    /// The client's properties as its connection.start-ok sent them (product, version,
+    /// platform, capabilities, `connection_name`: AMQP 0-9-1 §1.4.2.2, RabbitMQ's
+    /// "Connection Client Properties").
+    pub client_properties: FieldTable,
     /// Its event channel (to ask it for a [`ConnDescription`] or close it).
     pub tx: ClientTx,
 }
@@ -43,6 +49,17 @@ impl ClientInfo {
     pub fn name(&self) -> String {
         let addr = |a: Option<SocketAddr>| a.map_or_else(|| "unknown".to_owned(), |a| a.to_string());
         format!("{} -> {}", addr(self.peer), addr(self.local))
+    }
+
+    /// The name the client gave its connection: its `connection_name` client property
+    /// (pika, the Java client, aio-pika and lapin set it), as RabbitMQ's
+    /// `user_provided_name`; `None` when absent or not a string.
+    pub fn user_provided_name(&self) -> Option<String> {
+        match self.client_properties.inner().get("connection_name")? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+            _ => None,
+        }
     }
 }
 

@@ -147,15 +147,50 @@ pub fn merge_queue_arguments(declared: &FieldTable, policy: Option<&PolicyDef>, 
 /// with the policy and operator policy of `topology` that apply to it. The one point where
 /// they are computed.
 pub fn effective_queue_arguments(topology: &Topology, def: &QueueDef) -> FieldTable {
+    if topology.access.policies.is_empty() {
+        return def.arguments.clone();
+    }
+    let (policy, operator) = queue_policies(topology, def);
+    merge_queue_arguments(&def.arguments, policy, operator)
+}
+
+/// The policy and the operator policy of `topology` that apply to queue `def` (rule 1; a
+/// queue is a quorum queue for `apply-to` when declared with `x-queue-type=quorum`), as
+/// [`effective_queue_arguments`] merges them: what the management API reports as the
+/// queue's `policy` and `operator_policy`.
+pub fn queue_policies<'a>(topology: &'a Topology, def: &QueueDef) -> (Option<&'a PolicyDef>, Option<&'a PolicyDef>) {
     let access = &topology.access;
     if access.policies.is_empty() {
-        return def.arguments.clone();
+        return (None, None);
     }
     let quorum = super::router::string_arg(&def.arguments, "x-queue-type") == Some("quorum");
     let target = Target::Queue { quorum };
-    let policy = matching(access, &def.vhost, &def.name, target, false);
-    let operator = matching(access, &def.vhost, &def.name, target, true);
-    merge_queue_arguments(&def.arguments, policy, operator)
+    (matching(access, &def.vhost, &def.name, target, false), matching(access, &def.vhost, &def.name, target, true))
+}
+
+/// RabbitMQ's `effective_policy_definition` of an object that `policy` and `operator`
+/// apply to: the policy's keys, then the operator policy's (queue keys only): where both set
+/// one of [`STRICTER_KEYS`] to an integer, the smaller wins; any other key the policy set
+/// keeps the policy's value (rule 3, without the object's own arguments). Pure.
+pub fn effective_definition(policy: Option<&PolicyDef>, operator: Option<&PolicyDef>) -> serde_json::Map<String, serde_json::Value> {
+    let mut out = definition(policy);
+    for (k, v) in definition(operator) {
+        if !QUEUE_KEYS.contains(&k.as_str()) {
+            continue;
+        }
+        match out.get(&k).map(serde_json::Value::as_i64) {
+            None => {
+                out.insert(k, v);
+            }
+            Some(Some(mine)) if STRICTER_KEYS.contains(&k.as_str()) => {
+                if v.as_i64().is_some_and(|op| op < mine) {
+                    out.insert(k, v);
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    out
 }
 
 /// Applies the current policies to this core's open queues (`queue/reapply.rs` lists the
@@ -363,6 +398,17 @@ mod tests {
             t.insert((*k).into(), v.clone());
         }
         t
+    }
+
+    #[test]
+    fn the_effective_definition_takes_the_stricter_operator_value() {
+        let policy = pol("p", ".*", 0, r#"{"max-length":100,"message-ttl":5000,"dead-letter-exchange":"dlx"}"#, false);
+        let operator = pol("o", ".*", 0, r#"{"max-length":10,"message-ttl":60000,"expires":1000,"overflow":"drop-head"}"#, true);
+        let d = effective_definition(Some(&policy), Some(&operator));
+        let want = serde_json::json!({"max-length": 10, "message-ttl": 5000, "dead-letter-exchange": "dlx", "expires": 1000, "overflow": "drop-head"});
+        assert_eq!(serde_json::Value::Object(d), want);
+        assert!(effective_definition(None, None).is_empty());
+        assert_eq!(serde_json::Value::Object(effective_definition(None, Some(&operator)))["max-length"], 10);
     }
 
     #[test]

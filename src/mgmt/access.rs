@@ -255,29 +255,6 @@ impl Api {
         })??;
         Ok(())
     }
-
-    /// The users, permissions, policies and operator policies of an imported definitions
-    /// document, applied after its vhosts and before its queues (so policies reach them).
-    pub(crate) fn import_access(&self, doc: &Value) -> Result<(), ApiError> {
-        let list = |key: &str| doc.get(key).and_then(Value::as_array).cloned().unwrap_or_default();
-        for u in list("users") {
-            let name = string_of(&u, "name")?.to_owned();
-            let mut u = u.clone();
-            if u.get("password").is_none() && u.get("password_hash").is_none() {
-                u["password_hash"] = json!("");
-            }
-            self.user_write("PUT", &u, &name)?;
-        }
-        for p in list("permissions") {
-            self.permission_write("PUT", &p, string_of(&p, "vhost")?, string_of(&p, "user")?)?;
-        }
-        for (key, operator) in [("policies", false), ("operator_policies", true)] {
-            for p in list(key) {
-                self.put_policy(operator, p.get("vhost").and_then(Value::as_str).unwrap_or("/"), string_of(&p, "name")?, &p)?;
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -6,10 +6,12 @@
 //! - this file: basic auth, routing, errors; [`http`]: the HTTP/1.1 transport (hyper);
 //!   [`tls`]: the HTTPS listener's TLS handshake (rustls);
 //! - [`read`]: the GET endpoints (overview, nodes, vhosts, queues, exchanges, bindings,
-//!   consumers, connections, health checks) and the figures they gather from the cores;
+//!   health checks) and the figures they gather from the cores;
+//! - [`connections`]: the GET endpoints about clients (connections, channels, consumers);
 //! - [`write`]: PUT, POST and DELETE (declare, delete, purge, bind, get, publish);
 //! - [`access`]: users, permissions, vhost deletion, policies and operator policies;
-//! - [`definitions`]: `GET`/`POST /api/definitions` (RabbitMQ's definitions format);
+//! - [`definitions`]: `GET /api/definitions` (RabbitMQ's definitions format); [`import`]:
+//!   `POST /api/definitions`, planned and checked whole before anything is applied;
 //! - [`json`]: AMQP field tables and properties to and from JSON;
 //! - [`ui`]: the web UI's files at `/` and its live latency endpoint;
 //! - [`listing`]: the listing parameters (`name`, `sort`, `columns`, `page`, `page_size`).
@@ -36,8 +38,10 @@
 //! [`NodeMsg::Run`]: crate::broker::node::NodeMsg::Run
 
 mod access;
+mod connections;
 mod definitions;
 pub(crate) mod http;
+mod import;
 mod json;
 mod listing;
 mod read;

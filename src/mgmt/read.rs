@@ -13,11 +13,13 @@ use serde_json::{json, Value};
 
 use super::json::table_to_json;
 use super::{Api, ApiError, Reply, RABBITMQ_COMPAT_VERSION};
-use crate::broker::clients::{ClientInfo, Clients, ConnDescription};
+use crate::broker::clients::Clients;
 use crate::broker::node::NodeMsg;
+use crate::broker::policy::{self, Target};
 use crate::broker::queue::Counters;
-use crate::broker::{ConnId, QueueInfo, QueueOp, QueueRef};
+use crate::broker::{QueueInfo, QueueOp, QueueRef};
 use crate::meta::state::{Binding, DestKind, ExchangeDef, QueueDef};
+use crate::meta::Topology;
 
 /// How long a listing waits for the queues' answers.
 const FIGURES_WAIT: Duration = Duration::from_secs(5);
@@ -89,7 +91,7 @@ impl Api {
     }
 
     /// The queues of `vhost` (all with `None`), sorted by vhost and name.
-    fn queue_defs(&self, vhost: Option<&str>) -> Vec<QueueDef> {
+    pub(crate) fn queue_defs(&self, vhost: Option<&str>) -> Vec<QueueDef> {
         let topo = self.shared.meta.topology();
         topo.queues.values().filter(|q| vhost.is_none_or(|v| q.vhost == v)).cloned().collect()
     }
@@ -121,12 +123,27 @@ impl Api {
         })
     }
 
-    /// A queue in RabbitMQ's shape.
-    pub(crate) fn queue_json(&self, d: &QueueDef, f: &Figures) -> Value {
-        let quorum = crate::broker::router::string_arg(&d.arguments, "x-queue-type") == Some("quorum");
+    /// What every queue of a listing is reported against, read once per listing.
+    fn queue_scope(&self) -> QueueScope {
+        QueueScope { topology: self.shared.meta.topology(), cluster: self.shared.meta.is_cluster(), nodes: self.node_ids() }
+    }
+
+    /// A queue in RabbitMQ's shape. `type` is `quorum` for a queue declared so and for a
+    /// cluster's replicated queue (durable, not exclusive: `broker::queue::replica`), with
+    /// RabbitMQ's quorum queue fields `leader` (the node serving it), `members` (its replica
+    /// set; every node when the set is empty) and `online` (the members this node sees up);
+    /// `classic` otherwise. `policy`, `operator_policy` and `effective_policy_definition`
+    /// name the policies that apply to it (`broker::policy::queue_policies`).
+    pub(crate) fn queue_json(&self, scope: &QueueScope, d: &QueueDef, f: &Figures) -> Value {
+        let declared_quorum = crate::broker::router::string_arg(&d.arguments, "x-queue-type") == Some("quorum");
+        let quorum = declared_quorum || crate::broker::queue::replica::is_replicated(d, scope.cluster);
         let key = format!("queue/{}/{}", d.vhost, d.name);
         let stats = f.info.as_ref().map(|i| self.message_stats(&key, &i.counters)).unwrap_or_else(|| json!({}));
         let messages = f.ready + f.unacked;
+        let members: Vec<u64> = if d.replicas.is_empty() { scope.nodes.iter().map(|(id, _)| *id).collect() } else { d.replicas.clone() };
+        let online: Vec<String> =
+            members.iter().filter(|m| scope.nodes.iter().any(|(id, up)| id == *m && *up)).map(|m| self.node_name(*m)).collect();
+        let (policy, operator) = policy::queue_policies(&scope.topology, d);
         json!({
             "name": d.name,
             "vhost": d.vhost,
@@ -138,7 +155,8 @@ impl Api {
             // ringmq's own: the core of that node that owns the queue (issue 15 item 3).
             "core": d.owner_core % self.shared.cores.max(1),
             "leader": self.node_name(d.owner_node),
-            "members": d.replicas.iter().map(|n| self.node_name(*n)).collect::<Vec<_>>(),
+            "members": members.iter().map(|n| self.node_name(*n)).collect::<Vec<_>>(),
+            "online": online,
             "state": if f.running { "running" } else { "down" },
             "type": if quorum { "quorum" } else { "classic" },
             "messages": messages,
@@ -149,7 +167,9 @@ impl Api {
             "messages_unacknowledged_details": self.details(format!("{key}/unacked"), f.unacked),
             "consumers": f.consumers,
             "message_stats": stats,
-            "policy": null,
+            "policy": policy.map(|p| p.name.as_str()),
+            "operator_policy": operator.map(|p| p.name.as_str()),
+            "effective_policy_definition": policy::effective_definition(policy, operator),
             "exclusive_consumer_tag": null,
             "single_active_consumer_tag": null,
         })
@@ -163,14 +183,23 @@ impl Api {
         let defs = self.queue_defs(vhost);
         let refs: Vec<&QueueDef> = defs.iter().collect();
         let figures = self.figures(&refs, false);
-        Ok(Reply::ok(Value::Array(defs.iter().zip(&figures).map(|(d, f)| self.queue_json(d, f)).collect())))
+        let scope = self.queue_scope();
+        Ok(Reply::ok(Value::Array(defs.iter().zip(&figures).map(|(d, f)| self.queue_json(&scope, d, f)).collect())))
     }
 
-    /// `GET /api/queues/{vhost}/{name}`.
+    /// `GET /api/queues/{vhost}/{name}`: the queue with its `consumer_details` (RabbitMQ's
+    /// shape, [`Api::consumer_json`]). A queue another node serves lists none here (its
+    /// consumers are in that node's answer), though `consumers` counts them.
     pub(crate) fn queue(&self, vhost: &str, name: &str) -> Result<Reply, ApiError> {
         let def = self.shared.meta.topology().queue(vhost, name).cloned().ok_or_else(ApiError::not_found)?;
         let f = self.figures(&[&def], false).pop().unwrap_or_default();
-        Ok(Reply::ok(self.queue_json(&def, &f)))
+        let mut v = self.queue_json(&self.queue_scope(), &def, &f);
+        let conns = self.shared.clients.list();
+        let details: Vec<Value> = f.info.iter().flat_map(|i| i.consumers.iter()).map(|c| self.consumer_json(&def, c, &conns)).collect();
+        if let Value::Object(m) = &mut v {
+            m.insert("consumer_details".into(), Value::Array(details));
+        }
+        Ok(Reply::ok(v))
     }
 
     /// `GET /api/queues/{vhost}/{name}/unacked`: the queue's outstanding deliveries, oldest
@@ -219,8 +248,9 @@ impl Api {
         Ok(Reply::ok(Value::Array(rows)))
     }
 
-    /// An exchange in RabbitMQ's shape.
-    fn exchange_json(x: &ExchangeDef) -> Value {
+    /// An exchange in RabbitMQ's shape; `policy` names the policy that applies to it.
+    fn exchange_json(topology: &Topology, x: &ExchangeDef) -> Value {
+        let policy = policy::matching(&topology.access, &x.vhost, &x.name, Target::Exchange, false);
         json!({
             "name": x.name,
             "vhost": x.vhost,
@@ -230,7 +260,7 @@ impl Api {
             "internal": x.internal,
             "arguments": table_to_json(&x.arguments),
             "user_who_performed_action": "",
-            "policy": null,
+            "policy": policy.map(|p| p.name.as_str()),
         })
     }
 
@@ -240,7 +270,7 @@ impl Api {
             self.check_vhost(v)?;
         }
         let topo = self.shared.meta.topology();
-        let list = topo.exchanges.values().filter(|x| vhost.is_none_or(|v| x.vhost == v)).map(Api::exchange_json).collect();
+        let list = topo.exchanges.values().filter(|x| vhost.is_none_or(|v| x.vhost == v)).map(|x| Api::exchange_json(&topo, x)).collect();
         Ok(Reply::ok(Value::Array(list)))
     }
 
@@ -248,7 +278,7 @@ impl Api {
     pub(crate) fn exchange(&self, vhost: &str, name: &str) -> Result<Reply, ApiError> {
         let topo = self.shared.meta.topology();
         let x = topo.exchange(vhost, exchange_name(name)).ok_or_else(ApiError::not_found)?;
-        Ok(Reply::ok(Api::exchange_json(x)))
+        Ok(Reply::ok(Api::exchange_json(&topo, x)))
     }
 
     /// Every binding of `vhost` (all with `None`), the default exchange's implicit one to
@@ -482,125 +512,6 @@ impl Api {
         }
     }
 
-    /// This node's connections with their channels' descriptions.
-    fn described_connections(&self) -> Vec<(ClientInfo, ConnDescription)> {
-        let conns = self.shared.clients.list();
-        let described = Clients::describe(&conns);
-        conns.into_iter().zip(described).collect()
-    }
-
-    fn connection_json(&self, c: &ClientInfo, d: &ConnDescription) -> Value {
-        let (peer, local) = (c.peer, c.local);
-        json!({
-            "name": c.name(),
-            "node": self.node_name(self.shared.meta.node_id()),
-            // ringmq's own: the core serving the connection.
-            "core": c.core,
-            "user": c.user,
-            "vhost": c.vhost,
-            "protocol": "AMQP 0-9-1",
-            "type": "network",
-            "state": if d.state.is_empty() { "running" } else { d.state },
-            "channels": d.channels.len(),
-            "channel_max": c.channel_max,
-            "frame_max": c.frame_max,
-            "timeout": c.heartbeat,
-            "connected_at": c.connected_at_ms,
-            "peer_host": peer.map(|a| a.ip().to_string()),
-            "peer_port": peer.map(|a| a.port()),
-            "host": local.map(|a| a.ip().to_string()),
-            "port": local.map(|a| a.port()),
-            "ssl": false,
-            "auth_mechanism": "PLAIN",
-            "client_properties": {},
-        })
-    }
-
-    /// `GET /api/connections`: this node's client connections.
-    pub(crate) fn connections(&self) -> Result<Reply, ApiError> {
-        let list = self.described_connections().iter().map(|(c, d)| self.connection_json(c, d)).collect();
-        Ok(Reply::ok(Value::Array(list)))
-    }
-
-    /// `GET /api/connections/username/{user}`: this node's connections of `user` (RabbitMQ
-    /// 3.10.7+).
-    pub(crate) fn connections_of_user(&self, user: &str) -> Result<Reply, ApiError> {
-        let list = self.described_connections().iter().filter(|(c, _)| c.user == user).map(|(c, d)| self.connection_json(c, d)).collect();
-        Ok(Reply::ok(Value::Array(list)))
-    }
-
-    /// `GET /api/connections/{name}`.
-    pub(crate) fn connection(&self, name: &str) -> Result<Reply, ApiError> {
-        let all = self.described_connections();
-        let (c, d) = all.iter().find(|(c, _)| c.name() == name).ok_or_else(ApiError::not_found)?;
-        Ok(Reply::ok(self.connection_json(c, d)))
-    }
-
-    /// `GET /api/channels`: the channels of this node's connections.
-    pub(crate) fn channels(&self) -> Result<Reply, ApiError> {
-        let me = self.node_name(self.shared.meta.node_id());
-        let mut list = Vec::new();
-        for (c, d) in self.described_connections() {
-            for ch in &d.channels {
-                list.push(json!({
-                    "name": format!("{} ({})", c.name(), ch.number),
-                    "number": ch.number,
-                    "node": me,
-                    "user": c.user,
-                    "vhost": c.vhost,
-                    "state": "running",
-                    "confirm": ch.confirm,
-                    "transactional": ch.transactional,
-                    "prefetch_count": ch.prefetch,
-                    "consumer_count": ch.consumers.len(),
-                    "messages_unacknowledged": ch.unacked.len(),
-                    "connection_details": {"name": c.name(), "peer_host": c.peer.map(|a| a.ip().to_string()), "peer_port": c.peer.map(|a| a.port())},
-                }));
-            }
-        }
-        Ok(Reply::ok(Value::Array(list)))
-    }
-
-    /// `GET /api/consumers[/{vhost}]`: the consumers of the queues this node serves.
-    pub(crate) fn consumers(&self, vhost: Option<&str>) -> Result<Reply, ApiError> {
-        if let Some(v) = vhost {
-            self.check_vhost(v)?;
-        }
-        let here = self.shared.meta.node_id();
-        let defs: Vec<QueueDef> = self.queue_defs(vhost).into_iter().filter(|d| d.owner_node == here).collect();
-        let refs: Vec<&QueueDef> = defs.iter().collect();
-        let figures = self.figures(&refs, false);
-        let conns = self.shared.clients.list();
-        let name_of = |id: ConnId| conns.iter().find(|c| c.id == id);
-        let mut list = Vec::new();
-        for (d, f) in defs.iter().zip(&figures) {
-            for c in f.info.iter().flat_map(|i| i.consumers.iter()) {
-                let conn = name_of(c.conn);
-                list.push(json!({
-                    "consumer_tag": &*c.tag,
-                    "queue": {"name": d.name, "vhost": d.vhost},
-                    "channel_details": {
-                        "name": conn.map(|k| format!("{} ({})", k.name(), c.channel.0)),
-                        "number": c.channel.0,
-                        "connection_name": conn.map(ClientInfo::name),
-                        "node": self.node_name(here),
-                        "peer_host": conn.and_then(|k| k.peer).map(|a| a.ip().to_string()),
-                        "peer_port": conn.and_then(|k| k.peer).map(|a| a.port()),
-                        "user": conn.map(|k| k.user.clone()),
-                    },
-                    "ack_required": !c.no_ack,
-                    "exclusive": c.exclusive,
-                    "prefetch_count": c.prefetch,
-                    "priority": c.priority,
-                    "active": true,
-                    "activity_status": "up",
-                    "arguments": {},
-                }));
-            }
-        }
-        Ok(Reply::ok(Value::Array(list)))
-    }
-
     /// `GET /api/health/checks/alarms` (and `local-alarms`): 200 `{"status":"ok"}` without a
     /// resource alarm, else 503 `{"status":"failed","reason":…,"alarms":[…]}`.
     pub(crate) fn health_alarms(&self) -> Reply {
@@ -678,4 +589,14 @@ pub(crate) fn binding_json(b: &Binding) -> Value {
         "arguments": table_to_json(&b.arguments),
         "properties_key": properties_key(b),
     })
+}
+
+/// What a queue listing reports every queue against, read once per listing.
+pub(crate) struct QueueScope {
+    /// The topology (its policies).
+    topology: std::sync::Arc<Topology>,
+    /// This node is one of a cluster (durable queues are replicated).
+    cluster: bool,
+    /// The cluster's nodes: (id, seen up from here).
+    nodes: Vec<(u64, bool)>,
 }

@@ -52,6 +52,8 @@ pub(super) struct Tuned {
     pub(super) spec_qos: bool,
     /// The client connected from a loopback address (for users allowed only there).
     pub(super) loopback: bool,
+    /// The start-ok's client properties (for the management API's connection listing).
+    pub(super) client_properties: FieldTable,
     pub(super) leftover: BytesMut,
 }
 
@@ -379,7 +381,8 @@ pub(super) async fn handshake<S: Transport>(
         write_close(stream, &mut buf, &e).await;
         return Err(e);
     }
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, spec_qos, loopback, leftover: buf })
+    let client_properties = start_ok.client_properties;
+    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, spec_qos, loopback, client_properties, leftover: buf })
 }
 
 /// Whether the client reads basic.qos as the AMQP 0-9-1 spec does (spec 1.8.3.1: global=false

@@ -229,8 +229,18 @@ pub fn run(cli: &Cli, client: &Client) -> Result<String, CtlError> {
             if !defs.is_object() {
                 return Err(CtlError::Data(format!("{file}: definitions are a JSON object")));
             }
-            client.post("/api/definitions", &defs)?;
-            done(format!("Imported definitions for all virtual hosts from \"{file}\""))
+            let answer = client.post("/api/definitions", &defs)?;
+            // The broker's report of what it skipped (a binding to an absent queue…), each
+            // with its reason, after the line rabbitmqctl prints.
+            let skipped: Vec<String> = answer["skipped"]
+                .as_array()
+                .map(|l| {
+                    l.iter()
+                        .map(|s| format!("\nskipped {}: {}", s["kind"].as_str().unwrap_or("object"), s["reason"].as_str().unwrap_or("")))
+                        .collect()
+                })
+                .unwrap_or_default();
+            done(format!("Imported definitions for all virtual hosts from \"{file}\"{}", skipped.concat()))
         }
     }
 }

@@ -1,6 +1,7 @@
 // ringmq's management UI: plain JavaScript over the management API (the same JSON that
 // rabbitmqadmin and ringmqctl read). Pages by URL fragment: #/overview, #/queues,
-// #/queue/<vhost>/<name>, #/exchanges, #/connections, #/channels, #/latency.
+// #/queues/<vhost>/<name> (RabbitMQ's form; #/queue/… too), #/exchanges,
+// #/exchanges/<vhost>/<name>, #/connections, #/connections/<name>, #/channels, #/latency.
 // Credentials: a login form (kept in sessionStorage), or a #/login/<user>/<password> link
 // as RabbitMQ's UI takes (optionally followed by the page to open, e.g. /queues).
 "use strict";
@@ -182,7 +183,7 @@ async function queues() {
   const qs = await api("/queues");
   $("#main").innerHTML = `<h1>Queues <span class="muted">${qs.length}</span></h1>` + table([
     { h: "Vhost", v: (q) => q.vhost },
-    { h: "Name", html: true, v: (q) => `<a href="#/queue/${seg(q.vhost)}/${seg(q.name)}">${esc(q.name)}</a>` },
+    { h: "Name", html: true, v: (q) => `<a href="#/queues/${seg(q.vhost)}/${seg(q.name)}">${esc(q.name)}</a>` },
     { h: "Type", v: (q) => q.type }, { h: "State", v: (q) => q.state },
     { h: "Ready", num: true, v: (q) => num(q.messages_ready) }, { h: "Unacked", num: true, v: (q) => num(q.messages_unacknowledged) },
     { h: "Total", num: true, v: (q) => num(q.messages) }, { h: "Consumers", num: true, v: (q) => num(q.consumers) },
@@ -200,13 +201,20 @@ async function act(key, what, f) {
   refresh();
 }
 
+const kv = (pairs) => '<dl class="kv">' + pairs.map(([k, v]) => `<dt>${esc(k)}</dt><dd>${esc(v)}</dd>`).join("") + "</dl>";
+const connLink = (name, label) => name ? `<a href="#/connections/${seg(name)}">${esc(label || name)}</a>` : "";
+
 async function queueDetail(vhost, name) {
   const [q, unacked] = await Promise.all([api(`/queues/${seg(vhost)}/${seg(name)}`), api(`/queues/${seg(vhost)}/${seg(name)}/unacked`).catch(() => [])]);
-  const kv = (pairs) => '<dl class="kv">' + pairs.map(([k, v]) => `<dt>${esc(k)}</dt><dd>${esc(v)}</dd>`).join("") + "</dl>";
+  const quorum = q.type === "quorum" ? [["leader", q.leader], ["members", (q.members || []).join(", ")], ["online", (q.online || []).join(", ")]] : [];
   $("#main").innerHTML = `<h1>Queue ${esc(name)} <span class="muted">vhost ${esc(vhost)}</span></h1>`
     + cards([["Ready", num(q.messages_ready)], ["Unacked", num(q.messages_unacknowledged)], ["Consumers", num(q.consumers)], ["Publish /s", rate(q, "publish")], ["Deliver /s", rate(q, "deliver_get")], ["Ack /s", rate(q, "ack")]])
-    + "<h2>Properties</h2>" + kv([["type", q.type], ["state", q.state], ["durable", q.durable], ["auto_delete", q.auto_delete], ["exclusive", q.exclusive], ["node", q.node], ["arguments", JSON.stringify(q.arguments || {})]])
-    + "<h2>Consumers</h2>" + table([{ h: "Tag", v: (c) => c.consumer_tag }, { h: "Channel", v: (c) => (c.channel_details || {}).name }, { h: "Ack", v: (c) => c.ack_required }, { h: "Prefetch", num: true, v: (c) => c.prefetch_count }], q.consumer_details || [])
+    + "<h2>Properties</h2>" + kv([["type", q.type], ["state", q.state], ["durable", q.durable], ["auto_delete", q.auto_delete], ["exclusive", q.exclusive], ["node", q.node]].concat(quorum,
+      [["arguments", JSON.stringify(q.arguments || {})], ["policy", q.policy || ""], ["operator policy", q.operator_policy || ""], ["effective policy definition", JSON.stringify(q.effective_policy_definition || {})]]))
+    + "<h2>Consumers</h2>" + table([{ h: "Tag", v: (c) => c.consumer_tag },
+      { h: "Connection", html: true, v: (c) => { const d = c.channel_details || {}; return connLink(d.connection_name, d.user_provided_name || d.connection_name); } },
+      { h: "Channel", v: (c) => (c.channel_details || {}).number }, { h: "Ack", v: (c) => c.ack_required }, { h: "Exclusive", v: (c) => c.exclusive },
+      { h: "Prefetch", num: true, v: (c) => c.prefetch_count }, { h: "Arguments", v: (c) => JSON.stringify(c.arguments || {}) }], q.consumer_details || [])
     + `<h2>Unacknowledged deliveries <span class="muted">${unacked.length}</span></h2>` + table(Object.keys(unacked[0] || { delivery_tag: 0 }).map((k) => ({ h: k, v: (r) => typeof r[k] === "object" ? JSON.stringify(r[k]) : r[k] })), unacked.slice(0, 200))
     + `<h2>Latency</h2><p><a href="#/latency/${seg(vhost)}/${seg(name)}">Live latency of this queue →</a></p>`;
 }
@@ -214,7 +222,7 @@ async function queueDetail(vhost, name) {
 async function exchanges() {
   const [xs, bs] = await Promise.all([api("/exchanges"), api("/bindings")]);
   $("#main").innerHTML = `<h1>Exchanges <span class="muted">${xs.length}</span></h1>` + table([
-    { h: "Vhost", v: (x) => x.vhost }, { h: "Name", v: (x) => x.name || "(AMQP default)" }, { h: "Type", v: (x) => x.type },
+    { h: "Vhost", v: (x) => x.vhost }, { h: "Name", html: true, v: (x) => `<a href="#/exchanges/${seg(x.vhost)}/${seg(x.name || "amq.default")}">${esc(x.name || "(AMQP default)")}</a>` }, { h: "Type", v: (x) => x.type },
     { h: "Durable", v: (x) => x.durable }, { h: "Auto-delete", v: (x) => x.auto_delete }, { h: "Arguments", v: (x) => JSON.stringify(x.arguments || {}) },
   ], xs) + `<h2>Bindings <span class="muted">${bs.length}</span></h2>` + table([
     { h: "Vhost", v: (b) => b.vhost }, { h: "Source", v: (b) => b.source || "(AMQP default)" }, { h: "Destination", v: (b) => `${b.destination_type} ${b.destination}` },
@@ -222,10 +230,32 @@ async function exchanges() {
   ], bs);
 }
 
+async function exchangeDetail(vhost, name) {
+  const path = `/exchanges/${seg(vhost)}/${seg(name)}`;
+  const [x, bs] = await Promise.all([api(path), api(path + "/bindings/source")]);
+  $("#main").innerHTML = `<h1>Exchange ${esc(x.name || "(AMQP default)")} <span class="muted">vhost ${esc(vhost)}</span></h1>`
+    + "<h2>Properties</h2>" + kv([["type", x.type], ["durable", x.durable], ["auto_delete", x.auto_delete], ["internal", x.internal], ["arguments", JSON.stringify(x.arguments || {})], ["policy", x.policy || ""]])
+    + `<h2>Bindings from it <span class="muted">${bs.length}</span></h2>` + table([
+      { h: "Destination", html: true, v: (b) => b.destination_type === "queue" ? `queue <a href="#/queues/${seg(b.vhost)}/${seg(b.destination)}">${esc(b.destination)}</a>` : `exchange ${esc(b.destination)}` },
+      { h: "Routing key", v: (b) => b.routing_key }, { h: "Arguments", v: (b) => JSON.stringify(b.arguments || {}) }], bs);
+}
+
+async function connectionDetail(name) {
+  const [c, chans] = await Promise.all([api(`/connections/${seg(name)}`), api("/channels")]);
+  const p = c.client_properties || {};
+  $("#main").innerHTML = `<h1>Connection ${esc(c.user_provided_name || c.name)} <span class="muted">${esc(c.name)}</span></h1>`
+    + "<h2>Properties</h2>" + kv([["user", c.user], ["vhost", c.vhost], ["state", c.state], ["node", c.node], ["client", [p.product, p.version].filter(Boolean).join(" ")], ["platform", p.platform || ""],
+      ["heartbeat (s)", c.timeout], ["frame_max", c.frame_max], ["channel_max", c.channel_max], ["connected at", new Date(c.connected_at).toLocaleString()]])
+    + "<h2>Client properties</h2><pre>" + esc(JSON.stringify(p, null, 2)) + "</pre>"
+    + "<h2>Channels</h2>" + table([{ h: "Channel", v: (ch) => ch.number }, { h: "Mode", v: (ch) => ch.confirm ? "confirm" : (ch.transactional ? "tx" : "") },
+      { h: "Consumers", num: true, v: (ch) => ch.consumer_count }, { h: "Prefetch", num: true, v: (ch) => ch.prefetch_count }, { h: "Unacked", num: true, v: (ch) => ch.messages_unacknowledged }],
+      chans.filter((ch) => (ch.connection_details || {}).name === c.name));
+}
+
 async function connections() {
   const cs = await api("/connections");
   $("#main").innerHTML = `<h1>Connections <span class="muted">${cs.length}</span></h1>` + table([
-    { h: "Name", v: (c) => c.name }, { h: "User", v: (c) => c.user }, { h: "Vhost", v: (c) => c.vhost }, { h: "State", v: (c) => c.state },
+    { h: "Name", html: true, v: (c) => connLink(c.name) + (c.user_provided_name ? ` <span class="muted">${esc(c.user_provided_name)}</span>` : "") }, { h: "User", v: (c) => c.user }, { h: "Vhost", v: (c) => c.vhost }, { h: "State", v: (c) => c.state },
     { h: "Channels", num: true, v: (c) => c.channels }, { h: "Client", v: (c) => { const p = c.client_properties || {}; return [p.product, p.version].filter(Boolean).join(" "); } },
     { h: "", html: true, v: (c) => `<button class="danger" data-close="${esc(c.name)}">Close</button>` },
   ], cs);
@@ -300,11 +330,14 @@ function route() {
   }
   const name = parts[0] || "overview";
   document.querySelectorAll("#nav a").forEach((a) => a.classList.toggle("active", a.dataset.page === name || (name === "queue" && a.dataset.page === "queues")));
+  // An object's page: RabbitMQ's #/queues/<vhost>/<name>, #/exchanges/<vhost>/<name>,
+  // #/connections/<name> (and ringmq's older #/queue/<vhost>/<name>).
+  const one = parts.length >= 3 ? [parts[1], parts.slice(2).join("/")] : null;
   switch (name) {
-    case "queues": return { f: queues, every: POLL_MS };
+    case "queues": return one ? { f: () => queueDetail(...one), every: POLL_MS } : { f: queues, every: POLL_MS };
     case "queue": return { f: () => queueDetail(parts[1], parts.slice(2).join("/")), every: POLL_MS };
-    case "exchanges": return { f: exchanges, every: POLL_MS };
-    case "connections": return { f: connections, every: POLL_MS };
+    case "exchanges": return one ? { f: () => exchangeDetail(...one), every: POLL_MS } : { f: exchanges, every: POLL_MS };
+    case "connections": return parts.length >= 2 && parts[1] ? { f: () => connectionDetail(parts.slice(1).join("/")), every: POLL_MS } : { f: connections, every: POLL_MS };
     case "channels": return { f: channels, every: POLL_MS };
     case "latency": return parts.length >= 3 ? { f: () => latency(parts[1], parts.slice(2).join("/")), every: LATENCY_MS } : { f: () => latency(), every: LATENCY_MS };
     default: return { f: overview, every: POLL_MS };
