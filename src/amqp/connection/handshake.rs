@@ -382,7 +382,19 @@ pub(super) async fn handshake<S: Transport>(
         return Err(e);
     }
     let client_properties = start_ok.client_properties;
-    Ok(Tuned { vhost, user, frame_max, channel_max, heartbeat, cancel_notify, blocked_notify, spec_qos, loopback, client_properties, leftover: buf })
+    Ok(Tuned {
+        vhost,
+        user,
+        frame_max,
+        channel_max,
+        heartbeat,
+        cancel_notify,
+        blocked_notify,
+        spec_qos,
+        loopback,
+        client_properties,
+        leftover: buf,
+    })
 }
 
 /// Whether the client reads basic.qos as the AMQP 0-9-1 spec does (spec 1.8.3.1: global=false

@@ -69,36 +69,44 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
     match m {
         basic::AMQPMethod::Publish(p) => publish_started(s, channel, p),
         basic::AMQPMethod::Qos(q) => {
-            let mut st = s.st.borrow_mut();
-            let spec_qos = st.spec_qos;
-            let Some(c) = st.channels.get_mut(&channel) else { return Ok(()) };
-            if q.global || spec_qos {
-                // RabbitMQ: global=true limits the channel as a whole, at once; so does
-                // global=false for a client that reads the spec (`ConnState::spec_qos`).
-                let credit = c.credit.clone();
-                let wake: Vec<_> = c.consumers.values().map(|x| x.queue.clone()).collect();
-                drop(st);
-                let limit = q.prefetch_count as u32;
-                if spec_qos && limit > credit.limit.load(std::sync::atomic::Ordering::Relaxed) && !wake.is_empty() {
-                    // py-amqp under Celery: kombu's event loop (its hub) reads a delivery that
-                    // reaches the socket before it polls again, then sleeps until its next
-                    // timer (up to a countdown away) before it raises the window further.
-                    // A raise for its running consumers takes effect a moment after qos-ok
-                    // (RabbitMQ's own deliveries come that much later), so the deliveries it
-                    // lets through wake the loop's poll.
-                    s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
-                    glommio::timer::sleep(SPEC_QOS_RAISE_DELAY).await;
-                    credit.limit.store(limit, std::sync::atomic::Ordering::Relaxed);
-                    wake.iter().for_each(|queue| s.queue_send(queue, QueueOp::Wake));
-                    return Ok(());
+            // (spec_qos, the channel's window and the queues its consumers read) when the
+            // window is what this qos sets; None when it sets the next consumers' prefetch.
+            let channel_wide = {
+                let mut st = s.st.borrow_mut();
+                let spec_qos = st.spec_qos;
+                let Some(c) = st.channels.get_mut(&channel) else { return Ok(()) };
+                if q.global || spec_qos {
+                    // RabbitMQ: global=true limits the channel as a whole, at once; so does
+                    // global=false for a client that reads the spec (`ConnState::spec_qos`).
+                    Some((spec_qos, c.credit.clone(), c.consumers.values().map(|x| x.queue.clone()).collect::<Vec<_>>()))
+                } else {
+                    c.prefetch = q.prefetch_count as u32;
+                    None
                 }
+            };
+            let qos_ok = AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {}));
+            let Some((spec_qos, credit, wake)) = channel_wide else {
+                s.send_method(channel, &qos_ok);
+                return Ok(());
+            };
+            let limit = q.prefetch_count as u32;
+            let raise = limit == 0 || limit > credit.limit.load(std::sync::atomic::Ordering::Relaxed);
+            if spec_qos && raise && !wake.is_empty() {
+                // py-amqp under Celery: kombu's event loop (its hub) reads a delivery that
+                // reaches the socket before it polls again, then sleeps until its next timer
+                // (up to a countdown away) before it raises the window further. A raise for
+                // its running consumers takes effect a moment after qos-ok (RabbitMQ's own
+                // deliveries come that much later), so the deliveries it lets through wake
+                // the loop's poll.
+                s.send_method(channel, &qos_ok);
+                glommio::timer::sleep(SPEC_QOS_RAISE_DELAY).await;
                 credit.limit.store(limit, std::sync::atomic::Ordering::Relaxed);
                 wake.iter().for_each(|queue| s.queue_send(queue, QueueOp::Wake));
-            } else {
-                c.prefetch = q.prefetch_count as u32;
-                drop(st);
+                return Ok(());
             }
-            s.send_method(channel, &AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
+            credit.limit.store(limit, std::sync::atomic::Ordering::Relaxed);
+            wake.iter().for_each(|queue| s.queue_send(queue, QueueOp::Wake));
+            s.send_method(channel, &qos_ok);
             Ok(())
         }
         basic::AMQPMethod::Consume(c) => consume(s, channel, c).await,
