@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::raw::{longstr, shortstr, RawConn};
+use common::raw::{capabilities, longstr, shortstr, RawConn};
 use common::*;
 use lapin::options::*;
 use lapin::types::FieldTable;
@@ -25,14 +25,7 @@ fn refused_login_code(addr: SocketAddr) -> Option<u16> {
     c.write(b"AMQP\x00\x00\x09\x01");
     let start = c.read_method();
     assert_eq!(start.method_id(), Some((10, 10)), "expected connection.start");
-    let mut caps = Vec::new();
-    shortstr(&mut caps, "authentication_failure_close");
-    caps.extend_from_slice(b"t\x01");
-    let mut props = Vec::new();
-    shortstr(&mut props, "capabilities");
-    props.push(b'F');
-    props.extend_from_slice(&(caps.len() as u32).to_be_bytes());
-    props.extend_from_slice(&caps);
+    let props = capabilities(&["authentication_failure_close"]);
     let mut a = Vec::new();
     a.extend_from_slice(&(props.len() as u32).to_be_bytes());
     a.extend_from_slice(&props);

@@ -58,17 +58,21 @@ fn write_lines(rx: flume::Receiver<Vec<u8>>, mut out: impl Write) {
     let mut last_error: Option<std::io::Error> = None;
     while let Ok(line) = rx.recv() {
         let lost = DROPPED.load(Ordering::Relaxed) - told;
-        if lost > 0 {
+        let notice = (lost > 0).then(|| {
             let why = last_error.as_ref().map_or_else(|| "the log queue was full".to_string(), |e| e.to_string());
-            let notice = format!("ringmq: {lost} log lines were dropped ({why}); logging again\n");
-            if out.write_all(notice.as_bytes()).is_ok() {
-                told += lost;
-                last_error = None;
+            format!("ringmq: {lost} log lines were dropped ({why}); logging again\n")
+        });
+        // The notice goes first; while even it cannot be written, the line is dropped too.
+        let written = match notice {
+            Some(n) => out.write_all(n.as_bytes()).inspect(|_| told += lost).and_then(|_| out.write_all(&line)),
+            None => out.write_all(&line),
+        };
+        match written {
+            Ok(()) => last_error = None,
+            Err(e) => {
+                DROPPED.fetch_add(1, Ordering::Relaxed);
+                last_error = Some(e);
             }
-        }
-        if let Err(e) = out.write_all(&line) {
-            DROPPED.fetch_add(1, Ordering::Relaxed);
-            last_error = Some(e);
         }
         DONE.fetch_add(1, Ordering::Release);
     }

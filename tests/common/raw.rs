@@ -166,15 +166,7 @@ impl RawConn {
     /// [`RawConn::open`] announcing the client capability `consumer_cancel_notify` (so the
     /// broker sends basic.cancel when a consumed queue goes).
     pub fn open_notify(addr: SocketAddr) -> RawConn {
-        let mut caps = Vec::new();
-        shortstr(&mut caps, "consumer_cancel_notify");
-        caps.extend_from_slice(b"t\x01");
-        let mut entries = Vec::new();
-        shortstr(&mut entries, "capabilities");
-        entries.push(b'F');
-        entries.extend_from_slice(&(caps.len() as u32).to_be_bytes());
-        entries.extend_from_slice(&caps);
-        Self::open_with_properties(addr, &entries)
+        Self::open_with_properties(addr, &capabilities(&["consumer_cancel_notify"]))
     }
 
     /// [`RawConn::open`] with `entries` (encoded field-table entries, no length prefix) as
@@ -459,6 +451,21 @@ pub fn content_header(body_size: u64) -> Vec<u8> {
     p.extend_from_slice(&body_size.to_be_bytes());
     p.extend_from_slice(&0u16.to_be_bytes());
     p
+}
+
+/// Client-properties entries (no length prefix) announcing `names` as capabilities (true).
+pub fn capabilities(names: &[&str]) -> Vec<u8> {
+    let mut caps = Vec::new();
+    for name in names {
+        shortstr(&mut caps, name);
+        caps.extend_from_slice(b"t\x01");
+    }
+    let mut entries = Vec::new();
+    shortstr(&mut entries, "capabilities");
+    entries.push(b'F');
+    entries.extend_from_slice(&(caps.len() as u32).to_be_bytes());
+    entries.extend_from_slice(&caps);
+    entries
 }
 
 /// Decode a u64 at the start of a slice (big-endian).
