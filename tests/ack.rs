@@ -233,35 +233,6 @@ async fn basic_recover_requeue_redelivers() {
     t("close", c.close(200, "".into())).await.unwrap();
 }
 
-/// basic.recover(requeue=false), as the spec reads it (RabbitMQ refuses it with 540): each
-/// unacked delivery goes again to the consumer that held it, redelivered, under a new tag; a
-/// second consumer of the queue on another channel gets none of them.
-#[tokio::test]
-async fn basic_recover_without_requeue_redelivers_to_the_same_consumer() {
-    let b = Broker::start();
-    let c = connect(&b).await;
-    let admin = chan(&c).await;
-    let q = plain_queue(&admin, "recover-norequeue").await;
-    fill(&admin, &q, &["n1", "n2"]).await;
-    let ch = chan(&c).await;
-    let mut cons = consume(&ch, &q, false).await;
-    let d = take(&mut cons, 2).await;
-    let other = chan(&c).await;
-    let mut rival = consume(&other, &q, false).await;
-    t("recover", ch.basic_recover(BasicRecoverOptions { requeue: false })).await.unwrap();
-    let again = take(&mut cons, 2).await;
-    assert_eq!(bodies(&again), ["n1", "n2"]);
-    assert_eq!(flags(&again), [true, true]);
-    assert!(again[0].delivery_tag > d[1].delivery_tag, "new delivery tags");
-    let stray = tokio::time::timeout(Duration::from_millis(300), futures_lite::StreamExt::next(&mut rival)).await;
-    assert!(stray.is_err(), "the other channel's consumer got a recovered message: {stray:?}");
-    t("ack", ch.basic_ack(again[1].delivery_tag, BasicAckOptions { multiple: true })).await.unwrap();
-    t("close ch", ch.close(200, "".into())).await.unwrap();
-    t("close other", other.close(200, "".into())).await.unwrap();
-    assert_eq!(ready_count(&admin, &q).await, 0);
-    t("close", c.close(200, "".into())).await.unwrap();
-}
-
 #[tokio::test]
 async fn double_ack_unknown_tag_and_wrong_channel_are_precondition_failed() {
     let b = Broker::start();

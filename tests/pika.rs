@@ -26,6 +26,15 @@ fn pika_transactions() {
     run_client("tx.py", &b.host(), b.port(), &[]);
 }
 
+/// basic.recover(requeue=false) as the spec reads it (RabbitMQ refuses it with 540; README,
+/// "basic.qos"): each unacked delivery goes again to the consumer that held it, redelivered,
+/// under a new tag, and a consumer of the queue on another channel gets none of them.
+#[test]
+fn pika_recover_without_requeue() {
+    let b = Broker::start();
+    run_client("recover.py", &b.host(), b.port(), &[]);
+}
+
 #[test]
 fn pika_length_limits() {
     let b = Broker::start();
