@@ -11,7 +11,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::http::{get_json, request, try_request, try_request_with, GUEST};
+use common::http::{get_json, request, try_request, try_request_with, wait_json, GUEST};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -20,18 +20,6 @@ use serde_json::{json, Value};
 
 /// `%2F`-encoded default vhost.
 const V: &str = "%2F";
-
-/// Polls `GET path` until `ok` holds on its JSON (at most 10 s); the last value.
-fn wait_json(port: u16, path: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let v = get_json(port, path);
-        if ok(&v) || Instant::now() > deadline {
-            return v;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 fn put(port: u16, path: &str, body: Value) -> u16 {
     request(port, "PUT", path, Some(&body.to_string()), GUEST).status

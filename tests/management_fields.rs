@@ -10,9 +10,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
-use common::http::{get_json, request, GUEST};
+use common::http::{get_json, request, wait_json, GUEST};
 use common::*;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -21,18 +19,6 @@ use serde_json::{json, Value};
 
 /// `%2F`-encoded default vhost.
 const V: &str = "%2F";
-
-/// Polls `GET path` until `ok` holds on its JSON (at most 10 s); the last value.
-fn wait_json(port: u16, path: &str, ok: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let v = get_json(port, path);
-        if ok(&v) || Instant::now() > deadline {
-            return v;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 /// Percent-encodes every byte but letters and digits (for a path segment).
 fn percent_encode(s: &str) -> String {

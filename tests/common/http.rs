@@ -108,6 +108,18 @@ pub fn get_json(port: u16, path: &str) -> serde_json::Value {
     r.json()
 }
 
+/// Polls `GET path` until `ok` holds on its JSON (at most 10 s); the last value.
+pub fn wait_json(port: u16, path: &str, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = get_json(port, path);
+        if ok(&v) || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// `GET path` on 127.0.0.1:port with `Connection: close`; the response (headers and body), or
 /// why not. Connect, write and read are each bounded to 5 s.
 pub fn http_get(port: u16, path: &str) -> Result<String, String> {
