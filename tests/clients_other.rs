@@ -48,8 +48,7 @@ fn toolchain_present(client: &str, missing: &[&str], packages: &str) -> bool {
         return true;
     }
     let note = format!("the {client} smoke test needs {} (apt-get install -y {packages})", missing.join(", "));
-    assert!(std::env::var_os("CI").is_none(), "{note}");
-    println!("skipped: {note}");
+    skip_unless_ci(&note);
     false
 }
 

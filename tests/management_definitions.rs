@@ -93,8 +93,7 @@ async fn an_export_taken_beside_a_celery_worker_imports_into_a_fresh_broker() {
     let file = dir.path().join("defs.json");
     let file = file.to_str().unwrap();
     let Some((ok, out)) = rabbitmqadmin(a.management_port(), &["export", file]) else {
-        assert!(std::env::var_os("CI").is_none(), "CI needs rabbitmqadmin (.ci/run installs it)");
-        eprintln!("NOTE: rabbitmqadmin is not installed: its export/import not run");
+        skip_unless_ci("CI needs rabbitmqadmin (.ci/run installs it)");
         return;
     };
     assert!(ok, "rabbitmqadmin export: {out}");

@@ -52,6 +52,14 @@ pub fn broker_binary() -> PathBuf {
     }
 }
 
+/// A tool or client a test needs is missing. In CI (env `CI` set: `.ci/run` installs it) the
+/// test fails with `why`; elsewhere `why` is printed as a note and the caller skips.
+#[track_caller]
+pub fn skip_unless_ci(why: &str) {
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("NOTE: skipped: {why}");
+}
+
 /// A free TCP port on 127.0.0.1 (bind port 0, read it, release it), never one this test
 /// process handed out before: the kernel may give a released port to the next bind(0), and
 /// two brokers of parallel tests on one port made one test talk to the other's broker.
