@@ -228,6 +228,35 @@ fn what_a_killed_server_handed_out_last_comes_again_flagged() {
     });
 }
 
+/// A consumer whose channel closed while its queue's server was frozen (the close unread
+/// there) is gone for good: when that server is then killed, the consumer does not follow the
+/// queue to its next server, where it would take messages for a channel that no longer exists
+/// (they would sit unacked as long as its connection lives). Every message is drained from the
+/// next server, the 50 it held flagged, with that connection still open.
+#[test]
+fn a_consumer_closed_while_its_server_was_frozen_does_not_follow_the_queue() {
+    run(async {
+        let mut c = Cluster::start(3);
+        let n1 = connect_uri(&c.amqp_uri(0)).await;
+        let q = uniq("closed-frozen");
+        durable_queue(&n1, &q).await;
+        let n2 = connect_uri(&c.amqp_uri(1)).await;
+        let confirmed: BTreeSet<String> = publish_all(&confirming(&n2).await, &q, "m", 300).await.into_iter().collect();
+        let n3 = connect_uri(&c.amqp_uri(2)).await;
+        let (sub, ch, held) = take_burst(&n3, &q, 50).await;
+        let pid = c.pid(0).expect("node 1 runs") as libc::pid_t;
+        // SAFETY: signals a child process this test's harness started (by its PID).
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        drop(sub);
+        t("channel.close while the server is frozen", ch.close(200, "done".into())).await.expect("close");
+        c.kill9(0);
+        let (got, redelivered) = drain_distinct(&n2, &q, confirmed.len(), Duration::from_secs(60)).await;
+        assert_kept_and_flagged(&confirmed, &got, &held, &redelivered);
+        assert!(!c.log(2).contains("a consumer of a moved queue follows it"), "a closed channel's consumer followed the queue");
+        drop(n3);
+    });
+}
+
 /// A replicated queue keeps no unacked index (its delivery reservation stands in for it,
 /// `queue/replica.rs` step 5): when the whole cluster is killed with SIGKILL the moment a
 /// consumer got 150 messages, and started again, no node took the queue over, and its own
@@ -542,7 +571,9 @@ async fn consume_and_ack(ch: Channel, queue: &str, n: usize) -> BTreeSet<usize> 
             .expect("consume");
     let mut acked = BTreeSet::new();
     while acked.len() < n {
-        let d = t("a delivery", sub.next()).await.expect("a delivery").expect("a delivery, not an error");
+        // The joining node is killed and restarted meanwhile (an election if it led the
+        // metadata group, a slow two-core machine): deliveries may pause as long as confirms.
+        let d = tt("a delivery", Duration::from_secs(60), sub.next()).await.expect("a delivery").expect("a delivery, not an error");
         t("basic.ack", d.ack(BasicAckOptions::default())).await.expect("ack");
         acked.insert(grow_number(&String::from_utf8_lossy(&d.data)));
     }

@@ -175,7 +175,14 @@ impl Remote {
                 let offs = |v: Vec<Offset>| v.into_iter().map(|o| o.0).collect();
                 (Request::Settle { queue, chan_uid, ack: offs(ack), requeue: offs(requeue), reject: offs(reject) }, None)
             }
-            QueueOp::ChannelClosed { chan_uid } => (Request::ChannelClosed { queue, chan_uid }, None),
+            QueueOp::ChannelClosed { chan_uid } => {
+                // Its consumers of this queue are gone here at once, whatever becomes of the
+                // request: a link that goes down after the close (the peer frozen or dead,
+                // the request unread) must not make them orphans that follow the queue to
+                // its next server and take messages for a channel that no longer exists.
+                cl.consumers.retain(|_, c| !(c.spec.chan_uid == chan_uid && c.queue == queue));
+                (Request::ChannelClosed { queue, chan_uid }, None)
+            }
             QueueOp::Redeliver { offsets } => (Request::Redeliver { queue, offsets: offsets.into_iter().map(|o| o.0).collect() }, None),
             // The queue's node keeps its own window for this channel (settlements there give
             // it back); nothing to wake from here.
