@@ -324,7 +324,7 @@ async fn run_core(node: std::rc::Rc<Node>, inbox: flume::Receiver<NodeMsg>, acce
             .await
         })
     };
-    glommio::spawn_local(node.clone().tick()).detach();
+    crate::core::spawn_soon(node.clone().tick());
     let accept = {
         let node = node.clone();
         glommio::spawn_local(async move {

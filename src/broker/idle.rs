@@ -59,7 +59,7 @@ impl Node {
             // Used while it closed: open again for what waits.
             let Some((def, qref)) = self.reopen_target(&key) else { continue };
             self.resumed.borrow_mut().insert(key, counters);
-            glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
+            crate::core::spawn_soon(self.clone().open_and_run(def, qref));
         }
     }
 }

@@ -235,7 +235,7 @@ impl Node {
                     let _ = tx.send(ClientEvent::ResourceAlarm(raised));
                 }
                 if raised && self.shared.alarms.memory_alarm() && !self.collecting.replace(true) {
-                    glommio::spawn_local(self.clone().collect_during_memory_alarm()).detach();
+                    crate::core::spawn_soon(self.clone().collect_during_memory_alarm());
                 }
                 None
             }
@@ -246,7 +246,7 @@ impl Node {
                 None
             }
             NodeMsg::SyncReplicas { done } => {
-                glommio::spawn_local(self.clone().sync_replicas(done)).detach();
+                crate::core::spawn_soon(self.clone().sync_replicas(done));
                 None
             }
             NodeMsg::Run(OnCore(work)) => {
@@ -304,7 +304,7 @@ impl Node {
                     drop(queues);
                     super::replicas::log_new_role(&qref.key, here, here);
                     let me = self.clone();
-                    glommio::spawn_local(async move { me.reopen_in_place(&cell).await }).detach();
+                    crate::core::spawn_soon(async move { me.reopen_in_place(&cell).await });
                     return;
                 }
                 drop(queues);
@@ -318,8 +318,7 @@ impl Node {
                     drop(queues);
                     if let QueueOp::Replicated(crate::meta::data::DataOp::Dropped { .. }) = op {
                         // A replica this run never opened: its files go.
-                        glommio::spawn_local(remove_replica_files(self.shared.config.queue_dir(&qref.key.vhost, &qref.key.name, true)))
-                            .detach();
+                        crate::core::spawn_soon(remove_replica_files(self.shared.config.queue_dir(&qref.key.vhost, &qref.key.name, true)));
                     }
                     refuse(&qref.key, op);
                     return;
@@ -327,7 +326,7 @@ impl Node {
                 queues.insert(qref.key.clone(), Slot::Opening(vec![op]));
                 drop(queues);
                 let qref = topo.queue_ref(&qref.key.vhost, &qref.key.name).unwrap_or_else(|| qref.clone());
-                glommio::spawn_local(self.clone().open_and_run(def, qref)).detach();
+                crate::core::spawn_soon(self.clone().open_and_run(def, qref));
             }
         }
     }
@@ -465,7 +464,7 @@ impl Node {
                         let dir = queue_dir(&self.shared.config, &cell.borrow().def);
                         self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
                         let me = self.clone();
-                        glommio::spawn_local(async move {
+                        crate::core::spawn_soon(async move {
                             let cmd = Command::DeleteQueue { vhost: key.vhost.to_string(), name: key.name.to_string() };
                             match me.shared.meta.propose(cmd).await {
                                 Ok(_) => Stats::add(&me.stats().queues_deleted, 1),
@@ -477,8 +476,7 @@ impl Node {
                             me.opened_this_run.borrow_mut().remove(&key);
                             cancels.into_iter().for_each(crate::broker::queue::CancelNotice::send);
                             let _ = reply.send(Ok(n));
-                        })
-                        .detach();
+                        });
                     }
                 }
             }
@@ -635,7 +633,7 @@ impl Node {
     /// the disk alarm is clear.
     pub async fn tick(self: Rc<Self>) {
         if self.shared.meta.is_cluster() {
-            glommio::spawn_local(self.clone().watch_replicas()).detach();
+            crate::core::spawn_soon(self.clone().watch_replicas());
         }
         let mut topology_seen = None;
         loop {

@@ -167,12 +167,11 @@ impl super::node::Node {
         let (shard, index) = cell.borrow_mut().tear_down();
         self.set_deleting(&key);
         let me = self.clone();
-        glommio::spawn_local(async move {
+        crate::core::spawn_soon(async move {
             super::store_files::destroy_shards(shard, index).await;
             super::store_files::remove_replica_files(me.shared.config.queue_dir(&key.vhost, &key.name, true)).await;
             me.forget_slot(&key);
-        })
-        .detach();
+        });
     }
 
     /// Answers [`NodeMsg::SyncReplicas`]: once no queue of this core is still opening (its

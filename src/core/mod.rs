@@ -29,6 +29,24 @@ use std::time::Duration;
 
 use glommio::{LocalExecutorBuilder, Placement};
 
+/// Spawns `task` on this core's executor, detached, to start on a later turn of the
+/// scheduler, never inside this call.
+///
+/// glommio 0.9's `spawn_local` polls a new task at once, up to its first pending await
+/// (`spawn_and_run`). A task that borrows a `RefCell` its spawner still holds borrowed, before
+/// any wait that really waits (a timer already due, a channel with a message in it), then
+/// panics with "already borrowed", and `panic = "abort"` ends the broker: seen with a queue's
+/// full-sync timer that was due by the time it was polled. Every task the broker spawns
+/// starts here instead (all but `server.rs`'s accept loops, spawned holding nothing), so no
+/// spawn site has to reason about what its caller holds.
+pub fn spawn_soon(task: impl Future<Output = ()> + 'static) {
+    glommio::spawn_local(async move {
+        futures_lite::future::yield_now().await;
+        task.await
+    })
+    .detach();
+}
+
 /// Most inbox messages handled per tick before yielding ([`mesh::drain`]).
 pub const BATCH: usize = 1024;
 
@@ -80,4 +98,34 @@ where
         handles.push(h);
     }
     Ok(handles)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use super::spawn_soon;
+
+    /// A task with nothing to wait for, spawned while its spawner borrows what it borrows:
+    /// glommio's own `spawn_local` would run it inside the call and panic on that borrow.
+    #[test]
+    fn a_task_spawned_soon_starts_after_its_spawner_lets_go() {
+        let ex = glommio::LocalExecutorBuilder::default().make().expect("an executor");
+        ex.run(async {
+            let cell = Rc::new(RefCell::new(0u32));
+            let held = cell.borrow_mut();
+            let c = cell.clone();
+            spawn_soon(async move { *c.borrow_mut() += 1 });
+            drop(held);
+            assert_eq!(*cell.borrow(), 0, "the task ran inside the call");
+            for _ in 0..100 {
+                if *cell.borrow() == 1 {
+                    break;
+                }
+                futures_lite::future::yield_now().await;
+            }
+            assert_eq!(*cell.borrow(), 1, "the task never ran");
+        });
+    }
 }

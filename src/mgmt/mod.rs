@@ -434,10 +434,9 @@ impl Api {
         let core = self.next_core.fetch_add(1, Ordering::Relaxed) % cores;
         let work = OnCore(Box::new(move |node: &Rc<Node>| {
             let node = node.clone();
-            glommio::spawn_local(async move {
+            crate::core::spawn_soon(async move {
                 let _ = tx.send(f(node).await);
-            })
-            .detach();
+            });
         }));
         if self.shared.shutting_down.load(Ordering::Relaxed) || self.shared.inboxes.send(core, NodeMsg::Run(work)).is_err() {
             return Err(ApiError::unavailable("the broker is shutting down"));

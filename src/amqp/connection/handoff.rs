@@ -247,7 +247,7 @@ pub(super) fn send_away(
     Stats::add(&core.stats().connections_moved, 1);
     tracing::debug!(conn = %id, from = core.id, to, "connection moves to its queues' core");
     let work = OnCore(Box::new(move |node: &Rc<Node>| {
-        glommio::spawn_local(adopt(node.clone(), m)).detach();
+        crate::core::spawn_soon(adopt(node.clone(), m));
     }));
     if core.shared.inboxes.send(to as usize, NodeMsg::Run(work)).is_err() {
         tracing::warn!(conn = %id, to, "connection lost in a move: the target core stopped");

@@ -249,7 +249,7 @@ impl Queue {
         tracing::warn!(queue = %queue, vhost = %vhost, reason = why, "this node's copy of the queue is incomplete: it leaves the queue's replica set");
         let node = meta.node_id();
         let weak = self.me.clone();
-        glommio::spawn_local(async move {
+        crate::core::spawn_soon(async move {
             if let Err(e) = meta.propose(Command::LeaveReplicaSet { vhost, queue, node }).await {
                 tracing::warn!(error = %e, "leaving a replica set failed; retried at the copy's next failure");
                 if let Some(cell) = weak.upgrade() {
@@ -258,8 +258,7 @@ impl Queue {
                     }
                 }
             }
-        })
-        .detach();
+        });
     }
 }
 
@@ -273,9 +272,7 @@ pub fn start_copy(cell: &QueueCell, id: u64, node: NodeId) {
     r.grow.copier = Some(id);
     drop(q);
     let weak = Rc::downgrade(cell);
-    glommio::spawn_local(async move {
-        // A spawned task runs at once, up to its first wait: the caller's borrows end first.
-        futures_lite::future::yield_now().await;
+    crate::core::spawn_soon(async move {
         copier(weak.clone(), id, node).await;
         hold_settles(&weak, None);
         if let Some(cell) = weak.upgrade() {
@@ -283,8 +280,7 @@ pub fn start_copy(cell: &QueueCell, id: u64, node: NodeId) {
                 r.grow.copier = None;
             }
         }
-    })
-    .detach();
+    });
 }
 
 /// What one round of the copier read: the batch, the offset after it, and whether it

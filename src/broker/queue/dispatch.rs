@@ -43,7 +43,6 @@ enum Step {
 /// The dispatcher task of one queue: delivers while consumers have credit and messages
 /// are ready; sleeps until woken by a publish, a settle, or a consumer change.
 pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver<()>) {
-    futures_lite::future::yield_now().await;
     while wake.recv_async().await.is_ok() {
         let mut sent = 0u32;
         loop {
@@ -191,7 +190,7 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
     let shard = q.shard.clone();
     drop(q);
     let weak = Rc::downgrade(cell);
-    glommio::spawn_local(async move {
+    crate::core::spawn_soon(async move {
         let rec = shard.read(offset).await;
         let Some(cell) = weak.upgrade() else { return };
         let mut q = cell.borrow_mut();
@@ -215,8 +214,7 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
                 let _ = reply.send(Err(QueueError::InternalError(format!("read failed: {e}"))));
             }
         }
-    })
-    .detach();
+    });
 }
 
 impl Queue {
@@ -466,7 +464,7 @@ impl Queue {
         self.cursor.target = next;
         if !self.cursor.committing {
             self.cursor.committing = true;
-            glommio::spawn_local(commit_cursor(self.me.clone())).detach();
+            crate::core::spawn_soon(commit_cursor(self.me.clone()));
         }
     }
 

@@ -103,8 +103,6 @@ pub const FULL_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_mi
 /// sync every [`FULL_SYNC_INTERVAL`] (a timer when no confirm waits), and only then do the
 /// index records of deleted messages go (`index_trash`).
 pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
-    // glommio may run a spawned task at once: let the spawner release its borrow first.
-    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (shard, batch, full, env) = {
@@ -123,14 +121,13 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
                 q.syncing = false;
                 if !std::mem::replace(&mut q.full_sync_armed, true) {
                     let weak = weak.clone();
-                    glommio::spawn_local(async move {
+                    crate::core::spawn_soon(async move {
                         glommio::timer::sleep(due - now).await;
                         if let Some(cell) = weak.upgrade() {
                             cell.borrow_mut().full_sync_armed = false;
                             Queue::sync_if_dirty(&cell);
                         }
-                    })
-                    .detach();
+                    });
                 }
                 return;
             }
@@ -272,15 +269,14 @@ pub(super) fn reply_get(r: GetReply, sync: Option<GetSync>, reply: crate::broker
     match sync {
         None => drop(reply.send(Ok(Some(r)))),
         Some((index, superseded)) => {
-            glommio::spawn_local(async move {
+            crate::core::spawn_soon(async move {
                 match IndexSynced::appends(&index).await {
                     Ok(synced) => release_superseded(&index, &superseded, &synced),
                     // As in `Queue::flush_unsynced`: answered all the same.
                     Err(e) => tracing::error!(error = %e, "unacked index sync failed; basic.get answered without a durable index record"),
                 }
                 let _ = reply.send(Ok(Some(r)));
-            })
-            .detach();
+            });
         }
     }
 }
@@ -290,7 +286,7 @@ impl Queue {
     pub(super) fn start_sync(&mut self, cell: &QueueCell) {
         if !self.syncing {
             self.syncing = true;
-            glommio::spawn_local(group_commit(Rc::downgrade(cell))).detach();
+            crate::core::spawn_soon(group_commit(Rc::downgrade(cell)));
         }
     }
 
@@ -324,9 +320,7 @@ impl Queue {
             return;
         }
         let (weak, shard) = (Rc::downgrade(cell), self.shard.clone());
-        glommio::spawn_local(async move {
-            // A spawned task may run at once, while the caller still borrows the queue.
-            futures_lite::future::yield_now().await;
+        crate::core::spawn_soon(async move {
             loop {
                 shard.throttle().await;
                 let Some(cell) = weak.upgrade() else { return };
@@ -340,8 +334,7 @@ impl Queue {
                 // Closed when the queue goes: the upgrade above then ends the task.
                 let _ = drained.recv_async().await;
             }
-        })
-        .detach();
+        });
     }
 
     /// Syncs deletes (acks, purges) that no publish has synced yet; called periodically by
@@ -364,9 +357,7 @@ impl Queue {
         }
         q.index_flushing = true;
         let weak = weak.clone();
-        glommio::spawn_local(async move {
-            // glommio may run a spawned task at once: let the spawner release its borrow.
-            futures_lite::future::yield_now().await;
+        crate::core::spawn_soon(async move {
             for _ in 0..u32::MAX {
                 Queue::flush_unsynced(&weak).await;
                 let Some(cell) = weak.upgrade() else { return };
@@ -376,8 +367,7 @@ impl Queue {
                     return;
                 }
             }
-        })
-        .detach();
+        });
     }
 
     /// Sends the deliveries that waited for their unacked-index records, once the index is

@@ -169,7 +169,7 @@ impl Queue {
             return;
         }
         let weak = std::rc::Rc::downgrade(cell);
-        glommio::spawn_local(async move {
+        crate::core::spawn_soon(async move {
             // Until no hold is left: one that began after this timer's hold ended (another
             // idle found the timer armed) gets its own deadline here.
             let mut since = since;
@@ -186,8 +186,7 @@ impl Queue {
                     }
                 }
             }
-        })
-        .detach();
+        });
     }
 }
 

@@ -433,9 +433,9 @@ impl Queue {
         });
         let weak = Rc::downgrade(&q);
         if expiry.is_some() {
-            glommio::spawn_local(expiry::expire_when_unused(weak.clone())).detach();
+            crate::core::spawn_soon(expiry::expire_when_unused(weak.clone()));
         }
-        glommio::spawn_local(dispatch::dispatcher(weak, wake_rx)).detach();
+        crate::core::spawn_soon(dispatch::dispatcher(weak, wake_rx));
         let message_ttl = int_arg(&args, "x-message-ttl").and_then(|v| u64::try_from(v).ok());
         if let Some(ms) = message_ttl {
             // `ttl.rs`, rule 3: the timer looks at the head at once (what expired while the
@@ -443,7 +443,7 @@ impl Queue {
             q.borrow_mut().ttl_mut().queue_ttl = Some(ms);
         } else if !q.borrow().ready.is_empty() {
             // A head with a per-message TTL from an earlier run starts the timer too.
-            glommio::spawn_local(ttl::start_if_head_expires(Rc::downgrade(&q))).detach();
+            crate::core::spawn_soon(ttl::start_if_head_expires(Rc::downgrade(&q)));
         }
         // `limits.rs`, behaviour 2, at open (RabbitMQ's `init_max_length`): deliveries of an
         // earlier run that came back ready may have taken the queue over its limit.

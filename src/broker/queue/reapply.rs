@@ -30,7 +30,7 @@ impl Queue {
             (Some(old), Some(new)) => old.ttl = new.ttl,
             (None, Some(new)) => {
                 self.expiry = Some(new);
-                glommio::spawn_local(expiry::expire_when_unused(self.me.clone())).detach();
+                crate::core::spawn_soon(expiry::expire_when_unused(self.me.clone()));
             }
             (_, None) => self.expiry = None,
         }

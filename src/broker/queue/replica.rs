@@ -227,7 +227,7 @@ impl Replication {
     fn kick_enqueuer(&mut self, cell: Weak<std::cell::RefCell<Queue>>) {
         if !self.enqueuing && !self.holding && !self.enqueues.is_empty() && self.batches_in_flight < MAX_BATCHES_IN_FLIGHT {
             self.enqueuing = true;
-            glommio::spawn_local(enqueuer(cell)).detach();
+            crate::core::spawn_soon(enqueuer(cell));
         }
     }
 
@@ -306,7 +306,7 @@ impl Queue {
         }
         if !repl.settling && !repl.settles.is_empty() {
             repl.settling = true;
-            glommio::spawn_local(settler(me)).detach();
+            crate::core::spawn_soon(settler(me));
         }
     }
 
@@ -318,7 +318,7 @@ impl Queue {
         repl.returns.push((offset, count));
         if !repl.settling {
             repl.settling = true;
-            glommio::spawn_local(settler(me)).detach();
+            crate::core::spawn_soon(settler(me));
         }
     }
 
@@ -421,7 +421,7 @@ impl Queue {
         }
         if !repl.reserving && (past || offset + repl.ahead / 2 >= repl.reserved) {
             repl.reserving = true;
-            glommio::spawn_local(reserver(me)).detach();
+            crate::core::spawn_soon(reserver(me));
         }
         past
     }
@@ -467,7 +467,7 @@ pub(super) fn hold_settles(cell: &QueueCell, from: Option<u64>) {
     repl.settles.extend(held);
     if !repl.settling && !repl.settles.is_empty() {
         repl.settling = true;
-        glommio::spawn_local(settler(me)).detach();
+        crate::core::spawn_soon(settler(me));
     }
 }
 
@@ -483,7 +483,6 @@ pub(super) fn resume_enqueues(cell: &QueueCell) {
 /// while fewer than [`MAX_BATCHES_IN_FLIGHT`] wait for their commit (step 1); each batch's
 /// outcome is awaited by a task of its own ([`answer_batch`]).
 async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
-    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (batch, meta, env) = {
@@ -523,7 +522,7 @@ async fn enqueuer(weak: Weak<std::cell::RefCell<Queue>>) {
             .unzip();
         // Only this task submits, and it awaits each submission: batches reach the driver in order.
         let submitted = meta.submit_batch(cmds).await;
-        glommio::spawn_local(answer_batch(weak.clone(), env, submitted, tickets)).detach();
+        crate::core::spawn_soon(answer_batch(weak.clone(), env, submitted, tickets));
     }
 }
 
@@ -595,7 +594,6 @@ async fn answer_batch(
 /// delivery or the next ready offset, whichever is higher. Retried while the group cannot
 /// commit it and consumers wait; then wakes the dispatcher and runs the waiting basic.gets.
 async fn reserver(weak: Weak<std::cell::RefCell<Queue>>) {
-    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (cmd, meta) = {
@@ -668,7 +666,6 @@ async fn reserver(weak: Weak<std::cell::RefCell<Queue>>) {
 /// Proposes the offsets the serving member settled (step 3), all waiting ones in one
 /// command, and the return counts waiting (`delivery_limit.rs`) in another.
 async fn settler(weak: Weak<std::cell::RefCell<Queue>>) {
-    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (settle, returns, meta) = {

@@ -167,7 +167,7 @@ impl Queue {
         let streaming = r.last.is_some_and(|t| t.elapsed() < DECAY);
         if !r.renewing && r.reach + r.ahead / 2 >= r.below && (pressed || streaming) {
             r.renewing = true;
-            glommio::spawn_local(renew(self.me.clone())).detach();
+            crate::core::spawn_soon(renew(self.me.clone()));
         }
         covered
     }
@@ -177,8 +177,6 @@ impl Queue {
 /// deliveries have come within half the reach of the new R. On an index error R stays where
 /// it is (deliveries past it take step 2, whose own sync reports the error).
 async fn renew(weak: Weak<std::cell::RefCell<Queue>>) {
-    // glommio may run a spawned task at once: let the spawner release its borrow first.
-    futures_lite::future::yield_now().await;
     loop {
         let Some(cell) = weak.upgrade() else { return };
         let (index, until, at, superseded) = {

@@ -435,8 +435,7 @@ impl Queue {
         let Some(target) = DeadLetterTarget::of(self) else { return };
         let shard = self.shard.clone();
         let weak = self.me.clone();
-        glommio::spawn_local(async move {
-            futures_lite::future::yield_now().await;
+        crate::core::spawn_soon(async move {
             for off in offsets {
                 let rec = match shard.read(off).await {
                     Ok(Some(r)) => r,
@@ -455,8 +454,7 @@ impl Queue {
                     cell.borrow_mut().delete(&[off]);
                 }
             }
-        })
-        .detach();
+        });
     }
 
     /// Dead-letters a message that was never stored here (`reject-publish-dlx`, `limits.rs`):
@@ -464,12 +462,11 @@ impl Queue {
     /// publish itself is (its publisher got basic.nack).
     pub(super) fn dead_letter_unstored(&self, message: Message, reason: DeathReason) {
         let Some(target) = DeadLetterTarget::of(self) else { return };
-        glommio::spawn_local(async move {
+        crate::core::spawn_soon(async move {
             if !target.publish_copy(&message, reason, 0).await {
                 tracing::warn!(queue = %target.source.name, "dead-letter copy of a refused publish not stored everywhere");
             }
-        })
-        .detach();
+        });
     }
 }
 

@@ -86,7 +86,7 @@ impl Queue {
         if self.ttl.is_none() {
             let (timer, rx) = flume::bounded(1);
             self.ttl = Some(Box::new(Ttl { queue_ttl: None, deadlines: FxHashMap::default(), timer }));
-            glommio::spawn_local(expire_at_head(self.me.clone(), rx)).detach();
+            crate::core::spawn_soon(expire_at_head(self.me.clone(), rx));
         }
         self.ttl.as_mut().expect("set above")
     }
@@ -222,7 +222,6 @@ pub(super) async fn start_if_head_expires(weak: Weak<RefCell<Queue>>) {
 /// Rule 3: the task that expires a queue's head when its deadline comes; ends with the
 /// queue.
 pub(super) async fn expire_at_head(weak: Weak<RefCell<Queue>>, woken: flume::Receiver<()>) {
-    futures_lite::future::yield_now().await;
     loop {
         let next = {
             let Some(cell) = weak.upgrade() else { return };

@@ -255,7 +255,7 @@ impl Remote {
                 let consumer = ConsumerSpec { send_consume_ok: false, ..o.spec.clone() };
                 Remote::follow(cl, &o);
                 self.forward_in(cl, &now, QueueOp::Consume { consumer, reply });
-                glommio::spawn_local(attached(rx, o, self.clone())).detach();
+                crate::core::spawn_soon(attached(rx, o, self.clone()));
                 tracing::info!(queue = %now.key.name, consumer = id, node = now.owner_node, "a consumer of a moved queue follows it to its new node");
             } else if o.since.elapsed() >= PARK_LIMIT {
                 cancelled.push(o);
@@ -338,7 +338,7 @@ fn attach_local(node: &Rc<Node>, id: u64) {
     let consumer = ConsumerSpec { send_consume_ok: false, ..o.spec.clone() };
     tracing::info!(queue = %o.queue.name, consumer = id, "a consumer of a moved queue follows it to this node");
     node.send_from_connection(&now, QueueOp::Consume { consumer, reply });
-    glommio::spawn_local(attached(rx, o, remote)).detach();
+    crate::core::spawn_soon(attached(rx, o, remote));
 }
 
 impl Node {

@@ -155,7 +155,7 @@ impl Remote {
                 let holder = Holder { conn: ConnId(local_id(from, holder.conn)), channel: ChannelId(holder.channel), chan_uid, tx };
                 let (reply, rx) = reply_channel();
                 let me = self.clone();
-                glommio::spawn_local(async move {
+                crate::core::spawn_soon(async move {
                     let got: Result<Option<crate::broker::GetReply>, QueueError> =
                         rx.recv_async().await.unwrap_or_else(|_| Err(QueueError::InternalError("queue did not answer".into())));
                     let got = got.map(|o| {
@@ -167,8 +167,7 @@ impl Remote {
                         })
                     });
                     let _ = me.send_frame(from, &Frame::Reply { req, reply: WireReply::Get(got) });
-                })
-                .detach();
+                });
                 QueueOp::Get { no_ack, holder, reply }
             }
             Request::Consume { req, consumer: c, .. } => {
@@ -244,11 +243,10 @@ impl Remote {
         wrap: fn(Result<T, QueueError>) -> WireReply,
     ) {
         let me = self.clone();
-        glommio::spawn_local(async move {
+        crate::core::spawn_soon(async move {
             let r = rx.recv_async().await.unwrap_or_else(|_| Err(QueueError::InternalError("queue did not answer".into())));
             let _ = me.send_frame(from, &Frame::Reply { req, reply: wrap(r) });
-        })
-        .detach();
+        });
     }
 
     /// The proxy event channel of `from`'s connection `conn`, created (with its sending task
@@ -266,7 +264,7 @@ impl Remote {
         owner.proxies.insert((from, conn), proxy);
         drop(owner);
         // The task keeps a weak handle: the pool's sender must not keep its own receiver alive.
-        glommio::spawn_local(send_events(self.clone(), from, conn, rx, pending, Arc::downgrade(&credit))).detach();
+        crate::core::spawn_soon(send_events(self.clone(), from, conn, rx, pending, Arc::downgrade(&credit)));
         tx
     }
 
