@@ -90,6 +90,16 @@ async fn the_ui_shows_a_declared_queue_and_its_depth_in_a_real_browser() {
     let dom = browse(&chrome, &format!("{base}#/login/guest/wrong/queues"), "--dump-dom");
     assert!(dom.contains("Login failed") && !dom.contains(&q), "{dom}");
 
+    // The latency view groups the stages by whose time they are and says what each measures.
+    let dom = browse(&chrome, &format!("{base}#/login/guest/guest/latency"), "--dump-dom");
+    for id in ["side-broker", "side-queue", "side-client", "stage-written_to_acked", "stage-publish_to_confirmed"] {
+        assert!(dom.contains(&format!("id=\"{id}\"")), "no {id} on the latency page:\n{dom}");
+    }
+    let client = &dom[dom.find("id=\"side-client\"").expect("client group")..];
+    let end = client.find("id=\"side-round_trip\"").unwrap_or(client.len());
+    assert!(client[..end].contains("written → acked"), "written → acked is not under Client:\n{dom}");
+    assert!(dom.contains("the consumer's processing and the network both ways"), "no meaning shown:\n{dom}");
+
     // A screenshot for the log.
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target").join("ui-screenshots");
     std::fs::create_dir_all(&dir).unwrap();
@@ -125,15 +135,28 @@ async fn the_latency_view_reads_per_stage_histograms_of_the_node_and_of_one_queu
     let port = b.management_port();
     let queue = get_json(port, &format!("/api/ringmq/latency/%2F/{q}"));
     let node = get_json(port, "/api/ringmq/latency");
-    for stage in ["publish_to_stored", "stored_to_delivered", "delivered_to_acked"] {
-        let count = |v: &serde_json::Value| v["stages"][stage]["count"].as_u64().unwrap_or(0);
+    let count = |v: &serde_json::Value, stage: &str| v["stages"][stage]["count"].as_u64().unwrap_or(0);
+    for stage in ["publish_to_enqueued", "publish_to_stored", "enqueued_to_taken", "taken_to_acked"] {
         let buckets: u64 = queue["stages"][stage]["buckets"].as_array().expect("buckets").iter().filter_map(|n| n.as_u64()).sum();
-        assert!(count(&queue) > 0, "no {stage} samples for {q}: {queue}");
-        assert_eq!(buckets, count(&queue), "{stage}: the buckets hold every sample");
-        assert!(count(&node) >= count(&queue), "{stage}: the node sums every queue");
+        assert!(count(&queue, stage) > 0, "no {stage} samples for {q}: {queue}");
+        assert!(count(&queue, stage) <= 400 / 16 + 1, "{stage}: more samples than one in 16: {queue}");
+        assert_eq!(buckets, count(&queue, stage), "{stage}: the buckets hold every sample");
+        assert!(count(&node, stage) >= count(&queue, stage), "{stage}: the node sums every queue");
     }
+    // What connections measure is the node's only; a get-ok is not timed from its queue.
+    for stage in ["publish_to_confirmed", "written_to_acked"] {
+        assert!(count(&node, stage) > 0, "no {stage} samples on the node: {node}");
+        assert!(queue["stages"].get(stage).is_none(), "{stage} is not measured per queue: {queue}");
+    }
+    assert_eq!(count(&node, "taken_to_written"), 0, "basic.get only: {node}");
+    // Each stage says what it measures and whose time it is.
+    let info = node["stage_info"].as_array().expect("stage_info");
+    let side = |name: &str| info.iter().find(|i| i["name"] == name).map(|i| i["side"].clone());
+    assert_eq!(side("written_to_acked"), Some(serde_json::json!("client")), "{node}");
+    assert_eq!(side("enqueued_to_taken"), Some(serde_json::json!("queue")), "{node}");
+    assert_eq!(side("publish_to_confirmed"), Some(serde_json::json!("broker")), "{node}");
     let idle = get_json(port, &format!("/api/ringmq/latency/%2F/{other}"));
-    assert_eq!(idle["stages"]["delivered_to_acked"]["count"], 0, "a queue without traffic has no samples: {idle}");
+    assert_eq!(idle["stages"]["taken_to_acked"]["count"], 0, "a queue without traffic has no samples: {idle}");
     let missing = request(port, "GET", "/api/ringmq/latency/%2F/no-such-queue", None, Some(("guest", "guest")));
     assert_eq!(missing.status, 404);
     let anonymous = request(port, "GET", "/api/ringmq/latency", None, None);

@@ -64,13 +64,27 @@ async fn metrics_count_messages_and_stage_latencies() {
     assert!(value(&text, "ringmq_messages_delivered_total") >= 64.0);
     assert!(value(&text, "ringmq_messages_acked_total") >= 64.0);
     assert!(value(&text, "ringmq_messages_confirmed_total") >= 64.0);
-    // publish→stored and stored→delivered are sampled (one message in 16); every ack counts
-    for (stage, least) in [("publish_to_stored", 2.0), ("stored_to_delivered", 2.0), ("delivered_to_acked", 64.0)] {
+    // Every stage samples one message (or delivery) in 16 per core, and only those: 64
+    // publishes and 64 acknowledged deliveries give 4 each (2 to 8 with two cores sharing
+    // them). A transient message has no publish_to_stored step.
+    let stages =
+        ["publish_to_enqueued", "publish_to_confirmed", "enqueued_to_taken", "taken_to_written", "written_to_acked", "taken_to_acked"];
+    for stage in stages {
         let n = value(&text, &format!("ringmq_stage_latency_seconds_count{{stage=\"{stage}\"}}"));
-        assert!(n >= least, "stage {stage}: {n} samples");
+        assert!((2.0..=8.0).contains(&n), "stage {stage}: {n} samples of 64");
         let inf = value(&text, &format!("ringmq_stage_latency_seconds_bucket{{le=\"+Inf\",stage=\"{stage}\"}}"));
         assert_eq!(inf, n, "+Inf bucket equals the count");
     }
+    assert_eq!(value(&text, "ringmq_stage_latency_seconds_count{stage=\"publish_to_stored\"}"), 0.0, "transient messages are never stored");
+    // Persistent messages in a durable queue: stored once synced.
+    let durable = declare_queue(&ch, &uniq("metrics-durable"), QueueDeclareOptions::durable(), FieldTable::default()).await;
+    let persistent = lapin::BasicProperties::default().with_delivery_mode(2);
+    for i in 0..32u8 {
+        assert!(publish_confirmed(&ch, "", &durable, &[i], persistent.clone()).await.is_ack());
+    }
+    let text = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
+    let stored = value(&text, "ringmq_stage_latency_seconds_count{stage=\"publish_to_stored\"}");
+    assert!((1.0..=4.0).contains(&stored), "publish_to_stored: {stored} samples of 32 persistent messages");
     assert_eq!(value(&text, "ringmq_raft_is_leader"), 1.0);
     t("close", c.close(200, "".into())).await.unwrap();
 }
@@ -127,8 +141,9 @@ async fn per_object_metrics_name_each_queue_with_rabbitmqs_series() {
     assert_eq!(value(&text, &format!("rabbitmq_queue_consumers{}", labels(&q))), 1.0);
     assert_eq!(value(&text, &format!("rabbitmq_queue_messages_published_total{}", labels(&q))), 40.0);
     assert_eq!(value(&text, &format!("rabbitmq_queue_messages{}", labels(&idle))), 0.0);
-    let stored = format!("ringmq_queue_stage_latency_seconds_count{{vhost=\"/\",queue=\"{q}\",stage=\"publish_to_stored\"}}");
-    assert!(value(&text, &stored) >= 1.0, "40 publishes, one in 16 sampled");
+    let enqueued = format!("ringmq_queue_stage_latency_seconds_count{{vhost=\"/\",queue=\"{q}\",stage=\"publish_to_enqueued\"}}");
+    assert!(value(&text, &enqueued) >= 1.0, "40 publishes, one in 16 sampled");
+    assert!(!text.contains("stage=\"written_to_acked\""), "a stage measured by connections has no per-queue series");
     // The node's totals under the same names.
     let total = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
     assert_eq!(value(&total, "rabbitmq_queues"), 2.0);

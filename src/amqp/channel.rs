@@ -117,6 +117,9 @@ pub struct Confirms {
     pub next_seq: u64,
     /// Publishes waiting for queues: seq → (queues still to store it, any failure).
     pub pending: BTreeMap<u64, (u32, bool)>,
+    /// The sampled ones among them (`observe::Stage::PublishToConfirmed`): seq → end of
+    /// their basic.publish, in seq order.
+    pub sampled: Vec<(u64, std::time::Instant)>,
 }
 
 impl Confirms {
@@ -147,6 +150,19 @@ impl Confirms {
             self.pending.insert(seq, (queues as u32, false));
         }
         seq
+    }
+
+    /// Follows pending publish `seq`, whose basic.publish ended `at`, to its confirm.
+    pub fn sample(&mut self, seq: u64, at: std::time::Instant) {
+        if self.pending.contains_key(&seq) {
+            self.sampled.push((seq, at));
+        }
+    }
+
+    /// When completed publish `seq` ended, if it was sampled (forgotten here).
+    pub fn take_sample(&mut self, seq: u64) -> Option<std::time::Instant> {
+        let i = self.sampled.iter().position(|(s, _)| *s == seq)?;
+        Some(self.sampled.remove(i).1)
     }
 
     /// Lowest publish still waiting, if any.

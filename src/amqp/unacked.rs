@@ -30,6 +30,9 @@ pub struct Unacked {
     pub queue: QueueRef,
     /// Its offset in the queue's shard.
     pub offset: Offset,
+    /// When it was written to the client, for a sampled delivery (its basic.ack records
+    /// `observe::Stage::WrittenToAcked`); `None` for the others.
+    pub written: Option<std::time::Instant>,
 }
 
 /// Delivery tag → [`Unacked`], ordered by tag.
@@ -127,7 +130,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn u(off: u64) -> Unacked {
-        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, owner_node: 1, durable: false }, offset: Offset(off) }
+        Unacked {
+            queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, owner_node: 1, durable: false },
+            offset: Offset(off),
+            written: None,
+        }
     }
 
     #[test]

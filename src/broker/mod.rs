@@ -208,15 +208,16 @@ pub struct Deliveries {
     pub queue: QueueRef,
     /// Manual ack: the connection tracks each delivery tag until it is settled.
     pub track: bool,
-    /// `(offset, redelivered, message)` of each delivery.
-    pub items: Vec<(Offset, bool, Message)>,
+    /// `(offset, redelivered, message, taken)` of each delivery (`taken`: see
+    /// [`Delivery::taken`]).
+    pub items: Vec<(Offset, bool, Message, Option<std::time::Instant>)>,
 }
 
 impl Deliveries {
     /// Each delivery on its own, in order (for a path that handles one at a time).
     pub fn into_each(self) -> impl Iterator<Item = Delivery> {
         let Deliveries { channel, chan_uid, consumer_tag, queue, track, items } = self;
-        items.into_iter().map(move |(offset, redelivered, message)| Delivery {
+        items.into_iter().map(move |(offset, redelivered, message, taken)| Delivery {
             channel,
             chan_uid,
             consumer_tag: consumer_tag.clone(),
@@ -225,6 +226,7 @@ impl Deliveries {
             redelivered,
             message,
             track,
+            taken,
         })
     }
 }
@@ -248,6 +250,9 @@ pub struct Delivery {
     pub message: Message,
     /// Manual ack: the connection tracks the delivery tag until it is settled.
     pub track: bool,
+    /// When the queue took it, for a sampled delivery (`observe::Stage::TakenToWritten`;
+    /// for a queue on another node, when it arrived on this one); `None` for the others.
+    pub taken: Option<std::time::Instant>,
 }
 
 /// A basic.get answer.
@@ -477,8 +482,8 @@ pub struct QueueInfo {
     pub consumers: Vec<ConsumerInfo>,
     /// Messages through it since it opened in this run.
     pub counters: queue::Counters,
-    /// Its per-stage latency histograms, in [`crate::observe::STAGE_NAMES`] order.
-    pub stages: [crate::observe::HistogramCounts; 3],
+    /// Its per-stage latency histograms, in [`crate::observe::STAGES`] order.
+    pub stages: [crate::observe::HistogramCounts; crate::observe::STAGE_COUNT],
     /// Its outstanding deliveries, oldest first (only when asked).
     pub unacked: Vec<UnackedInfo>,
 }

@@ -66,6 +66,8 @@ pub struct Shared {
     pub live: crate::observe::Live,
     /// When the broker started (the metrics' uptime).
     pub started: Instant,
+    /// Queue directories being removed: an open of one waits for its removal.
+    pub removals: super::store_files::Removals,
 }
 
 /// Reports (peer id, link up) for every other member of the cluster.
@@ -90,6 +92,7 @@ impl Shared {
             clients: Default::default(),
             live: Default::default(),
             started: Instant::now(),
+            removals: Default::default(),
         }
     }
 
@@ -407,6 +410,7 @@ impl Node {
         qref: &QueueRef,
     ) -> Result<(ringmq_shards::Shard, Option<ringmq_shards::Shard>, Recovered), ringmq_shards::StoreError> {
         let dir = queue_dir(&self.shared.config, def);
+        self.shared.removals.wait(&dir).await;
         if qref.durable && def.incarnation != 0 {
             claim_store(dir.clone(), def.incarnation, qref.key.name.to_string()).await?;
         }
@@ -462,6 +466,9 @@ impl Node {
                         let key = cell.borrow().qref.key.clone();
                         let ((shard, index), cancels) = cell.borrow_mut().tear_down_quietly();
                         let dir = queue_dir(&self.shared.config, &cell.borrow().def);
+                        // Before the delete commits: a declare that sees it committed, on any
+                        // core, opens the name's new store only after this removal.
+                        self.shared.removals.begin(dir.clone());
                         self.queues.borrow_mut().insert(key.clone(), Slot::Deleting);
                         let me = self.clone();
                         crate::core::spawn_soon(async move {
@@ -471,7 +478,8 @@ impl Node {
                                 Err(e) => tracing::error!(error = %e, "metadata delete of queue failed"),
                             }
                             destroy_shards(shard, index).await;
-                            remove_dir(dir).await;
+                            remove_dir(dir.clone()).await;
+                            me.shared.removals.end(&dir);
                             me.queues.borrow_mut().remove(&key);
                             me.opened_this_run.borrow_mut().remove(&key);
                             cancels.into_iter().for_each(crate::broker::queue::CancelNotice::send);

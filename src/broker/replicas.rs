@@ -166,10 +166,13 @@ impl super::node::Node {
         let key = cell.borrow().qref.key.clone();
         let (shard, index) = cell.borrow_mut().tear_down();
         self.set_deleting(&key);
+        let dir = self.shared.config.queue_dir(&key.vhost, &key.name, true);
+        self.shared.removals.begin(dir.clone());
         let me = self.clone();
         crate::core::spawn_soon(async move {
             super::store_files::destroy_shards(shard, index).await;
-            super::store_files::remove_replica_files(me.shared.config.queue_dir(&key.vhost, &key.name, true)).await;
+            super::store_files::remove_replica_files(dir.clone()).await;
+            me.shared.removals.end(&dir);
             me.forget_slot(&key);
         });
     }

@@ -115,6 +115,7 @@ impl ReplyConsumers {
             redelivered: false,
             message,
             track: false,
+            taken: None,
         };
         if c.tx.send(ClientEvent::Deliver(d)).is_err() {
             c.pending_bytes.fetch_sub(weight, Ordering::Relaxed);

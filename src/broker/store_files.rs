@@ -15,6 +15,42 @@ pub fn queue_dir(config: &Config, def: &QueueDef) -> PathBuf {
     config.queue_dir(&def.vhost, &def.name, def.survives_restart())
 }
 
+/// The queue directories of this node whose files are being removed (a deleted queue's), so
+/// that a queue of the same name declared meanwhile, possibly on another core, opens its
+/// store only once they are gone, instead of racing the removal for the same files (a
+/// transient queue's directory is named after the queue alone; a durable one's store is
+/// claimed by its incarnation marker, which the removal would take too).
+#[derive(Debug, Default)]
+pub struct Removals(std::sync::Mutex<std::collections::HashSet<PathBuf>>);
+
+/// Longest an open waits for a removal of its directory ([`Removals::wait`]).
+const REMOVAL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Removals {
+    /// `dir`'s files are about to be removed.
+    pub fn begin(&self, dir: PathBuf) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(dir);
+    }
+
+    /// `dir`'s removal is over (done or failed).
+    pub fn end(&self, dir: &std::path::Path) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(dir);
+    }
+
+    fn busy(&self, dir: &std::path::Path) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).contains(dir)
+    }
+
+    /// Waits (polling every millisecond, [`REMOVAL_WAIT`] at most) until no removal of
+    /// `dir` is under way.
+    pub async fn wait(&self, dir: &std::path::Path) {
+        let deadline = std::time::Instant::now() + REMOVAL_WAIT;
+        while self.busy(dir) && std::time::Instant::now() < deadline {
+            glommio::timer::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+}
+
 /// True when a 4 KiB write and fdatasync of a probe file in `dir` succeed (on the blocking
 /// thread): the filesystem takes writes again.
 pub(super) async fn writable(dir: PathBuf) -> bool {

@@ -284,8 +284,9 @@ async fn declare_once(node: &Rc<Node>, def: &QueueDef, caller: Caller) -> Result
 }
 
 /// Waits until the queue `vhost`/`name` has left this node's topology (its delete committed)
-/// and 2 ms more (its owner removes its files next), polling every 2 ms, until `deadline` at
-/// the latest.
+/// and 2 ms more, polling every 2 ms, until `deadline` at the latest. Its owner removes its
+/// files after that commit; the new queue's store opens only once they are gone
+/// (`store_files::Removals`), on whichever core it lands.
 async fn wait_gone(node: &Node, vhost: &str, name: &str, deadline: std::time::Instant) {
     let step = std::time::Duration::from_millis(2);
     while node.router().topology.queue(vhost, name).is_some() && std::time::Instant::now() < deadline {

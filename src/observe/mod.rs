@@ -21,9 +21,11 @@ mod detailed;
 pub mod log;
 mod per_object;
 mod rabbit;
+mod stages;
 pub use detailed::render_detailed;
 pub use per_object::render_per_object;
 pub use rabbit::{Alive, Churn, Live, SizeHistogram, SIZE_BOUNDS};
+pub use stages::{sample, sample_delivery, Side, Stage, StageInfo, Stages, SAMPLE_EVERY, STAGES, STAGE_COUNT};
 
 /// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
 /// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).
@@ -89,54 +91,16 @@ impl HistogramCounts {
     }
 }
 
-/// The three per-stage latency histograms of one queue (the same stages as [`Stats`]'s,
-/// recorded for the same sampled messages).
-#[derive(Debug, Default)]
-pub struct Stages {
-    /// End of basic.publish → stored.
-    pub publish_to_stored: Histogram,
-    /// Stored → first delivered.
-    pub stored_to_delivered: Histogram,
-    /// Delivered → acknowledged.
-    pub delivered_to_acked: Histogram,
-}
-
-/// The stage names, in flow order, as `ringmq_stage_latency_seconds` labels them.
-pub const STAGE_NAMES: [&str; 3] = ["publish_to_stored", "stored_to_delivered", "delivered_to_acked"];
-
-impl Stages {
-    /// The counts of each stage, in [`STAGE_NAMES`] order.
-    pub fn counts(&self) -> [HistogramCounts; 3] {
-        [self.publish_to_stored.counts(), self.stored_to_delivered.counts(), self.delivered_to_acked.counts()]
-    }
-}
-
-/// The node's stage histograms: every core's summed, in [`STAGE_NAMES`] order.
-pub fn stage_counts(stats: &[Stats]) -> [HistogramCounts; 3] {
-    let mut sum: [HistogramCounts; 3] = Default::default();
+/// The node's stage histograms: every core's summed, in [`STAGES`] order.
+pub fn stage_counts(stats: &[Stats]) -> [HistogramCounts; STAGE_COUNT] {
+    let mut sum: [HistogramCounts; STAGE_COUNT] = Default::default();
     for s in stats {
-        for (acc, h) in sum.iter_mut().zip([&s.publish_to_stored, &s.stored_to_delivered, &s.delivered_to_acked]) {
-            acc.add(&h.counts());
+        for (acc, h) in sum.iter_mut().zip(s.stages.counts()) {
+            acc.add(&h);
         }
     }
     sum
 }
-
-/// Whether this message's stage timings are recorded: one in [`SAMPLE_EVERY`] per thread,
-/// so the hot path reads the clock for few messages.
-pub fn sample() -> bool {
-    thread_local! {
-        static N: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-    }
-    N.with(|n| {
-        let v = n.get().wrapping_add(1);
-        n.set(v);
-        v % SAMPLE_EVERY == 0
-    })
-}
-
-/// One message in this many gets its publish→stored and stored→delivered times recorded.
-pub const SAMPLE_EVERY: u32 = 16;
 
 /// Counters of one core. Relaxed atomics: written by their core only, read on scrape.
 /// Aligned to 128 bytes (two cache lines, as the adjacent-line prefetcher pairs them), so
@@ -144,13 +108,8 @@ pub const SAMPLE_EVERY: u32 = 16;
 #[derive(Debug, Default)]
 #[repr(align(128))]
 pub struct Stats {
-    /// End of basic.publish → the queue stored the message (appended; for a persistent
-    /// message in a durable queue: synced).
-    pub publish_to_stored: Histogram,
-    /// Stored → handed to a consumer or a basic.get (first deliveries only).
-    pub stored_to_delivered: Histogram,
-    /// Delivered → acknowledged (manual ack only).
-    pub delivered_to_acked: Histogram,
+    /// The latency of this core's sampled messages, per stage (`stages.rs`).
+    pub stages: Stages,
     /// fdatasync calls of queue shards and unacked indexes (group commits).
     pub queue_syncs: AtomicU64,
     /// Connections accepted.
@@ -309,8 +268,8 @@ pub struct QueueSample {
     pub delivered: u64,
     /// Acknowledgements since it opened in this run.
     pub acked: u64,
-    /// Its stage histograms, in [`STAGE_NAMES`] order.
-    pub stages: [HistogramCounts; 3],
+    /// Its stage histograms, in [`STAGES`] order (the per-node-only stages stay empty).
+    pub stages: [HistogramCounts; STAGE_COUNT],
 }
 
 /// Who this node is, for `rabbitmq_identity_info` and `rabbitmq_build_info`.
@@ -380,7 +339,7 @@ impl prometheus_client::collector::Collector for Snapshot {
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
         encode_labeled(&mut encoder, &self.labeled)?;
-        let help = "Per-stage message latency: publish_to_stored, stored_to_delivered, delivered_to_acked.";
+        let help = "Per-stage latency of sampled messages (one in 16 per core); the stages are described in the management API at /api/ringmq/latency.";
         let mut family = encoder.encode_descriptor("ringmq_stage_latency_seconds", help, None, MetricType::Histogram)?;
         for (stage, h) in &self.stages {
             let labels = [("stage", *stage)];
@@ -491,7 +450,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
             raft.peers.iter().filter_map(|p| Some(one("peer", p.id.to_string(), g(p.lag?)))).collect(),
         ),
     ]);
-    let stages = STAGE_NAMES.iter().zip(&stage_counts(stats)).map(|(stage, h)| (*stage, HistogramSnapshot::of_counts(h))).collect();
+    let stages = STAGES.iter().zip(&stage_counts(stats)).map(|(stage, h)| (stage.name, HistogramSnapshot::of_counts(h))).collect();
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(Snapshot { counters, gauges, stages, labeled }));
     encode_with(&registry, &(rabbit::message_sizes(stats) + &rabbit::commit_latency(raft)))
@@ -591,10 +550,10 @@ mod tests {
     #[test]
     fn buckets_are_cumulative_powers_of_two() {
         let s = Stats::default();
-        s.delivered_to_acked.record(Duration::from_nanos(500)); // ≤ 1 µs
-        s.delivered_to_acked.record(Duration::from_micros(3)); // ≤ 4 µs
-        s.delivered_to_acked.record(Duration::from_micros(4)); // ≤ 4 µs
-        s.delivered_to_acked.record(Duration::from_secs(100_000)); // last bucket
+        s.stages.record(Stage::WrittenToAcked, Duration::from_nanos(500)); // ≤ 1 µs
+        s.stages.record(Stage::WrittenToAcked, Duration::from_micros(3)); // ≤ 4 µs
+        s.stages.record(Stage::WrittenToAcked, Duration::from_micros(4)); // ≤ 4 µs
+        s.stages.record(Stage::WrittenToAcked, Duration::from_secs(100_000)); // last bucket
         Stats::add(&s.published, 7);
         let q = QueueSample { ready: 3, unacked: 1, consumers: 2, ..Default::default() };
         s.message_sizes.record(100);
@@ -613,11 +572,11 @@ mod tests {
         let series = |name: &str| -> Option<f64> {
             out.lines().find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.parse().ok()))
         };
-        let bucket = |le: &str| series(&format!("ringmq_stage_latency_seconds_bucket{{le=\"{le}\",stage=\"delivered_to_acked\"}}"));
+        let bucket = |le: &str| series(&format!("ringmq_stage_latency_seconds_bucket{{le=\"{le}\",stage=\"written_to_acked\"}}"));
         assert_eq!(bucket("1e-6").or(bucket("0.000001")), Some(1.0), "{out}");
         assert_eq!(bucket("4e-6").or(bucket("0.000004")), Some(3.0), "{out}");
         assert_eq!(bucket("+Inf"), Some(4.0), "{out}");
-        assert_eq!(series("ringmq_stage_latency_seconds_count{stage=\"delivered_to_acked\"}"), Some(4.0), "{out}");
+        assert_eq!(series("ringmq_stage_latency_seconds_count{stage=\"written_to_acked\"}"), Some(4.0), "{out}");
         assert_eq!(series("ringmq_messages_published_total"), Some(7.0), "{out}");
         assert_eq!(series("rabbitmq_alarms_free_disk_space_watermark"), Some(1.0), "{out}");
         assert_eq!(series("rabbitmq_global_messages_received_total"), Some(7.0), "{out}");

@@ -9,7 +9,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 
-use super::{HistogramSnapshot, QueueSample, STAGE_NAMES};
+use super::{HistogramSnapshot, QueueSample, STAGES};
 
 /// The samples and the node's identity (`rabbitmq_endpoint="per-object"`), encoded on scrape.
 #[derive(Debug)]
@@ -44,17 +44,17 @@ impl prometheus_client::collector::Collector for PerObject {
                 ConstCounter::new(pick(q)).encode(family.encode_family(&labels)?)?;
             }
         }
-        let help = "Per-stage latency of one queue's sampled messages: publish_to_stored, stored_to_delivered, delivered_to_acked.";
+        let help = "Per-stage latency of one queue's sampled messages (the stages measured per queue; /api/ringmq/latency describes them).";
         let mut family = encoder.encode_descriptor("ringmq_queue_stage_latency_seconds", help, None, MetricType::Histogram)?;
         for q in &self.0 {
-            for (stage, h) in STAGE_NAMES.iter().zip(&q.stages) {
+            for (stage, h) in STAGES.iter().zip(&q.stages) {
                 let h = HistogramSnapshot::of_counts(h);
                 if h.count == 0 {
                     // A stage nothing passed through yet has no series: 1,000 idle queues
                     // would otherwise add ~12 MB of empty buckets to every scrape.
                     continue;
                 }
-                let labels = [("vhost", q.vhost.as_str()), ("queue", q.name.as_str()), ("stage", *stage)];
+                let labels = [("vhost", q.vhost.as_str()), ("queue", q.name.as_str()), ("stage", stage.name)];
                 family.encode_family(&labels)?.encode_histogram::<NoLabelSet>(h.sum_seconds, h.count, &h.buckets, None)?;
             }
         }
@@ -88,7 +88,7 @@ mod tests {
             published: 9,
             delivered: 4,
             acked: 2,
-            stages: [h.counts(), Default::default(), Default::default()],
+            stages: std::array::from_fn(|i| if i == 1 { h.counts() } else { Default::default() }),
         };
         let out = render_per_object(vec![q], &crate::observe::Identity::default());
         for line in [
@@ -101,7 +101,7 @@ mod tests {
         ] {
             assert!(out.lines().any(|l| l == line), "no {line:?} in:\n{out}");
         }
-        assert!(!out.contains(r#"stage="stored_to_delivered""#), "an empty stage has no series:\n{out}");
+        assert!(!out.contains(r#"stage="enqueued_to_taken""#), "an empty stage has no series:\n{out}");
         assert!(out.trim_end().ends_with("# EOF"));
     }
 }

@@ -151,11 +151,21 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(
     }
 }
 
+/// For a sampled delivery (`taken` set), records its `taken_to_written` and returns the
+/// moment it was written (its frames go out in this batch's socket write; a wait for room
+/// in the socket of a client that does not read counts as the client's time).
+fn sampled_write(s: &Session, taken: Option<Instant>) -> Option<Instant> {
+    let taken = taken?;
+    let now = Instant::now();
+    s.core.stats().stages.record(crate::observe::Stage::TakenToWritten, now.duration_since(taken));
+    Some(now)
+}
+
 /// What a delivery event weighs in `Session::pending_bytes` (added by its queue).
 fn delivery_bytes(ev: &ClientEvent) -> usize {
     match ev {
         ClientEvent::Deliver(d) => crate::broker::queue::consumer::pending_weight(d.message.body.len()),
-        ClientEvent::Deliveries(b) => b.items.iter().map(|(_, _, m)| crate::broker::queue::consumer::pending_weight(m.body.len())).sum(),
+        ClientEvent::Deliveries(b) => b.items.iter().map(|(_, _, m, _)| crate::broker::queue::consumer::pending_weight(m.body.len())).sum(),
         _ => 0,
     }
 }
@@ -169,7 +179,8 @@ impl Session {
                 let mut st = self.st.borrow_mut();
                 let frame_max = st.frame_max;
                 self.delivered_from(&mut st, &d.queue, 1);
-                let unacked = d.track.then_some(Unacked { queue: d.queue, offset: d.offset });
+                let written = sampled_write(self, d.taken);
+                let unacked = d.track.then_some(Unacked { queue: d.queue, offset: d.offset, written });
                 let Some(tag) = tags::assign_delivery_tag(&mut st.channels, d.channel.0, d.chan_uid, unacked) else {
                     // The channel is gone; its ChannelClosed requeues this delivery.
                     return;
@@ -187,8 +198,9 @@ impl Session {
                 self.delivered_from(&mut st, &b.queue, b.items.len() as u32);
                 let frame_max = st.frame_max;
                 let (mut n, mut again) = (0, 0);
-                for (offset, redelivered, message) in &b.items {
-                    let unacked = b.track.then(|| Unacked { queue: b.queue.clone(), offset: *offset });
+                for (offset, redelivered, message, taken) in &b.items {
+                    let written = sampled_write(self, *taken);
+                    let unacked = b.track.then(|| Unacked { queue: b.queue.clone(), offset: *offset, written });
                     let Some(tag) = tags::assign_delivery_tag(&mut st.channels, b.channel.0, b.chan_uid, unacked) else {
                         // The channel is gone; its ChannelClosed requeues these deliveries.
                         break;
@@ -259,8 +271,15 @@ impl Session {
                 };
                 let Some(ok) = c.confirms.stored(seq, ok) else { return };
                 let low = c.confirms.lowest_pending();
+                let sampled = c.confirms.take_sample(seq);
                 match c.tx.as_mut() {
-                    None => st.confirms_ready.push((channel, seq, ok)),
+                    None => {
+                        // Its confirm is encoded in this batch (`flush_confirms`).
+                        if let Some(at) = sampled {
+                            self.core.stats().stages.record(crate::observe::Stage::PublishToConfirmed, at.elapsed());
+                        }
+                        st.confirms_ready.push((channel, seq, ok))
+                    }
                     // A transactional channel: the commits this answer completes.
                     Some(tx) => {
                         let done = tx.stored(seq, ok, low);

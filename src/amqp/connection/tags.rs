@@ -44,7 +44,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn u(off: u64) -> Unacked {
-        Unacked { queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, owner_node: 1, durable: false }, offset: Offset(off) }
+        Unacked {
+            queue: QueueRef { key: QueueKey::new("/", "q"), owner_core: 0, owner_node: 1, durable: false },
+            offset: Offset(off),
+            written: None,
+        }
     }
 
     fn open(ids: &[(u16, u64)]) -> FxHashMap<u16, Channel> {

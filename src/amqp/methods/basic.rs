@@ -189,6 +189,12 @@ fn settle(s: &Session, channel: u16, tag: DeliveryTag, multiple: bool, kind: Set
 /// channel-wide window the channel's other queues are woken.
 pub fn apply_settle(s: &Session, channel: u16, kind: SettleKind, done: Vec<Unacked>) {
     let stats = s.core.stats();
+    if kind == SettleKind::Ack {
+        let now = std::time::Instant::now();
+        for at in done.iter().filter_map(|u| u.written) {
+            stats.stages.record(crate::observe::Stage::WrittenToAcked, now.duration_since(at));
+        }
+    }
     match kind {
         SettleKind::Ack => Stats::add(&stats.acked, done.len() as u64),
         SettleKind::Requeue => Stats::add(&stats.requeued, done.len() as u64),
@@ -383,7 +389,10 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
             };
             let tag = ch.take_tag();
             if !g.no_ack {
-                ch.ledger.insert(tag, Unacked { queue: q.clone(), offset: got.offset });
+                // A sampled get-ok's written_to_acked starts as it is written (its way here
+                // from the queue is not timed).
+                let written = crate::observe::sample_delivery().then(std::time::Instant::now);
+                ch.ledger.insert(tag, Unacked { queue: q.clone(), offset: got.offset, written });
             }
             let (exchange, rk, props) = got.message.parts();
             encode_method(
@@ -534,6 +543,11 @@ pub fn deliver(s: &Session, channel: u16, r: Routed, seq: Option<u64>) {
     }
     Stats::add(&stats.routed, 1);
     let published = crate::observe::sample().then(std::time::Instant::now);
+    if let (Some(at), Some(seq)) = (published, seq) {
+        if let Some(c) = s.st.borrow_mut().channels.get_mut(&channel) {
+            c.confirms.sample(seq, at);
+        }
+    }
     let chan_uid = chan_uid(s, channel);
     let bytes = message.body.len() + message.header.len();
     if let [q] = &queues[..] {

@@ -26,6 +26,7 @@ use super::settle::Outstanding;
 use super::{once_a_second, Queue, QueueCell, INDEX_FAILURE_LOGGED};
 use crate::broker::message::Message;
 use crate::broker::{ClientEvent, ConsumerId, Deliveries, Delivery, GetReply, Holder, Offset, QueueError};
+use crate::observe::Stage;
 
 /// What the dispatcher does next.
 enum Step {
@@ -219,7 +220,7 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
 
 impl Queue {
     /// Claims the next ready offset (the lowest: rule 5's order), recording its
-    /// stored→delivered time when it was sampled.
+    /// enqueued→taken time when it was sampled.
     pub(super) fn take_next(&mut self) -> Option<u64> {
         let (offset, stored_at) = self.ready.take_next()?;
         self.counters.delivered += 1;
@@ -228,11 +229,15 @@ impl Queue {
             t.notify();
         }
         if let Some(at) = stored_at {
-            let d = at.elapsed();
-            self.env.stats().stored_to_delivered.record(d);
-            self.stages.stored_to_delivered.record(d);
+            self.stage(Stage::EnqueuedToTaken, at.elapsed());
         }
         Some(offset)
+    }
+
+    /// Records a sampled message's time in a per-queue `stage`, for the queue and its node.
+    pub(super) fn stage(&self, stage: Stage, d: std::time::Duration) {
+        self.env.stats().stages.record(stage, d);
+        self.stages.record(stage, d);
     }
 
     /// Puts a claimed but undelivered offset back at its original position (not redelivered).
@@ -295,6 +300,8 @@ impl Queue {
             return;
         };
         let track = !c.spec.no_ack;
+        // Delivery-side stages follow one delivery in 16 (`observe::stages`).
+        let taken = crate::observe::sample_delivery().then(Instant::now);
         let weight = consumer::pending_weight(message.body.len());
         c.spec.pending_bytes.fetch_add(weight, std::sync::atomic::Ordering::Relaxed);
         let mut index_offset = None;
@@ -304,7 +311,9 @@ impl Queue {
             let credit = Some(c.spec.channel_credit.clone());
             let holder = Holder { conn: c.spec.conn, channel: c.spec.channel, chan_uid: c.spec.chan_uid, tx: c.spec.tx.clone() };
             index_offset = self.index_delivery(offset, flags, &holder);
-            self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since: Instant::now(), credit, redelivered });
+            let since = taken.unwrap_or_else(Instant::now);
+            let sampled = taken.is_some();
+            self.held.hold(offset, Outstanding { consumer: Some(consumer), holder, since, credit, redelivered, sampled });
         }
         self.passed(offset);
         // Queue order (AMQP 0-9-1 section 4.7): a tracked delivery that needs no index record
@@ -317,7 +326,7 @@ impl Queue {
             // awaits. A batch names its consumer and queue once: a delivery added to one
             // touches no reference count of theirs (shared with the consumer's core).
             if let Some((_, b)) = self.batched.iter_mut().find(|(id, _)| *id == consumer) {
-                b.items.push((Offset(offset), redelivered, message));
+                b.items.push((Offset(offset), redelivered, message, taken));
                 return;
             }
         }
@@ -331,6 +340,7 @@ impl Queue {
             redelivered,
             message,
             track,
+            taken,
         };
         if wait {
             let pending = c.spec.pending_bytes.clone();
@@ -339,8 +349,8 @@ impl Queue {
         }
         if self.batching {
             // The consumer's first delivery of this stretch (its batch is found above).
-            let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track } = d;
-            let items = vec![(offset, redelivered, message)];
+            let Delivery { channel, chan_uid, consumer_tag, queue, offset, redelivered, message, track, taken } = d;
+            let items = vec![(offset, redelivered, message, taken)];
             self.batched.push((consumer, Deliveries { channel, chan_uid, consumer_tag, queue, track, items }));
             return;
         }
@@ -381,8 +391,8 @@ impl Queue {
     pub(super) fn flush_deliveries(&mut self) {
         self.batching = false;
         for (consumer, b) in std::mem::take(&mut self.batched) {
-            let weight: usize = b.items.iter().map(|(_, _, m)| consumer::pending_weight(m.body.len())).sum();
-            let offsets: Vec<u64> = b.items.iter().map(|(o, _, _)| o.0).collect();
+            let weight: usize = b.items.iter().map(|(_, _, m, _)| consumer::pending_weight(m.body.len())).sum();
+            let offsets: Vec<u64> = b.items.iter().map(|(o, ..)| o.0).collect();
             let track = b.track;
             let sent = self
                 .consumers
@@ -493,7 +503,8 @@ impl Queue {
             if index_offset.is_some() && !self.reserved_for(offset) {
                 sync = self.index.clone().map(|index| (index, std::mem::take(&mut self.index_superseded)));
             }
-            self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered });
+            let sampled = crate::observe::sample_delivery();
+            self.held.hold(offset, Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered, sampled });
         }
         self.passed(offset);
         let r = GetReply {

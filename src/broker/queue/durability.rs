@@ -26,6 +26,7 @@ use super::consumer;
 use super::{Queue, QueueCell};
 use crate::broker::{ClientEvent, GetReply, QueueError, QueueKey};
 use crate::meta::state::{Command, Outcome};
+use crate::observe::Stage;
 
 /// Proof that a queue's unacked index is synced: every record appended before the sync is
 /// durable. Made only by [`IndexSynced::appends`] and [`IndexSynced::all`].
@@ -139,10 +140,11 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
             } else {
                 Vec::new()
             };
-            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), trash, q.index.clone()), full, q.env.clone())
+            let samples = std::mem::take(&mut q.stored_samples);
+            (q.shard.clone(), (std::mem::take(&mut q.pending_confirms), samples, trash, q.index.clone()), full, q.env.clone())
         };
         drop(cell);
-        let (batch, trash, index) = batch;
+        let (batch, samples, trash, index) = batch;
         crate::observe::Stats::add(&env.stats().queue_syncs, 1);
         // A full sync proves the deletes durable too (rule 4's first delete); an
         // append-only one proves only the appends.
@@ -173,13 +175,14 @@ pub(super) async fn group_commit(weak: Weak<RefCell<Queue>>) {
         }
         let now = Instant::now();
         let queue = weak.upgrade();
-        for (c, published) in batch {
-            if let Some(p) = published {
-                env.stats().publish_to_stored.record(now.duration_since(p));
-                if let Some(q) = &queue {
-                    q.borrow().stages.publish_to_stored.record(now.duration_since(p));
-                }
+        let stored = batch.iter().filter_map(|(_, p)| *p).chain(samples).filter(|_| ok);
+        for p in stored {
+            match &queue {
+                Some(q) => q.borrow().stage(Stage::PublishToStored, now.duration_since(p)),
+                None => env.stats().stages.record(Stage::PublishToStored, now.duration_since(p)),
             }
+        }
+        for (c, _) in batch {
             c.answer(ok);
         }
     }

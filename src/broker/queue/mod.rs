@@ -60,6 +60,7 @@ use super::router::{int_arg, string_arg, Route};
 use super::{ClientEvent, ConfirmTo, ConsumerId, Delivery, Mesh, QueueError, QueueKey, QueueOp, QueueRef};
 use crate::meta::state::QueueDef;
 use crate::meta::MetaHandle;
+use crate::observe::Stage;
 use consumer::Consumers;
 pub use delivery_limit::sync_return_counts;
 pub use index::read_index;
@@ -201,6 +202,9 @@ pub struct Queue {
     pub consumers: Consumers,
     had_consumer: bool,
     pending_confirms: Vec<(ConfirmTo, Option<Instant>)>,
+    /// basic.publish end of sampled persistent messages published without a confirm,
+    /// waiting for the sync that stores them (their `publish_to_stored`).
+    stored_samples: Vec<Instant>,
     syncing: bool,
     /// Message offset → its live unacked-index record. A record outlives a requeue (the
     /// message was delivered: after a crash it must come back redelivered=true).
@@ -274,7 +278,7 @@ pub struct Queue {
     /// Messages through this queue since it opened, for the management API.
     pub counters: Counters,
     /// Per-stage latency of this queue's sampled messages (the management UI's latency view
-    /// and `/metrics/per-object`).
+    /// and `/metrics/per-object`), the per-queue stages only.
     pub stages: crate::observe::Stages,
     env: Rc<dyn QueueEnv>,
 }
@@ -398,6 +402,7 @@ impl Queue {
                 consumers: Consumers::new(single_active),
                 had_consumer: false,
                 pending_confirms: Vec::new(),
+                stored_samples: Vec::new(),
                 syncing: false,
                 index_flushing: false,
                 reservation: recovered.reservation,
@@ -639,23 +644,20 @@ impl Queue {
             Ok(offset) => {
                 let now = published.map(|_| Instant::now());
                 self.ready.push_leveled(offset, level, body_len, now);
+                if let (Some(p), Some(n)) = (published, now) {
+                    self.stage(Stage::PublishToEnqueued, n.duration_since(p));
+                }
                 if needs_sync {
-                    if let Some(c) = confirm {
-                        self.pending_confirms.push((c, published));
-                    } else if let (Some(p), Some(n)) = (published, now) {
-                        self.env.stats().publish_to_stored.record(n.duration_since(p));
-                        self.stages.publish_to_stored.record(n.duration_since(p));
+                    // Stored once synced: with its confirm, or alone (`durability.rs`).
+                    match (confirm, published) {
+                        (Some(c), _) => self.pending_confirms.push((c, published)),
+                        (None, Some(p)) => self.stored_samples.push(p),
+                        (None, None) => {}
                     }
                     self.dirty = true;
                     self.start_sync(cell);
-                } else {
-                    if let (Some(p), Some(n)) = (published, now) {
-                        self.env.stats().publish_to_stored.record(n.duration_since(p));
-                        self.stages.publish_to_stored.record(n.duration_since(p));
-                    }
-                    if let Some(c) = confirm {
-                        c.answer(true);
-                    }
+                } else if let Some(c) = confirm {
+                    c.answer(true);
                 }
                 self.wake();
                 if let Some(d) = deadline {

@@ -56,6 +56,7 @@ use crate::broker::message::Message;
 use crate::broker::{ConfirmTo, GetReply, Holder, QueueError, Reply};
 use crate::meta::data::DataOp;
 use crate::meta::state::{Command, Outcome};
+use crate::observe::Stage;
 
 thread_local! {
     static SETTLE_FAILURE_LOGGED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
@@ -550,10 +551,13 @@ async fn answer_batch(
                 if !ok {
                     failed.push(len);
                 }
-                if let Some(p) = published {
-                    env.stats().publish_to_stored.record(now.duration_since(p));
-                    if let Some(q) = weak.upgrade() {
-                        q.borrow().stages.publish_to_stored.record(now.duration_since(p));
+                // Committed and applied: ready and stored at once (step 1).
+                if let Some(p) = published.filter(|_| ok) {
+                    for stage in [Stage::PublishToEnqueued, Stage::PublishToStored] {
+                        match weak.upgrade() {
+                            Some(q) => q.borrow().stage(stage, now.duration_since(p)),
+                            None => env.stats().stages.record(stage, now.duration_since(p)),
+                        }
                     }
                 }
                 if let Some(c) = ticket {

@@ -56,6 +56,7 @@ use super::index::IndexRecord;
 use super::{Queue, QueueCell};
 use crate::broker::message::{decode_properties, encode_properties, Message};
 use crate::broker::{ChannelCredit, ClientEvent, ConfirmTo, ConsumerId, Holder, Offset, QueueOp};
+use crate::observe::Stage;
 
 /// Who holds an outstanding delivery.
 #[derive(Debug)]
@@ -70,6 +71,8 @@ pub struct Outstanding {
     pub credit: Option<std::sync::Arc<ChannelCredit>>,
     /// It was delivered with redelivered=true (for the management API's listing).
     pub redelivered: bool,
+    /// One of the sampled deliveries: its ack records `taken_to_acked` (`observe::stages`).
+    pub sampled: bool,
 }
 
 /// Settled offsets with their former holders, by what happens to them next.
@@ -312,9 +315,8 @@ impl Queue {
         for (_, o) in ack.iter().chain(&dropped).chain(&moved) {
             q.release(o);
         }
-        for (_, o) in &ack {
-            q.env.stats().delivered_to_acked.record(now.duration_since(o.since));
-            q.stages.delivered_to_acked.record(now.duration_since(o.since));
+        for (_, o) in ack.iter().filter(|(_, o)| o.sampled) {
+            q.stage(Stage::TakenToAcked, now.duration_since(o.since));
         }
         q.counters.acked += ack.len() as u64;
         // Rule 4: acked and dropped messages are deleted.
@@ -662,7 +664,7 @@ mod tests {
     fn holder(chan_uid: u64, tx: &flume::Sender<ClientEvent>) -> Outstanding {
         let holder =
             Holder { conn: crate::broker::ConnId(1), channel: crate::broker::ChannelId(chan_uid as u16), chan_uid, tx: tx.clone() };
-        Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered: false }
+        Outstanding { consumer: None, holder, since: Instant::now(), credit: None, redelivered: false, sampled: false }
     }
 
     #[derive(Clone, Debug)]

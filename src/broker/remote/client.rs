@@ -318,6 +318,8 @@ impl Remote {
                     redelivered,
                     message,
                     track,
+                    // The queue's node took it; its clock is not this one's.
+                    taken: crate::observe::sample_delivery().then(std::time::Instant::now),
                 })
             }
             Event::ConsumeOk { channel, consumer_tag } => {

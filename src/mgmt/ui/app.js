@@ -9,7 +9,13 @@
 const POLL_MS = 5000;        // tables and totals
 const LATENCY_MS = 2000;     // the live latency view
 const HISTORY = 150;         // points kept per plotted series (5 min at 2 s)
-const STAGES = ["publish_to_stored", "stored_to_delivered", "delivered_to_acked"];
+// Whose time a stage is (the API's stage_info "side"), as the latency view groups them.
+const SIDES = [
+  ["broker", "Broker", "the broker's own work"],
+  ["queue", "Waiting in the queue", "set by the consumers' capacity, not the broker's speed"],
+  ["client", "Client", "the consumer's processing and the network"],
+  ["round_trip", "Round trip", "broker and client together, as the queue sees it"],
+];
 const QUANTILES = [[0.5, "p50", "--s1"], [0.9, "p90", "--s2"], [0.99, "p99", "--s3"], [0.999, "p99.9", "--s4"]];
 
 let auth = sessionStorage.getItem("ringmq-auth");
@@ -276,30 +282,45 @@ async function channels() {
 
 // The live latency view: every LATENCY_MS, the per-stage histograms of the node (or one
 // queue); percentiles of what arrived since the previous poll are plotted over time, and the
-// histogram of the last interval drawn beside them.
+// histogram of the last interval drawn beside them. The stages, their meaning and whose time
+// they are come from the API (stage_info), grouped by side: broker, queue wait, client.
 async function latency(vhost, name) {
   const key = vhost === undefined ? "node" : vhost + "|" + name;
   const path = vhost === undefined ? "/ringmq/latency" : `/ringmq/latency/${seg(vhost)}/${seg(name)}`;
   const [data, qs] = await Promise.all([api(path), api("/queues").catch(() => [])]);
   const stages = data.stages || {};
+  const info = (data.stage_info || []).filter((i) => stages[i.name]);
+  const names = info.map((i) => i.name);
   if (!latencyState || latencyState.key !== key) {
     latencyState = { key, last: null, series: {} };
     const opts = ['<option value="">the node (every queue)</option>'].concat(qs.map((q) => {
       const v = `${q.vhost}|${q.name}`;
       return `<option value="${esc(v)}" ${v === key ? "selected" : ""}>${esc(q.vhost)} / ${esc(q.name)}</option>`;
     }));
+    const every = data.sample_every || 16;
+    const chart = (i) => `<div class="chart" id="stage-${i.name}"><h3>${esc(i.name.replace(/_to_/, " → ").replace(/_/g, " "))} <span class="muted" id="sum-${i.name}"></span></h3>`
+      + `<p class="muted meaning">${esc(i.meaning)}</p>`
+      + '<div class="legend">' + QUANTILES.map(([, l, c]) => `<span><i style="background:var(${c})"></i>${l}</span>`).join("") + "</div>"
+      + `<canvas id="line-${i.name}"></canvas><canvas id="bars-${i.name}" style="height:110px"></canvas></div>`;
+    const groups = SIDES.map(([side, title, what]) => {
+      const mine = info.filter((i) => i.side === side);
+      return mine.length ? `<h2 class="side" id="side-${side}">${title} <span class="muted">${what}</span></h2><div class="charts">${mine.map(chart).join("")}</div>` : "";
+    }).join("");
+    const queueNote = vhost === undefined ? ""
+      : '<p class="muted">publish → confirmed, taken → written and written → acked are measured by connections, for every queue at once: see the node view.</p>';
     $("#main").innerHTML = `<h1>Latency <span class="muted">${vhost === undefined ? "node" : esc(vhost) + " / " + esc(name)}</span></h1>`
-      + `<p>Scope <select id="scope">${opts.join("")}</select> <span class="muted">percentiles of the last ${LATENCY_MS / 1000} s, sampled one message in ${data.sample_every || 16}; updated live</span></p>`
-      + '<div class="charts">' + STAGES.map((s) => `<div class="chart"><h3>${s.replace(/_/g, " ")} <span class="muted" id="sum-${s}"></span></h3>`
-        + '<div class="legend">' + QUANTILES.map(([, l, c]) => `<span><i style="background:var(${c})"></i>${l}</span>`).join("") + "</div>"
-        + `<canvas id="line-${s}"></canvas><canvas id="bars-${s}" style="height:110px"></canvas></div>`).join("") + "</div>";
+      + `<p>Scope <select id="scope">${opts.join("")}</select> <span class="muted">percentiles of the last ${LATENCY_MS / 1000} s; updated live</span></p>`
+      + `<p class="muted">Sampled: one published message in ${every} per core for the publish stages, one delivery in ${every} per core for the delivery stages; `
+      + "counts are of samples. The stages are not one pipeline: after basic.publish, enqueued, stored and confirmed run side by side, and a consumer may get a message before it is stored.</p>"
+      + queueNote + groups;
     $("#scope").onchange = (e) => {
       const v = e.target.value;
       location.hash = v ? "#/latency/" + v.split("|").map(seg).join("/") : "#/latency";
     };
   }
   const now = Date.now();
-  for (const s of STAGES) {
+  for (const s of names) {
+    if (!$("#line-" + s)) continue;
     const cur = (stages[s] && stages[s].buckets) || [];
     const prev = latencyState.last && latencyState.last[s] ? latencyState.last[s] : null;
     const delta = prev ? cur.map((c, i) => Math.max(0, c - (prev[i] || 0))) : cur;
@@ -317,7 +338,7 @@ async function latency(vhost, name) {
     lineChart($("#line-" + s), QUANTILES.map(([, l, c], i) => ({ name: l, color: c, points: series[i] })), { log: true, fmt: (v) => fmtUs(v) });
     barChart($("#bars-" + s), delta);
   }
-  latencyState.last = Object.fromEntries(STAGES.map((s) => [s, ((stages[s] && stages[s].buckets) || []).slice()]));
+  latencyState.last = Object.fromEntries(names.map((s) => [s, ((stages[s] && stages[s].buckets) || []).slice()]));
 }
 
 // ---------- routing ----------
