@@ -33,14 +33,16 @@ struct Seen {
     ended: Vec<(usize, String)>,
 }
 
-/// A consumer (no-ack) of `queue` on `conn` (node `node`) recording into `seen`.
-async fn consume(conn: &Connection, node: usize, queue: String, seen: Arc<Mutex<Seen>>) {
+/// A consumer (no-ack, tag `c<node>`) of `queue` on `conn` (node `node`) recording into
+/// `seen`; returns its channel.
+async fn consume(conn: &Connection, node: usize, queue: String, seen: Arc<Mutex<Seen>>) -> Channel {
     let ch = channel(conn).await;
     let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
     let mut sub =
         t("basic.consume", ch.basic_consume(queue.as_str().into(), format!("c{node}").as_str().into(), opts, FieldTable::default()))
             .await
             .expect("basic.consume");
+    let kept = ch.clone();
     tokio::spawn(async move {
         let _ch = ch;
         while let Some(Ok(d)) = sub.next().await {
@@ -49,6 +51,7 @@ async fn consume(conn: &Connection, node: usize, queue: String, seen: Arc<Mutex<
         }
         seen.lock().unwrap().ended.push((node, queue));
     });
+    kept
 }
 
 /// Publishes `body` to `queue` until confirmed (bounded by `limit`), on fresh channels as needed.
@@ -80,9 +83,10 @@ fn queues_moving_together_keep_the_consumers_that_follow_them() {
         }
         let seen = Arc::new(Mutex::new(Seen::default()));
         let survivors = [connect_uri(&c.amqp_uri(1)).await, connect_uri(&c.amqp_uri(2)).await];
+        let mut consumers = Vec::new();
         for (i, conn) in survivors.iter().enumerate() {
             for q in &queues {
-                consume(conn, i + 1, q.clone(), seen.clone()).await;
+                consumers.push((i + 1, consume(conn, i + 1, q.clone(), seen.clone()).await));
             }
         }
         // Every consumer attached: one message per queue reaches one of its consumers.
@@ -148,5 +152,14 @@ fn queues_moving_together_keep_the_consumers_that_follow_them() {
         }
         let ended = seen.lock().unwrap().ended.clone();
         assert!(ended.is_empty(), "consumers cancelled by the failover: {ended:?}");
+
+        // Every consumer, followed to its queue's new server or attached there, is cancelled
+        // with a cancel-ok (issue 40 item 4: pika's close waited for it > 100 s).
+        for (node, ch) in &consumers {
+            let tag = format!("c{node}");
+            let answered =
+                tokio::time::timeout(Duration::from_secs(10), ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+            assert!(matches!(answered, Ok(Ok(()))), "basic.cancel of {tag} after the failover: {answered:?}");
+        }
     });
 }

@@ -738,7 +738,8 @@ fn refuse_remote(qref: &QueueRef, here: crate::meta::NodeId, op: QueueOp) {
 }
 
 /// Answers an operation on a queue whose store cannot be opened: a publish is nacked
-/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
+/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err` (a
+/// basic.cancel its cancel-ok: dropping its [`super::CancelOkTo`] sends it).
 pub(super) fn refuse_unstored(op: QueueOp, err: QueueError) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {
