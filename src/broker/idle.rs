@@ -39,7 +39,9 @@ impl Node {
                 continue;
             }
             let (key, counters) = (cell.borrow().qref.key.clone(), cell.borrow().counters);
-            self.queues.borrow_mut().insert(key.clone(), Slot::Opening(Vec::new()));
+            if !self.begin_reopen(&key, &cell) {
+                continue;
+            }
             let (shard, index) = cell.borrow_mut().retire();
             for s in [Some(shard), index].into_iter().flatten() {
                 // Its deleted records' segment goes: an idle queue keeps a header page.

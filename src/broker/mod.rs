@@ -370,6 +370,50 @@ impl ConfirmTo {
     }
 }
 
+/// A basic.cancel-ok owed to a client: basic.cancel is always answered, for a consumer that
+/// is gone or unknown too (RabbitMQ answers cancel-ok for an unknown tag). Sent once: by
+/// [`CancelOkTo::answer`] (a queue does, after the consumer's last delivery on the same event
+/// channel), or when it is dropped unanswered on any path (a queue gone, a list of waiting
+/// operations dropped, a core stopping); never when [`CancelOkTo::handed_on`] gave the answer
+/// to another node's queue.
+#[derive(Debug)]
+pub struct CancelOkTo {
+    /// The connection's event channel; `None` once answered or handed on.
+    tx: Option<ClientTx>,
+    channel: ChannelId,
+    tag: ConsumerTag,
+}
+
+impl CancelOkTo {
+    /// The cancel-ok of consumer `tag` on `channel`, sent on `tx`.
+    pub fn new(tx: ClientTx, channel: ChannelId, tag: ConsumerTag) -> CancelOkTo {
+        CancelOkTo { tx: Some(tx), channel, tag }
+    }
+
+    /// Sends the cancel-ok now.
+    pub fn answer(mut self) {
+        self.send();
+    }
+
+    /// Another node's queue answers (its cancel-ok comes back as an event, or the loss of
+    /// the link answers it: `remote::client`): nothing is sent from here.
+    pub fn handed_on(mut self) {
+        self.tx = None;
+    }
+
+    fn send(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(ClientEvent::CancelOk { channel: self.channel, consumer_tag: self.tag.clone() });
+        }
+    }
+}
+
+impl Drop for CancelOkTo {
+    fn drop(&mut self) {
+        self.send();
+    }
+}
+
 /// One-shot reply channel (a bounded(1) flume channel).
 pub type Reply<T> = flume::Sender<T>;
 
@@ -405,12 +449,12 @@ pub enum QueueOp {
         /// Ok, or 403 for exclusivity conflicts.
         reply: Reply<Result<(), QueueError>>,
     },
-    /// basic.cancel; the queue sends cancel-ok on the consumer's channel when `send_ok`.
+    /// basic.cancel: the queue drops the consumer if it holds it, and answers `ok` either way.
     Cancel {
         /// Which consumer.
         consumer: ConsumerId,
-        /// Send basic.cancel-ok (false for nowait).
-        send_ok: bool,
+        /// The basic.cancel-ok to send (`None` for nowait).
+        ok: Option<CancelOkTo>,
     },
     /// Settle delivered messages by offset (see [`queue::settle`]).
     Settle {

@@ -13,6 +13,10 @@
 //! - An operation on a queue that is being opened waits in its registry slot and runs, in
 //!   order, once the store is open; one that finds the queue gone is answered as
 //!   [`refuse`] says (a publish is never confirmed for a store that did not open).
+//! - One open per queue at a time: only the open that made a slot `Opening` ends it, and a
+//!   reopen or a close starts only from the queue's current `Open` copy
+//!   ([`Node::begin_reopen`]), never over an open under way (whose waiting operations it
+//!   would drop, and whose store it would open a second time).
 //!
 //! # Assumptions
 //! A core never blocks: the only filesystem calls here run on glommio's blocking thread
@@ -361,7 +365,12 @@ impl Node {
         let counters = self.resumed.borrow_mut().remove(&qref.key);
         let pending = match self.queues.borrow_mut().remove(&qref.key) {
             Some(Slot::Opening(p)) => p,
-            _ => Vec::new(),
+            other => {
+                // Never: every open starts from an `Opening` slot that only this open ends.
+                tracing::error!(queue = %qref.key.name, vhost = %qref.key.vhost, open = matches!(other, Some(Slot::Open(_))),
+                    "a queue opened while its slot was not opening (two opens of one queue)");
+                Vec::new()
+            }
         };
         match opened {
             Ok((shard, index, recovered)) => {
@@ -529,15 +538,25 @@ impl Node {
 
     /// Retires a queue whose store failed ([`Queue::retire`]) and closes its shards; the
     /// next operation on it opens it again from disk (what was synced is there).
-    async fn reopen_failed(&self, cell: &QueueCell, why: &str) {
+    async fn reopen_failed(self: &Rc<Self>, cell: &QueueCell, why: &str) {
         let key = cell.borrow().qref.key.clone();
         tracing::warn!(queue = %key.name, vhost = %key.vhost, reason = why, "reopening a queue whose store failed");
+        if !self.begin_reopen(&key, cell) {
+            return;
+        }
         let (shard, index) = cell.borrow_mut().retire();
-        self.queues.borrow_mut().remove(&key);
         for s in [Some(shard), index].into_iter().flatten() {
             let _ = s.close().await;
         }
         Stats::add(&self.stats().store_reopens, 1);
+        // Operations that came while it closed waited in its slot (not a second open on the
+        // store being closed): they open it now; none, and the next one opens it.
+        let waiting = matches!(self.queues.borrow().get(&key), Some(Slot::Opening(w)) if !w.is_empty());
+        if !waiting {
+            self.queues.borrow_mut().remove(&key);
+        } else if let Some((def, qref)) = self.reopen_target(&key) {
+            crate::core::spawn_soon(self.clone().open_and_run(def, qref));
+        }
     }
 
     /// The queues of this core that are open (not opening or being deleted).
@@ -573,10 +592,26 @@ impl Node {
     /// Takes a queue out of service here ([`Queue::retire`]), closes its shards and opens it
     /// again from its store with its current definition (a replicated queue whose serving
     /// member changed, `replicas.rs`). Operations arriving meanwhile wait in its slot.
+    /// Nothing happens unless `cell` is the queue's open copy: one open per queue at a time,
+    /// so a reopen under way (a take-over by `queue_op`, or another pass) keeps its slot and
+    /// the operations waiting in it.
     pub(super) async fn reopen(self: &Rc<Self>, cell: &QueueCell) {
         let key = cell.borrow().qref.key.clone();
-        self.queues.borrow_mut().insert(key.clone(), Slot::Opening(Vec::new()));
-        self.reopen_in_place(cell).await;
+        if self.begin_reopen(&key, cell) {
+            self.reopen_in_place(cell).await;
+        }
+    }
+
+    /// Turns `key`'s slot from `Open(cell)` into an empty `Opening` and returns true; false,
+    /// leaving the slot alone, when it holds anything else (an open under way, with the
+    /// operations waiting for it; another copy; a delete).
+    pub(super) fn begin_reopen(&self, key: &QueueKey, cell: &QueueCell) -> bool {
+        let mut queues = self.queues.borrow_mut();
+        if !matches!(queues.get(key), Some(Slot::Open(c)) if Rc::ptr_eq(c, cell)) {
+            return false;
+        }
+        queues.insert(key.clone(), Slot::Opening(Vec::new()));
+        true
     }
 
     /// [`Node::reopen`] once the queue's slot is already `Opening`.
@@ -709,7 +744,8 @@ fn refuse_remote(qref: &QueueRef, here: crate::meta::NodeId, op: QueueOp) {
 }
 
 /// Answers an operation on a queue whose store cannot be opened: a publish is nacked
-/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err`.
+/// (DESIGN.md rule 9: never a confirm for what is not stored), the rest get `err` (a
+/// basic.cancel its cancel-ok: dropping its [`super::CancelOkTo`] sends it).
 pub(super) fn refuse_unstored(op: QueueOp, err: QueueError) {
     match op {
         QueueOp::Publish { confirm: Some(c), .. } => {

@@ -239,6 +239,11 @@ impl super::node::Node {
                 let q = cell.borrow();
                 (q.qref.key.clone(), q.serving(), q.replicated())
             };
+            if !matches!(self.queue_slot(&key), Some(Some(c)) if Rc::ptr_eq(&c, &cell)) {
+                // Reopened since this pass began (an operation took it over while an earlier
+                // queue reopened): that open, under way or done, has the current role.
+                continue;
+            }
             let Some(def) = topo.topology.queue(&key.vhost, &key.name) else { continue };
             if replicated && !serving && !def.stored_on(me) && !copying_here.contains(&key) {
                 // Out of the queue's replica set (its copy here missed messages, or the node

@@ -18,7 +18,7 @@ use crate::amqp::unacked::{by_queue, DeliveryTag, Unacked};
 use crate::broker::access::{Perm, Resource};
 use crate::broker::message::{encode_properties, parse_expiration, Message};
 use crate::broker::reply_to;
-use crate::broker::{reply_channel, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
+use crate::broker::{reply_channel, CancelOkTo, ChannelId, ConfirmTo, ConsumerSpec, ConsumerTag, Holder, QueueOp};
 use crate::observe::Stats;
 
 /// How long after qos-ok a py-amqp client's raise of its channel window reaches its running
@@ -123,7 +123,11 @@ pub async fn handle(s: &Rc<Session>, channel: u16, m: basic::AMQPMethod) -> Resu
                 s.core.shared.reply_to.unregister(r.token);
             }
             match found {
-                Some(cons) => s.queue_send(&cons.queue, QueueOp::Cancel { consumer: cons.id, send_ok: !c.nowait }),
+                Some(cons) => {
+                    let ok =
+                        (!c.nowait).then(|| CancelOkTo::new(s.tx.clone(), ChannelId(channel), ConsumerTag::from(c.consumer_tag.as_str())));
+                    s.queue_send(&cons.queue, QueueOp::Cancel { consumer: cons.id, ok })
+                }
                 None if !c.nowait => s.send_method(
                     channel,
                     &AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag.clone() })),

@@ -31,7 +31,9 @@
 //! 3. A batch starting past the store's next offset means one was lost (a store being
 //!    dropped as it arrived): the copy cannot be complete, and the node takes itself out
 //!    (`LeaveReplicaSet`, which drops the grow; the leader starts another later). The same
-//!    holds for a member whose store could not take a message.
+//!    holds for a member whose store could not take a message, or that finds an `Enqueue`
+//!    past its store's next offset; the member that serves the queue first moves it to
+//!    another member in the same entry ([`step_aside`]): a copy with a gap never serves.
 //!
 //! # Why a store an earlier copy left here can be reused
 //! A queue's live messages below any offset only ever shrink (a settle deletes for good, a
@@ -234,24 +236,39 @@ impl Queue {
     }
 
     /// Receiving step 3: this copy cannot be complete; the node leaves the replica set (or
-    /// the grow), once. Never for the node that serves the queue (the metadata refuses it).
+    /// the grow), once. The node that serves the queue steps aside first: in the same entry,
+    /// the queue moves to another member of its set ([`step_aside`]), so a copy with a gap
+    /// never keeps serving (it would confirm, through the log, what it cannot deliver).
     pub(super) fn leave_replica_set(&mut self, why: &str) {
         let (vhost, queue) = (self.qref.key.vhost.to_string(), self.qref.key.name.to_string());
         let meta = self.env.meta().clone();
+        let node = meta.node_id();
         let Some(r) = self.repl_mut() else { return };
-        if r.serving || r.grow.leaving {
+        let cmds = match (r.grow.leaving, r.serving) {
+            (false, false) => Some(vec![Command::LeaveReplicaSet { vhost: vhost.clone(), queue: queue.clone(), node }]),
+            (false, true) => step_aside(&meta, &vhost, &queue, node),
+            (true, _) => None,
+        };
+        let Some(cmds) = cmds else {
             if once_a_second(&COPY_FAILURE_LOGGED) {
                 tracing::error!(queue = %queue, vhost = %vhost, reason = why, "replicated message not stored on this member");
             }
             return;
-        }
+        };
         r.grow.leaving = true;
-        tracing::warn!(queue = %queue, vhost = %vhost, reason = why, "this node's copy of the queue is incomplete: it leaves the queue's replica set");
-        let node = meta.node_id();
+        let serving = r.serving;
+        tracing::warn!(queue = %queue, vhost = %vhost, reason = why, serving, "this node's copy of the queue is incomplete: it leaves the queue's replica set");
         let weak = self.me.clone();
         crate::core::spawn_soon(async move {
-            if let Err(e) = meta.propose(Command::LeaveReplicaSet { vhost, queue, node }).await {
-                tracing::warn!(error = %e, "leaving a replica set failed; retried at the copy's next failure");
+            let left = match meta.propose_batch(cmds).await {
+                // A server that could not step aside (its move was refused) tries again.
+                Ok(outcomes) => !serving || outcomes.first() == Some(&Outcome::Moved),
+                Err(e) => {
+                    tracing::warn!(error = %e, "leaving a replica set failed; retried at the copy's next failure");
+                    false
+                }
+            };
+            if !left {
                 if let Some(cell) = weak.upgrade() {
                     if let Some(r) = cell.borrow_mut().repl_mut() {
                         r.grow.leaving = false;
@@ -260,6 +277,31 @@ impl Queue {
             }
         });
     }
+}
+
+/// Receiving step 3 at the node that serves the queue (`me`): the commands, for one entry,
+/// that move the queue to another member of its replica set (chosen by the queue's name, as
+/// failover step 1 chooses; if that one is down, step 1 moves it on, never back here) and
+/// then take `me` out of the set, so no later failover picks this copy and a grow copies a
+/// complete one here again. `None` when no other member stores the queue.
+fn step_aside(meta: &crate::meta::MetaHandle, vhost: &str, queue: &str, me: NodeId) -> Option<Vec<Command>> {
+    let topo = meta.topology();
+    let def = topo.queue(vhost, queue)?;
+    step_aside_commands(def, me, |n| meta.with_state(|s| s.boot_epochs.get(&n).copied().unwrap_or(0)))
+}
+
+/// [`step_aside`] for queue `def` as the metadata holds it, `epoch_of` a node's boot epoch.
+fn step_aside_commands(def: &crate::meta::QueueDef, me: NodeId, epoch_of: impl Fn(NodeId) -> u64) -> Option<Vec<Command>> {
+    let others: Vec<NodeId> = def.replicas.iter().copied().filter(|n| *n != me).collect();
+    if def.owner_node != me || others.is_empty() {
+        return None;
+    }
+    let (vhost, queue) = (def.vhost.clone(), def.name.clone());
+    let to = others[crate::core::placement::owner_core(&vhost, &queue, others.len() as u32) as usize % others.len()];
+    Some(vec![
+        Command::MoveQueue { vhost: vhost.clone(), queue: queue.clone(), from: me, to, to_epoch: epoch_of(to) },
+        Command::LeaveReplicaSet { vhost, queue, node: me },
+    ])
 }
 
 /// Starts the server's copier for grow `id` to `node` unless it runs already.
@@ -648,5 +690,30 @@ mod tests {
         assert!(tombstones.is_empty());
         // A batch from 10 when the store reached 6: one was lost.
         assert!(store_copy(&mut store, &mut tombstones, 10, 12, &[message(10)]).is_err());
+    }
+
+    /// Step 3 at the server: its entry moves the queue to another member and takes the server
+    /// out of the set (a lone `LeaveReplicaSet` of the server is refused by the metadata).
+    #[test]
+    fn a_server_whose_copy_lacks_messages_steps_aside_to_another_member() {
+        use crate::meta::state::{MetaState, Outcome};
+        let mut st = MetaState::default();
+        st.apply(&Command::DeclareVhost { name: "/".into() });
+        let def = crate::meta::QueueDef { replicas: vec![1, 2, 3], ..crate::meta::state::tests::queue("q", true, None) };
+        st.apply(&Command::DeclareQueue(def));
+        let def = st.topology.queue("/", "q").unwrap().clone();
+        assert_eq!(def.owner_node, 1);
+        let leave = Command::LeaveReplicaSet { vhost: "/".into(), queue: "q".into(), node: 1 };
+        assert_eq!(st.clone().apply(&leave), Outcome::Existed, "alone, the server's leave is refused");
+        assert!(step_aside_commands(&def, 2, |_| 0).is_none(), "a member that does not serve just leaves");
+        let cmds = step_aside_commands(&def, 1, |_| 5).expect("two other members");
+        let outcomes: Vec<Outcome> = cmds.iter().map(|c| st.apply(c)).collect();
+        assert_eq!(outcomes, vec![Outcome::Moved, Outcome::Moved]);
+        let now = st.topology.queue("/", "q").unwrap();
+        assert!(now.owner_node == 2 || now.owner_node == 3, "served by {}", now.owner_node);
+        assert_eq!(now.owner_epoch, 5);
+        assert!(!now.replicas.contains(&1), "still in the set: {:?}", now.replicas);
+        let single = crate::meta::QueueDef { replicas: vec![1], ..def };
+        assert!(step_aside_commands(&single, 1, |_| 0).is_none(), "no other copy to serve it");
     }
 }

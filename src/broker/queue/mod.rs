@@ -573,11 +573,12 @@ impl Queue {
                 let _ = reply.send(Ok(()));
                 q.wake();
             }
-            QueueOp::Cancel { consumer, send_ok } => {
-                if let Some(c) = q.consumers.remove(consumer) {
-                    if send_ok {
-                        let _ = c.spec.tx.send(ClientEvent::CancelOk { channel: c.spec.channel, consumer_tag: c.spec.tag.clone() });
-                    }
+            QueueOp::Cancel { consumer, ok } => {
+                // Answered whether or not the consumer is here (a failover or a reopen may
+                // have dropped it): a client's close waits for it.
+                q.consumers.remove(consumer);
+                if let Some(ok) = ok {
+                    ok.answer();
                 }
                 q.maybe_auto_delete();
             }

@@ -10,8 +10,8 @@ use super::Remote;
 use crate::broker::credit::CreditHeld;
 use crate::broker::queue::consumer::pending_weight;
 use crate::broker::{
-    ChannelId, ClientEvent, ClientTx, ConfirmTo, ConnId, ConsumerSpec, ConsumerTag, Delivery, GetReply, Offset, QueueError, QueueKey,
-    QueueOp, QueueRef, Reply,
+    CancelOkTo, ChannelId, ClientEvent, ClientTx, ConfirmTo, ConnId, ConsumerSpec, ConsumerTag, Delivery, GetReply, Offset, QueueError,
+    QueueKey, QueueOp, QueueRef, Reply,
 };
 use crate::meta::NodeId;
 
@@ -165,11 +165,18 @@ impl Remote {
                 };
                 (Request::Consume { req, queue, consumer }, Some((req, Waiting::Consume(reply))))
             }
-            QueueOp::Cancel { consumer, send_ok } => {
-                if let Some(c) = cl.consumers.get_mut(&consumer) {
-                    c.cancelling = Some(send_ok);
-                }
-                (Request::Cancel { queue, consumer, send_ok }, None)
+            QueueOp::Cancel { consumer, ok } => {
+                let Some(c) = cl.consumers.get_mut(&consumer) else {
+                    // No consumer of the peer's queue this node knows (refused, or gone with
+                    // a link): answered here (`ok` dropped), the peer drops it if it has it.
+                    drop(ok);
+                    let (conn, channel, consumer_tag) = (0, 0, String::new());
+                    return self.send_cancel(peer, Request::Cancel { queue, consumer, send_ok: false, conn, channel, consumer_tag });
+                };
+                // The peer's queue answers it, or the loss of the link does (`client_link_down`).
+                let send_ok = ok.map(CancelOkTo::handed_on).is_some();
+                c.cancelling = Some(send_ok);
+                (Request::Cancel { queue, consumer, send_ok, conn: c.conn, channel: c.channel, consumer_tag: c.tag.clone() }, None)
             }
             QueueOp::Settle { chan_uid, ack, requeue, reject } => {
                 let offs = |v: Vec<Offset>| v.into_iter().map(|o| o.0).collect();
@@ -233,6 +240,13 @@ impl Remote {
                     }
                 }
             }
+        }
+    }
+
+    /// Sends a basic.cancel nobody waits for (no cancel-ok due through the peer).
+    fn send_cancel(&self, peer: NodeId, req: Request) {
+        if let Err(why) = self.send_request(peer, &Frame::Request(req)) {
+            tracing::debug!(peer, %why, "cancel of a consumer on another node's queue not sent");
         }
     }
 

@@ -36,7 +36,8 @@
 //!    (basic.cancel to a client that asked for it).
 //! 6. basic.cancel and the close of a channel find the consumer where it is: an orphan is
 //!    dropped (cancel-ok when asked); otherwise the operation goes to the node the metadata
-//!    names now, not to the one the channel knew ([`Node::steered`]).
+//!    names now, not to the one the channel knew ([`Node::steered`]). Wherever it lands, the
+//!    cancel is answered, once (`broker::CancelOkTo`).
 
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -356,16 +357,16 @@ impl Node {
                 remote.park(&mut cl, qref, op);
                 None
             }
-            QueueOp::Cancel { consumer, send_ok } => {
+            QueueOp::Cancel { consumer, .. } => {
+                let consumer = *consumer;
                 let mut cl = remote.client.lock();
-                if let Some(o) = cl.failover.take_orphan(*consumer) {
+                if cl.failover.take_orphan(consumer).is_some() {
                     drop(cl);
-                    if *send_ok {
-                        let _ = o.spec.tx.send(ClientEvent::CancelOk { channel: o.spec.channel, consumer_tag: o.spec.tag.clone() });
-                    }
+                    // Its cancel-ok goes now (dropping `op` sends it).
+                    drop(op);
                     return None;
                 }
-                let followed = cl.failover.followed.remove(consumer);
+                let followed = cl.failover.followed.remove(&consumer);
                 drop(cl);
                 match followed.and_then(|(queue, ..)| remote.current(&queue)) {
                     Some(now) if now.owner_node != qref.owner_node => {

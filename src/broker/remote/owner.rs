@@ -17,8 +17,8 @@ use crate::broker::credit::PublishCredit;
 use crate::broker::node::{Node, NodeMsg};
 use crate::broker::queue::consumer::pending_weight;
 use crate::broker::{
-    reply_channel, ChannelCredit, ChannelId, ClientEvent, ClientTx, ConfirmTo, ConnId, ConsumerSpec, ConsumerTag, Holder, Offset,
-    QueueError, QueueOp, QueueRef,
+    reply_channel, CancelOkTo, ChannelCredit, ChannelId, ClientEvent, ClientTx, ConfirmTo, ConnId, ConsumerSpec, ConsumerTag, Holder,
+    Offset, QueueError, QueueOp, QueueRef,
 };
 use crate::meta::NodeId;
 
@@ -117,6 +117,11 @@ impl Remote {
             Request::Consume { req, .. } => (req, WireReply::Consume(Err(why))),
             Request::Stats { req, .. } => (req, WireReply::Stats(Err(why))),
             Request::Purge { req, .. } | Request::Delete { req, .. } => (req, WireReply::Count(Err(why))),
+            // basic.cancel is always answered (the consumer is gone with its queue here).
+            Request::Cancel { send_ok: true, conn, channel, consumer_tag, .. } => {
+                let _ = self.send_frame(from, &Frame::Event { conn, event: Event::CancelOk { channel, consumer_tag } });
+                return;
+            }
             _ => return,
         };
         let _ = self.send_frame(from, &Frame::Reply { req: reply.0, reply: reply.1 });
@@ -201,7 +206,12 @@ impl Remote {
                 self.answer_later(from, req, rx, WireReply::Consume);
                 QueueOp::Consume { consumer: spec, reply }
             }
-            Request::Cancel { consumer, send_ok, .. } => QueueOp::Cancel { consumer: local_id(from, consumer), send_ok },
+            Request::Cancel { consumer, send_ok, conn, channel, consumer_tag, .. } => {
+                // Answered here whether or not the queue holds the consumer.
+                let ok = send_ok
+                    .then(|| CancelOkTo::new(self.proxy_tx(from, conn), ChannelId(channel), ConsumerTag::from(consumer_tag.as_str())));
+                QueueOp::Cancel { consumer: local_id(from, consumer), ok }
+            }
             Request::Settle { chan_uid, ack, requeue, reject, .. } => {
                 let offs = |v: Vec<u64>| v.into_iter().map(Offset).collect();
                 QueueOp::Settle { chan_uid: local_id(from, chan_uid), ack: offs(ack), requeue: offs(requeue), reject: offs(reject) }

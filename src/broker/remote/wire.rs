@@ -127,6 +127,13 @@ pub enum Request {
         consumer: u64,
         /// Send cancel-ok.
         send_ok: bool,
+        /// A's connection of the consumer, its channel and its tag: where the cancel-ok goes,
+        /// sent whether or not B's queue still holds the consumer.
+        conn: u64,
+        /// The consumer's channel.
+        channel: u16,
+        /// The consumer's tag.
+        consumer_tag: String,
     },
     /// basic.ack / nack / reject by offset.
     Settle {
@@ -314,7 +321,7 @@ pub enum Frame {
 }
 
 /// The format's version, the first byte of every frame.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// A payload that is not a frame [`encode`] wrote. `at` is the byte offset in the payload
 /// where decoding failed.
@@ -563,7 +570,9 @@ impl Field for Request {
             Request::Publish { queue, message, confirm, credit } => put!(out, 0; queue, message, confirm, credit),
             Request::Get { req, queue, no_ack, holder } => put!(out, 1; req, queue, no_ack, holder),
             Request::Consume { req, queue, consumer } => put!(out, 2; req, queue, consumer),
-            Request::Cancel { queue, consumer, send_ok } => put!(out, 3; queue, consumer, send_ok),
+            Request::Cancel { queue, consumer, send_ok, conn, channel, consumer_tag } => {
+                put!(out, 3; queue, consumer, send_ok, conn, channel, consumer_tag)
+            }
             Request::Settle { queue, chan_uid, ack, requeue, reject } => put!(out, 4; queue, chan_uid, ack, requeue, reject),
             Request::ChannelClosed { queue, chan_uid } => put!(out, 5; queue, chan_uid),
             Request::Redeliver { queue, offsets } => put!(out, 6; queue, offsets),
@@ -578,7 +587,14 @@ impl Field for Request {
             0 => Request::Publish { queue: r.get()?, message: r.get()?, confirm: r.get()?, credit: r.get()? },
             1 => Request::Get { req: r.get()?, queue: r.get()?, no_ack: r.get()?, holder: r.get()? },
             2 => Request::Consume { req: r.get()?, queue: r.get()?, consumer: r.get()? },
-            3 => Request::Cancel { queue: r.get()?, consumer: r.get()?, send_ok: r.get()? },
+            3 => Request::Cancel {
+                queue: r.get()?,
+                consumer: r.get()?,
+                send_ok: r.get()?,
+                conn: r.get()?,
+                channel: r.get()?,
+                consumer_tag: r.get()?,
+            },
             4 => Request::Settle { queue: r.get()?, chan_uid: r.get()?, ack: r.get()?, requeue: r.get()?, reject: r.get()? },
             5 => Request::ChannelClosed { queue: r.get()?, chan_uid: r.get()? },
             6 => Request::Redeliver { queue: r.get()?, offsets: r.get()? },

@@ -100,7 +100,9 @@ fn request() -> impl Strategy<Value = Request> {
         }),
         (int(), key(), any::<bool>(), holder()).prop_map(|(req, queue, no_ack, holder)| Request::Get { req, queue, no_ack, holder }),
         (int(), key(), consumer).prop_map(|(req, queue, consumer)| Request::Consume { req, queue, consumer }),
-        (key(), int(), any::<bool>()).prop_map(|(queue, consumer, send_ok)| Request::Cancel { queue, consumer, send_ok }),
+        (key(), int(), any::<bool>(), int(), any::<u16>(), text()).prop_map(|(queue, consumer, send_ok, conn, channel, consumer_tag)| {
+            Request::Cancel { queue, consumer, send_ok, conn, channel, consumer_tag }
+        }),
         (key(), int(), offsets(), offsets(), offsets()).prop_map(|(queue, chan_uid, ack, requeue, reject)| Request::Settle {
             queue,
             chan_uid,
