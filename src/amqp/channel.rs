@@ -1,8 +1,9 @@
 //! A channel's protocol state: delivery tags, the unacked ledger, consumers, prefetch,
 //! publisher confirms and the content being assembled.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::{Bytes, BytesMut};
@@ -120,13 +121,51 @@ pub struct Confirms {
     /// The sampled ones among them (`observe::Stage::PublishToConfirmed`): seq → end of
     /// their basic.publish, in seq order.
     pub sampled: Vec<(u64, std::time::Instant)>,
+    /// Marks of the publish clock ([`Confirms::mark`]): `(s, t)` says every sequence number
+    /// below `s` was taken before `t`. Oldest first, at most one per [`MARK_EVERY`].
+    marks: VecDeque<(u64, Instant)>,
+    /// Publishes nacked by [`Confirms::overdue`] whose queues may still answer: seq →
+    /// answers still due. Those answers are dropped (the publish was answered once).
+    abandoned: BTreeMap<u64, u32>,
+    /// Abandoned publishes below this were forgotten (beyond [`ABANDONED_MAX`]).
+    forgotten_below: u64,
 }
 
+/// Longest a confirm-mode publish waits for its answer before the connection nacks it itself,
+/// whatever became of it (a queue that never answers, a link that flaps, a node paused): the
+/// longest legitimate wait is a failover's park (`remote::failover::PARK_LIMIT`, 10 s) followed
+/// by a Raft proposal (10 s), so this fires only when something else went wrong.
+pub const CONFIRM_LIMIT: Duration = Duration::from_secs(30);
+
+/// Spacing of the publish clock's marks: an overdue publish is nacked within
+/// `CONFIRM_LIMIT + MARK_EVERY` of its basic.publish.
+pub const MARK_EVERY: Duration = Duration::from_secs(1);
+
+/// Most abandoned publishes remembered per channel with the answers they still expect;
+/// beyond it the oldest are forgotten, and any late answer below them is dropped.
+const ABANDONED_MAX: usize = 65_536;
+
 impl Confirms {
+    /// Confirms of a channel that starts numbering its publishes at `next_seq` (1 after
+    /// confirm.select or tx.select), on when `enabled`.
+    pub fn starting(enabled: bool, next_seq: u64) -> Confirms {
+        Confirms { enabled, next_seq, ..Default::default() }
+    }
+
     /// Records one queue's answer for `seq`. Returns `Some(ok)` when `seq` is complete
-    /// (every target answered, or it was unroutable and never pending).
+    /// (every target answered, or it was unroutable and never pending); `None` while it
+    /// waits for other queues, and for an answer to a publish nacked already as overdue.
     pub fn stored(&mut self, seq: u64, ok: bool) -> Option<bool> {
         match self.pending.get_mut(&seq) {
+            None if seq < self.forgotten_below => None,
+            None if !self.abandoned.is_empty() => {
+                let Some(left) = self.abandoned.get_mut(&seq) else { return Some(ok) };
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    self.abandoned.remove(&seq);
+                }
+                None
+            }
             None => Some(ok),
             Some((left, failed)) => {
                 *left = left.saturating_sub(1);
@@ -168,6 +207,57 @@ impl Confirms {
     /// Lowest publish still waiting, if any.
     pub fn lowest_pending(&self) -> Option<u64> {
         self.pending.keys().next().copied()
+    }
+
+    /// Reads the publish clock at `now`: while publishes wait, records which sequence numbers
+    /// were taken by then, at most once per [`MARK_EVERY`], so [`Confirms::overdue`] can tell
+    /// their age without a clock read per publish. Forgets the marks no waiting publish needs.
+    pub fn mark(&mut self, now: Instant) {
+        let Some(low) = self.lowest_pending() else {
+            self.marks.clear();
+            return;
+        };
+        while self.marks.front().is_some_and(|&(s, _)| s <= low) {
+            self.marks.pop_front();
+        }
+        let due = self.marks.back().is_none_or(|&(s, t)| s < self.next_seq && now.duration_since(t) >= MARK_EVERY);
+        if due {
+            self.marks.push_back((self.next_seq, now));
+        }
+    }
+
+    /// Whether some waiting publish may turn overdue: then the connection reads the clock
+    /// again within [`MARK_EVERY`].
+    pub fn waiting(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The publishes taken more than `limit` before `now` and still unanswered, in order:
+    /// they are forgotten as pending (their nack is the caller's to send) and their late
+    /// answers dropped. Empty unless a mark older than `limit` covers one.
+    pub fn overdue(&mut self, now: Instant, limit: Duration) -> Vec<u64> {
+        let mut below = None;
+        while let Some(&(s, t)) = self.marks.front() {
+            if now.saturating_duration_since(t) < limit {
+                break;
+            }
+            below = Some(s);
+            self.marks.pop_front();
+        }
+        let Some(below) = below else { return Vec::new() };
+        let kept = self.pending.split_off(&below);
+        let late = std::mem::replace(&mut self.pending, kept);
+        let mut seqs = Vec::with_capacity(late.len());
+        for (seq, (left, _)) in late {
+            self.abandoned.insert(seq, left);
+            seqs.push(seq);
+        }
+        self.sampled.retain(|&(s, _)| s >= below);
+        while self.abandoned.len() > ABANDONED_MAX {
+            let Some((oldest, _)) = self.abandoned.pop_first() else { break };
+            self.forgotten_below = oldest + 1;
+        }
+        seqs
     }
 }
 
@@ -258,5 +348,33 @@ mod tests {
         assert_eq!(c.lowest_pending(), None);
         // unroutable publishes were never pending
         assert_eq!(c.stored(9, true), Some(true));
+    }
+
+    #[test]
+    fn a_publish_unanswered_past_the_limit_is_given_up_once() {
+        let t0 = Instant::now();
+        let mut c = Confirms { enabled: true, next_seq: 1, ..Default::default() };
+        let (a, b) = (c.take_seq(2), c.take_seq(1));
+        c.mark(t0);
+        // Taken after the first mark: not known to be old yet.
+        let late = c.take_seq(1);
+        c.mark(t0 + Duration::from_millis(500));
+        c.mark(t0 + MARK_EVERY);
+        assert_eq!(c.overdue(t0 + Duration::from_secs(29), CONFIRM_LIMIT), Vec::<u64>::new());
+        assert_eq!(c.stored(b, true), Some(true));
+        assert_eq!(c.overdue(t0 + CONFIRM_LIMIT, CONFIRM_LIMIT), vec![a]);
+        assert_eq!(c.lowest_pending(), Some(late));
+        // The queues' late answers for `a` are dropped: it was answered (nacked) once.
+        assert_eq!(c.stored(a, true), None);
+        assert_eq!(c.stored(a, true), None);
+        assert_eq!(c.overdue(t0 + CONFIRM_LIMIT + MARK_EVERY, CONFIRM_LIMIT), vec![late]);
+        assert!(!c.waiting());
+        // A publish answered in time is never given up, and an unroutable one still completes.
+        let next = c.take_seq(1);
+        c.mark(t0 + Duration::from_secs(40));
+        assert_eq!(c.stored(next, false), Some(false));
+        assert_eq!(c.overdue(t0 + Duration::from_secs(80), CONFIRM_LIMIT), Vec::<u64>::new());
+        let unroutable = c.take_seq(0);
+        assert_eq!(c.stored(unroutable, true), Some(true));
     }
 }

@@ -187,6 +187,7 @@ async fn run<S: Transport>(core: Rc<Node>, mut stream: S, peer_cert: Option<Peer
             deleting: Vec::new(),
             held_cancels: Vec::new(),
             confirms_ready: Vec::new(),
+            confirm_clock: false,
             blocked_notify: tuned.blocked_notify,
             published: false,
             blocked: false,

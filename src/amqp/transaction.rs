@@ -168,7 +168,7 @@ mod tests {
             commits in proptest::collection::vec(proptest::collection::vec((1u32..4, any::<u8>()), 0..4), 1..8),
             order in any::<u64>(),
         ) {
-            let mut confirms = Confirms { next_seq: 1, ..Default::default() };
+            let mut confirms = Confirms::starting(false, 1);
             let mut tx = Tx::default();
             let mut answers: Vec<(u64, bool)> = Vec::new();
             let mut expected = Vec::new();

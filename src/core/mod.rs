@@ -17,6 +17,7 @@
 //! on a dedicated thread behind a channel (glommio's `spawn_blocking` or a plain thread).
 
 pub mod accept;
+pub mod failpoint;
 pub mod fatal;
 pub mod load;
 pub mod memory;

@@ -132,6 +132,9 @@ pub struct Stats {
     pub returned: AtomicU64,
     /// Publishes a queue could not store (disk full, store failed): nacked.
     pub store_refused: AtomicU64,
+    /// Confirm-mode publishes left unanswered for `amqp::channel::CONFIRM_LIMIT` and nacked
+    /// by their connection.
+    pub confirms_given_up: AtomicU64,
     /// Queues whose store failed and were reopened from disk.
     pub store_reopens: AtomicU64,
     /// basic.deliver sent to consumers that acknowledge (no_ack false).
@@ -397,6 +400,7 @@ pub fn render(stats: &[Stats], a: &Gauges, raft: &RaftFigures, queues: &[QueueSa
         ("ringmq_messages_returned", "Unroutable mandatory messages returned.", sum(|s| &s.returned)),
         ("ringmq_queue_syncs", "Group commits (fdatasync) of queue shards and unacked indexes.", sum(|s| &s.queue_syncs)),
         ("ringmq_messages_store_refused", "Publishes a queue could not store (nacked).", sum(|s| &s.store_refused)),
+        ("ringmq_confirms_given_up", "Publishes nacked by their connection after 30 s without an answer.", sum(|s| &s.confirms_given_up)),
         ("ringmq_queue_store_reopens", "Queues reopened from disk after their store failed.", sum(|s| &s.store_reopens)),
         ("ringmq_connections_refused", "Connections closed at accept: file descriptors low.", a.connections_refused),
         ("ringmq_log_lines_dropped", "Log lines not written to stderr (its reader gone or too slow).", log::dropped()),

@@ -223,7 +223,7 @@ mod tests {
         #[test]
         fn confirms_cover_every_publish_once(steps in proptest::collection::vec(step(), 0..120)) {
             let mut confirms: BTreeMap<u16, Confirms> =
-                (1u16..3).map(|ch| (ch, Confirms { enabled: true, next_seq: 1, ..Default::default() })).collect();
+                (1u16..3).map(|ch| (ch, Confirms::starting(true, 1))).collect();
             let mut client = Client::default();
             let mut done = BTreeMap::new();
             // Queue answers not yet sent, and the connection's event channel (FIFO).

@@ -24,7 +24,7 @@ use futures_lite::io::AsyncWriteExt;
 use super::handshake::close_method;
 use super::session::ConnState;
 use super::{confirms, tags, Session, CLOSE_WAIT};
-use crate::amqp::channel::ChannelState;
+use crate::amqp::channel::{ChannelState, CONFIRM_LIMIT, MARK_EVERY};
 use crate::amqp::codec::{self, encode_heartbeat, encode_method};
 use crate::amqp::error::AmqpError;
 use crate::amqp::unacked::Unacked;
@@ -52,11 +52,18 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     let hb = s.st.borrow().heartbeat;
     let mut last_write = Instant::now();
+    // The last look at the publishes waiting for their confirms, and whether any waited.
+    // (A connection that moved here may hold some: it looks at once.)
+    let (mut last_check, mut confirms_waiting) = (last_write, s.st.borrow().confirm_clock);
     loop {
         let closing = s.st.borrow().closing;
         let mut wait: Option<Duration> = None;
         if hb > 0 {
             wait = Some((last_write + Duration::from_millis(hb as u64 * 500)).saturating_duration_since(Instant::now()));
+        }
+        if confirms_waiting {
+            let d = (last_check + MARK_EVERY).saturating_duration_since(Instant::now());
+            wait = Some(wait.map_or(d, |w| w.min(d)));
         }
         if let Some(deadline) = closing {
             let d = deadline.saturating_duration_since(Instant::now());
@@ -84,6 +91,15 @@ pub(super) async fn writer<W: futures_lite::AsyncWrite + Unpin>(
                     }
                     Err(_) => break,
                 }
+            }
+        }
+        let armed = s.st.borrow().confirm_clock;
+        if armed {
+            let now = Instant::now();
+            if !confirms_waiting || now.duration_since(last_check) >= MARK_EVERY {
+                last_check = now;
+                confirms_waiting = s.give_up_overdue(now);
+                s.st.borrow_mut().confirm_clock = confirms_waiting;
             }
         }
         s.flush_confirms(&mut out);
@@ -307,6 +323,7 @@ impl Session {
                 }
             }
             ClientEvent::Describe(reply) => drop(reply.send(self.describe())),
+            // The wake-up of `Session::arm_confirm_clock`, or a peer's (never here).
             ClientEvent::PublishesTaken => {}
             ClientEvent::Shutdown | ClientEvent::Close(_) => {
                 let e = match ev {
@@ -356,6 +373,37 @@ impl Session {
 
     fn channel_open(&self, channel: u16) -> bool {
         self.st.borrow().channels.get(&channel).is_some_and(|c| c.state == ChannelState::Open)
+    }
+
+    /// Reads the publish clock of every confirming channel and nacks each publish that has
+    /// waited [`CONFIRM_LIMIT`] without an answer (a queue that never answers, a link that
+    /// flaps, a node paused): a publisher is always answered. Returns whether publishes still
+    /// wait (the writer then looks again within [`MARK_EVERY`]).
+    fn give_up_overdue(&self, now: Instant) -> bool {
+        let mut st = self.st.borrow_mut();
+        let st = &mut *st;
+        let mut waiting = false;
+        for (&channel, c) in st.channels.iter_mut() {
+            if !c.confirms.enabled || c.tx.is_some() || c.state != ChannelState::Open {
+                continue;
+            }
+            c.confirms.mark(now);
+            let late = c.confirms.overdue(now, CONFIRM_LIMIT);
+            if !late.is_empty() {
+                tracing::warn!(
+                    conn = self.id.0,
+                    channel,
+                    count = late.len(),
+                    first = late[0],
+                    "publishes unanswered for {} s: nacked (not known to be stored)",
+                    CONFIRM_LIMIT.as_secs()
+                );
+                Stats::add(&self.core.stats().confirms_given_up, late.len() as u64);
+                st.confirms_ready.extend(late.into_iter().map(|seq| (channel, seq, false)));
+            }
+            waiting |= c.confirms.waiting();
+        }
+        waiting
     }
 
     /// Writes the publisher confirms completed in this batch: one basic.ack with

@@ -80,6 +80,10 @@ pub struct ConnState {
     pub held_cancels: Vec<(u16, crate::broker::ConsumerTag, crate::broker::QueueName)>,
     /// Completed publisher confirms to send: (channel, seq, ok).
     pub confirms_ready: Vec<(u16, u64, bool)>,
+    /// A confirm-mode publish may be waiting for its answer: the writer reads the channels'
+    /// publish clocks (`Confirms::mark`) while it is set, and clears it when none waits. Set
+    /// by the reader (with a wake-up for an idle writer) when it finds it clear.
+    pub confirm_clock: bool,
     /// The client announced the `connection.blocked` capability.
     pub blocked_notify: bool,
     /// This connection has sent basic.publish: a resource alarm blocks it.

@@ -431,6 +431,7 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
     let routed = route(s, channel, p)?;
     let seq = {
         let mut st = s.st.borrow_mut();
+        let st = &mut *st;
         let c = st.channels.get_mut(&channel).ok_or_else(|| AmqpError::channel_error("channel not open"))?;
         if c.publisher.is_none() {
             c.publisher = Some(s.core.shared.live.publishers.enter());
@@ -439,10 +440,18 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
             tx.publishes.push(routed.held());
             return Ok(());
         }
-        if c.confirms.enabled {
+        if !c.confirms.enabled {
+            None
+        } else {
             Stats::add(&s.core.stats().received_confirm, 1);
+            let seq = c.confirms.take_seq(routed.queues.len());
+            if !routed.queues.is_empty() && !std::mem::replace(&mut st.confirm_clock, true) {
+                // The writer starts the publish clock (`outbound::give_up_overdue`), waking
+                // if idle: an answer that never comes is given up after CONFIRM_LIMIT.
+                let _ = s.tx.send(crate::broker::ClientEvent::PublishesTaken);
+            }
+            Some(seq)
         }
-        c.confirms.enabled.then(|| c.confirms.take_seq(routed.queues.len()))
     };
     let unroutable = routed.queues.is_empty();
     s.publish_routed(&routed.queues);

@@ -612,7 +612,10 @@ impl Queue {
         }
     }
 
-    fn publish(&mut self, cell: &QueueCell, mut message: Message, confirm: Option<ConfirmTo>, published: Option<Instant>) {
+    fn publish(&mut self, cell: &QueueCell, mut message: Message, mut confirm: Option<ConfirmTo>, published: Option<Instant>) {
+        if confirm.is_some() && crate::core::failpoint::unanswered_queue(&self.qref.key.name) {
+            confirm = None;
+        }
         if self.ttl.is_some() {
             // `ttl.rs`, rule 1: the deadline is fixed before the message is stored or proposed.
             message = self.stamp_deadline(message);

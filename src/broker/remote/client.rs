@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::wire::{Event, Frame, GotMessage, RemoteConfirm, RemoteConsumer, RemoteHolder, Reply as WireReply, Request};
 use super::Remote;
@@ -68,6 +69,9 @@ struct Unanswered {
     /// server if the link goes down before the answer and the queue is replicated
     /// (`failover.rs`, rule 1), instead of nacked.
     resend: Option<(QueueRef, crate::broker::Message)>,
+    /// When the publish was first parked, if it was (`failover.rs`): parked again, it keeps
+    /// that time, so a flapping link does not hold it past `PARK_LIMIT` in all.
+    parked: Option<Instant>,
 }
 
 /// A's forwarding state (under `Remote::client`).
@@ -114,14 +118,19 @@ impl Remote {
 
     /// [`Remote::forward`] under the client lock `cl`.
     pub(super) fn forward_in(&self, cl: &mut ClientSide, qref: &QueueRef, op: QueueOp) {
+        self.forward_parked(cl, qref, op, None)
+    }
+
+    /// [`Remote::forward_in`] for an operation first parked at `parked` (`failover.rs`).
+    pub(super) fn forward_parked(&self, cl: &mut ClientSide, qref: &QueueRef, op: QueueOp, parked: Option<Instant>) {
         if self.must_park(cl, qref, &op) {
-            return self.park(cl, qref, op);
+            return self.park(cl, qref, op, parked);
         }
         let peer = qref.owner_node;
         let queue = qref.key.clone();
         let (req, waiting) = match op {
             QueueOp::Publish { message, confirm, credit, .. } => {
-                if let Some(c) = self.send_publish(cl, qref, message, confirm, credit) {
+                if let Some(c) = self.send_publish(cl, qref, message, confirm, credit, parked) {
                     c.answer(false);
                 }
                 return;
@@ -261,14 +270,20 @@ impl Remote {
         message: crate::broker::Message,
         confirm: Option<ConfirmTo>,
         credit: Option<Arc<CreditHeld>>,
+        parked: Option<Instant>,
     ) -> Option<ConfirmTo> {
         let peer = qref.owner_node;
         let rc = confirm.as_ref().map(|c| {
             cl.conn(c.conn, &c.tx, peer);
-            let e =
-                cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert(Unanswered { channel: c.channel.0, due: 0, resend: None });
+            let e = cl.confirms.entry((peer, c.conn.0, c.chan_uid, c.seq)).or_insert(Unanswered {
+                channel: c.channel.0,
+                due: 0,
+                resend: None,
+                parked: None,
+            });
             e.due += 1;
             e.resend = (e.due == 1).then(|| (qref.clone(), message.clone()));
+            e.parked = parked;
             RemoteConfirm { conn: c.conn.0, channel: c.channel.0, chan_uid: c.chan_uid, seq: c.seq }
         });
         let credit = credit.filter(|c| c.conn() != 0);
@@ -292,7 +307,7 @@ impl Remote {
                 }
                 if let (Frame::Request(Request::Publish { message, .. }), true) = (frame, self.replicated(&qref.key)) {
                     // The link went down (or its queue is full) since `must_park` looked.
-                    self.park(cl, qref, QueueOp::Publish { message, confirm: Some(c), published: None, credit });
+                    self.park(cl, qref, QueueOp::Publish { message, confirm: Some(c), published: None, credit }, parked);
                     return None;
                 }
                 tracing::debug!(peer, %why, "publish to another node's queue not sent: nacked");
@@ -441,7 +456,8 @@ impl Remote {
                 // a nack all the same).
                 Some((qref, message)) => {
                     let confirm = ConfirmTo { tx, conn: ConnId(conn), channel, chan_uid, seq };
-                    resend.push((qref, QueueOp::Publish { message, confirm: Some(confirm), published: None, credit: None }));
+                    let op = QueueOp::Publish { message, confirm: Some(confirm), published: None, credit: None };
+                    resend.push((qref, op, u.parked));
                 }
                 None => {
                     for _ in 0..u.due {

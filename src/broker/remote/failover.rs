@@ -132,22 +132,25 @@ impl Remote {
         self.parked_count.load(Ordering::Relaxed) > 0
     }
 
-    /// Parks `op` (an operation on `qref`) at the end of the list (rule 1).
-    pub(super) fn park(&self, cl: &mut ClientSide, qref: &QueueRef, op: QueueOp) {
+    /// Parks `op` (an operation on `qref`) at the end of the list (rule 1); `since`: when it
+    /// was first parked, if it was before (its limit runs from then).
+    pub(super) fn park(&self, cl: &mut ClientSide, qref: &QueueRef, op: QueueOp, since: Option<Instant>) {
         if cl.failover.list.is_empty() {
             tracing::info!(queue = %qref.key.name, vhost = %qref.key.vhost, node = qref.owner_node,
                 "operations on a replicated queue whose node is out of reach are held until it has a server again");
         }
-        cl.failover.list.push_back(Parked { qref: qref.clone(), op, since: Instant::now() });
+        cl.failover.list.push_back(Parked { qref: qref.clone(), op, since: since.unwrap_or_else(Instant::now) });
         self.parked_count.store(cl.failover.list.len(), Ordering::Relaxed);
     }
 
     /// Parks `ops`, publishes that were in flight to a server that is now out of reach, in
     /// their order ahead of every parked operation: those were parked after these were sent
     /// (a publish is parked when its queue has parked ones, so none was in flight then).
-    pub(super) fn park_first(&self, cl: &mut ClientSide, ops: Vec<(QueueRef, QueueOp)>) {
-        for (qref, op) in ops.into_iter().rev() {
-            cl.failover.list.push_front(Parked { qref, op, since: Instant::now() });
+    /// Each comes with when it was first parked, if it was: a publish parked, sent on and
+    /// parked again as a link flaps is refused `PARK_LIMIT` after it was first parked.
+    pub(super) fn park_first(&self, cl: &mut ClientSide, ops: Vec<(QueueRef, QueueOp, Option<Instant>)>) {
+        for (qref, op, since) in ops.into_iter().rev() {
+            cl.failover.list.push_front(Parked { qref, op, since: since.unwrap_or_else(Instant::now) });
         }
         self.parked_count.store(cl.failover.list.len(), Ordering::Relaxed);
     }
@@ -210,7 +213,7 @@ impl Remote {
                 }
             } else if self.link_up(now.owner_node) {
                 for p in cl.failover.take(&key) {
-                    self.forward_in(&mut cl, &now, p.op);
+                    self.forward_parked(&mut cl, &now, p.op, Some(p.since));
                 }
             } else if !cl.failover.flushing.contains(&key) {
                 let old = cl.failover.take_where(|p| p.qref.key == key && p.since.elapsed() >= PARK_LIMIT);
@@ -354,7 +357,7 @@ impl Node {
                 if !cl.failover.holds(&qref.key) {
                     return Some(op);
                 }
-                remote.park(&mut cl, qref, op);
+                remote.park(&mut cl, qref, op, None);
                 None
             }
             QueueOp::Cancel { consumer, .. } => {
