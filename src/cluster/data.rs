@@ -172,8 +172,23 @@ impl DataLink {
     }
 
     /// Reports a change of the link's value; a session that ends closes both its connections.
+    ///
+    /// Before a new session starts, its outbound lane is checked: one the peer closed already
+    /// (ending its own session) while the writer, which only writes, has not noticed yet is
+    /// dropped (the writer dials again), never paired with the peer's fresh inbound lane. Paired,
+    /// it failed at the next write and ended the new session, whose close did the same to the
+    /// peer's next one: a link that went up and down every second after a flapping partition.
     fn settle(&self, shared: &Shared, peer: NodeId, st: &mut LinkState) {
-        let up = st.out.is_some() && st.inbound.is_some();
+        let mut up = st.out.is_some() && st.inbound.is_some();
+        if up && !st.reported {
+            if let Some(socket) = st.out.filter(|&socket| shared.sockets.finished(socket)) {
+                debug!(peer, "cluster: outbound data lane closed by the peer before the link came up: dialing again");
+                st.out = None;
+                self.out_state.store(st.session << 1, Ordering::Release);
+                shared.sockets.shutdown_one(socket);
+                up = false;
+            }
+        }
         if up == st.reported {
             return;
         }

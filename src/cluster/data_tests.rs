@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -376,6 +376,33 @@ fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
     assert!(read_to_close(new).is_empty());
     assert_eq!(link_event(&a), (2, false));
     assert!(a.data.try_recv().is_err() && a.inbox.try_recv().is_err(), "nothing delivered from it");
+}
+
+/// The peer ends its session by closing node 1's outbound lane and at once dials a new
+/// inbound lane, before node 1's writer (which only writes, and looks for a close after
+/// `IDLE_CHECK` idle) noticed. The link comes up with a fresh outbound lane and stays up; it
+/// used to pair the closed lane with the fresh inbound one, go down at the writer's next
+/// check and close the peer's fresh lane in turn: after a flapping partition two nodes
+/// brought their link up and down every second for minutes (issue 40 item 2).
+#[test]
+fn an_outbound_lane_the_peer_closed_is_never_paired_with_its_fresh_inbound_lane() {
+    let addrs = free_addrs(2);
+    let fake = TcpListener::bind(addrs[1]).unwrap();
+    let fake_lanes = fake_peer(fake, 2);
+    let a = dstart(1, &addrs);
+    let out1 = fake_lanes.recv_timeout(WAIT).expect("node 1 dials node 2's data lane");
+    wait_until("data lane up", || a.t.data_up(2));
+    no_link_events(&a, "outbound only");
+
+    out1.shutdown(Shutdown::Both).unwrap();
+    let mut inbound = answered(raw(addrs[0], &data_hello(2, 1)));
+    let _out2 = fake_lanes.recv_timeout(WAIT).expect("node 1 dials a fresh outbound lane");
+    assert_eq!(link_event(&a), (2, true));
+    let flaps: Vec<_> = a.links.recv_timeout(Duration::from_secs(2)).into_iter().collect();
+    assert!(flaps.is_empty(), "the link did not stay up: {flaps:?}");
+    inbound.write_all(&data_frames(&[b"after"])).unwrap();
+    assert_eq!(a.data.recv_timeout(WAIT).unwrap(), (2, b"after".to_vec()));
+    assert!(data_status(&a, 2).data_link);
 }
 
 #[test]

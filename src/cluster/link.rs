@@ -262,10 +262,10 @@ pub(super) fn read_frame(reader: &mut impl Read, payload: &mut Vec<u8>) -> Resul
 /// [`LinkError::Closed`] at end of stream, [`LinkError::Protocol`] if the peer sent bytes
 /// on a one-way lane, I/O errors (a reset).
 pub(super) fn check_open(stream: &TcpStream) -> Result<(), LinkError> {
-    stream.set_nonblocking(true)?;
-    let mut probe = [0u8; 1];
-    let peeked = stream.peek(&mut probe);
-    stream.set_nonblocking(false)?;
+    // MSG_DONTWAIT rather than O_NONBLOCK: the flag would be the socket's, shared with the
+    // clones other threads write through (`Sockets`), whose writes must keep blocking.
+    let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    let peeked = SockRef::from(stream).recv_with_flags(&mut probe, libc::MSG_PEEK | libc::MSG_DONTWAIT);
     match peeked {
         Ok(0) => Err(LinkError::Closed),
         Ok(_) => Err(LinkError::Protocol("bytes received on a one-way lane".into())),

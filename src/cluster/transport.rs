@@ -193,6 +193,12 @@ impl Sockets {
         }
     }
 
+    /// Whether the socket registered as `id` is known to be finished: closed or reset by
+    /// the peer, or never registered / gone (`link::check_open`, without blocking).
+    pub(super) fn finished(&self, id: u64) -> bool {
+        self.inner.lock().open.get(&id).is_none_or(|stream| super::link::check_open(stream).is_err())
+    }
+
     fn close_all(&self) {
         let mut inner = self.inner.lock();
         inner.closed = true;
