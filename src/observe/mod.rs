@@ -25,7 +25,7 @@ mod stages;
 pub use detailed::render_detailed;
 pub use per_object::render_per_object;
 pub use rabbit::{Alive, Churn, Live, SizeHistogram, SIZE_BOUNDS};
-pub use stages::{sample, sample_delivery, Side, Stage, StageInfo, Stages, SAMPLE_EVERY, STAGES, STAGE_COUNT};
+pub use stages::{sample, sample_at, sample_delivery, SamplePoint, Side, Stage, StageInfo, Stages, SAMPLE_EVERY, STAGES, STAGE_COUNT};
 
 /// A latency histogram with power-of-two buckets from 1 µs to about 35 min, in the shape
 /// of a Prometheus histogram. Written by one core, read on scrape (relaxed atomics).

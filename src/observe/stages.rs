@@ -14,7 +14,7 @@
 //!
 //! Sampling: the publish side follows one message in [`SAMPLE_EVERY`] per core, chosen at
 //! basic.publish; the delivery side one delivery in [`SAMPLE_EVERY`] per core, chosen when
-//! the queue takes it for a consumer. Only those read the clock; every stage counts only
+//! the queue takes it for a consumer; each such point counts on its own ([`SamplePoint`]). Only those read the clock; every stage counts only
 //! its sampled messages (a histogram's count is about 1/16 of the messages).
 
 use std::time::Duration;
@@ -163,30 +163,47 @@ impl Stages {
     }
 }
 
+/// Where a message is picked to be followed. Each point counts on its own, so that points one
+/// core passes in lockstep cannot alias: with one delivery counter, a basic.get whose queue
+/// and connection share a core advanced it twice per message, at the take and at the get-ok,
+/// and every 16th count fell on the get-ok, so the queue never sampled a get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SamplePoint {
+    /// basic.publish on a client's connection (the publish side).
+    Publish,
+    /// A dead-lettered copy republished by its queue.
+    DeadLetter,
+    /// A queue takes a message for a consumer or a basic.get (`taken_to_acked`,
+    /// `taken_to_written`).
+    Take,
+    /// A connection receives a delivery or a get-ok it did not take itself: a get-ok's
+    /// `written_to_acked`, a delivery from another node's queue.
+    Hand,
+}
+
 thread_local! {
-    static PUBLISHES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-    static DELIVERIES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    static COUNTS: [std::cell::Cell<u32>; 4] = const { [const { std::cell::Cell::new(0) }; 4] };
 }
 
-/// Whether this published message is followed through its stages: one in [`SAMPLE_EVERY`]
-/// per thread, so the hot path reads the clock for few.
-pub fn sample() -> bool {
-    every_nth(&PUBLISHES)
-}
-
-/// Whether this delivery is followed (`taken_to_*`, `written_to_acked`): one in
-/// [`SAMPLE_EVERY`] per thread, counted apart from publishes so that a core alternating
-/// publishes and deliveries samples both.
-pub fn sample_delivery() -> bool {
-    every_nth(&DELIVERIES)
-}
-
-fn every_nth(counter: &'static std::thread::LocalKey<std::cell::Cell<u32>>) -> bool {
-    counter.with(|n| {
+/// Whether the message (or delivery) at `point` is followed: one in [`SAMPLE_EVERY`] per
+/// thread and point, so the hot path reads the clock for few.
+pub fn sample_at(point: SamplePoint) -> bool {
+    COUNTS.with(|c| {
+        let n = &c[point as usize];
         let v = n.get().wrapping_add(1);
         n.set(v);
         v % SAMPLE_EVERY == 0
     })
+}
+
+/// Whether this published message is followed through its stages ([`SamplePoint::Publish`]).
+pub fn sample() -> bool {
+    sample_at(SamplePoint::Publish)
+}
+
+/// Whether the delivery a queue takes now is followed ([`SamplePoint::Take`]).
+pub fn sample_delivery() -> bool {
+    sample_at(SamplePoint::Take)
 }
 
 /// One message (and one delivery) in this many is sampled, per core.
@@ -209,13 +226,15 @@ mod tests {
     }
 
     #[test]
-    fn one_in_sample_every_is_sampled_of_publishes_and_of_deliveries_alike() {
-        // Alternating, as on a core that both receives publishes and delivers.
-        let (mut p, mut d) = (0, 0);
+    fn one_in_sample_every_is_sampled_at_each_point_whatever_passes_the_others() {
+        // A core that receives publishes, takes for a basic.get and writes its get-ok, in
+        // lockstep: each point samples one in SAMPLE_EVERY of its own.
+        let (mut p, mut t, mut h) = (0, 0, 0);
         for _ in 0..SAMPLE_EVERY * 10 {
             p += sample() as u32;
-            d += sample_delivery() as u32;
+            t += sample_delivery() as u32;
+            h += sample_at(SamplePoint::Hand) as u32;
         }
-        assert_eq!((p, d), (10, 10));
+        assert_eq!((p, t, h), (10, 10, 10));
     }
 }

@@ -323,7 +323,8 @@ impl Session {
                 }
             }
             ClientEvent::Describe(reply) => drop(reply.send(self.describe())),
-            // The wake-up of `Session::arm_confirm_clock`, or a peer's (never here).
+            // `methods::basic::publish` waking an idle writer to start the publish clock (a peer's
+            // credit announcement never comes here).
             ClientEvent::PublishesTaken => {}
             ClientEvent::Shutdown | ClientEvent::Close(_) => {
                 let e = match ev {

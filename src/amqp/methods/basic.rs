@@ -395,7 +395,7 @@ async fn get(s: &Rc<Session>, channel: u16, g: basic::Get) -> Result<(), AmqpErr
             if !g.no_ack {
                 // A sampled get-ok's written_to_acked starts as it is written (its way here
                 // from the queue is not timed).
-                let written = crate::observe::sample_delivery().then(std::time::Instant::now);
+                let written = crate::observe::sample_at(crate::observe::SamplePoint::Hand).then(std::time::Instant::now);
                 ch.ledger.insert(tag, Unacked { queue: q.clone(), offset: got.offset, written });
             }
             let (exchange, rk, props) = got.message.parts();

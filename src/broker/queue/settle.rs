@@ -514,7 +514,7 @@ impl DeadLetterTarget {
         // Its own "connection" id: a target on another node answers this flow, not another.
         let conn = crate::broker::ConnId(crate::broker::remote::pseudo_conn());
         let n = route.queues.len();
-        let published = crate::observe::sample().then(Instant::now);
+        let published = crate::observe::sample_at(crate::observe::SamplePoint::DeadLetter).then(Instant::now);
         for target in &route.queues {
             let confirm = ConfirmTo { tx: tx.clone(), conn, channel: crate::broker::ChannelId(0), chan_uid: 0, seq };
             self.env.send(target, QueueOp::Publish { message: copy.clone(), confirm: Some(confirm), published, credit: None });

@@ -348,7 +348,7 @@ impl Remote {
                     message,
                     track,
                     // The queue's node took it; its clock is not this one's.
-                    taken: crate::observe::sample_delivery().then(std::time::Instant::now),
+                    taken: crate::observe::sample_at(crate::observe::SamplePoint::Hand).then(std::time::Instant::now),
                 })
             }
             Event::ConsumeOk { channel, consumer_tag } => {
