@@ -339,8 +339,10 @@ fn wait_closed(s: &TcpStream) {
     }
 }
 
-#[test]
-fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
+/// Node 1 started against a fake node 2 ([`fake_peer`]): its outbound data lane is up (the
+/// fake holds `out1`), no inbound one yet, so no link. Returns the addresses, the fake's
+/// later lanes from node 1, node 1 and `out1`.
+fn dialing_a_fake_peer() -> (Vec<SocketAddr>, flume::Receiver<TcpStream>, DNode, TcpStream) {
     let addrs = free_addrs(2);
     let fake = TcpListener::bind(addrs[1]).unwrap();
     let fake_lanes = fake_peer(fake, 2);
@@ -348,6 +350,12 @@ fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
     let out1 = fake_lanes.recv_timeout(WAIT).expect("node 1 dials node 2's data lane");
     wait_until("data lane up", || a.t.data_up(2));
     no_link_events(&a, "outbound only");
+    (addrs, fake_lanes, a, out1)
+}
+
+#[test]
+fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
+    let (addrs, fake_lanes, a, out1) = dialing_a_fake_peer();
 
     // An inbound lane from "node 2" completes the link.
     let mut old = answered(raw(addrs[0], &data_hello(2, 1)));
@@ -386,13 +394,7 @@ fn a_newer_data_lane_replaces_the_older_one_and_ends_the_session() {
 /// brought their link up and down every second for minutes (issue 40 item 2).
 #[test]
 fn an_outbound_lane_the_peer_closed_is_never_paired_with_its_fresh_inbound_lane() {
-    let addrs = free_addrs(2);
-    let fake = TcpListener::bind(addrs[1]).unwrap();
-    let fake_lanes = fake_peer(fake, 2);
-    let a = dstart(1, &addrs);
-    let out1 = fake_lanes.recv_timeout(WAIT).expect("node 1 dials node 2's data lane");
-    wait_until("data lane up", || a.t.data_up(2));
-    no_link_events(&a, "outbound only");
+    let (addrs, fake_lanes, a, out1) = dialing_a_fake_peer();
 
     out1.shutdown(Shutdown::Both).unwrap();
     let mut inbound = answered(raw(addrs[0], &data_hello(2, 1)));
