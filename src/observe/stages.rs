@@ -14,8 +14,9 @@
 //!
 //! Sampling: the publish side follows one message in [`SAMPLE_EVERY`] per core, chosen at
 //! basic.publish; the delivery side one delivery in [`SAMPLE_EVERY`] per core, chosen when
-//! the queue takes it for a consumer; each such point counts on its own ([`SamplePoint`]). Only those read the clock; every stage counts only
-//! its sampled messages (a histogram's count is about 1/16 of the messages).
+//! the queue takes it for a consumer; each such point counts on its own ([`SamplePoint`]).
+//! Only those read the clock; every stage counts only its sampled messages (a histogram's
+//! count is about 1/16 of the messages).
 
 use std::time::Duration;
 
