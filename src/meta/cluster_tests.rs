@@ -460,6 +460,58 @@ fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_i
     }
 }
 
+/// A node briefly behind catches up from the log whoever leads: its followers held the
+/// entries it lacks (`driver.rs`, `compaction_waits`), so the one elected after the leader's
+/// loss sends them, not a snapshot, and the node keeps its place in the replica set.
+#[test]
+fn a_node_briefly_behind_catches_up_from_the_log_after_the_leader_changes() {
+    use crate::meta::topology::QueueDef;
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
+    for h in &hs {
+        h.attach_data_sink(Arc::new(NullSink));
+    }
+    let def = QueueDef { replicas: vec![1, 2, 3], ..queue("busy", true, None) };
+    block_on(hs[0].propose(Command::DeclareQueue(def))).unwrap();
+    let replicas = |h: &MetaHandle| h.topology().queue("/", "busy").map(|d| d.replicas.clone());
+    wait_for("node 3 to know the queue", Duration::from_secs(10), || replicas(&hs[2]).is_some());
+    // Node 3 cut off while 400 entries go through: eight times the compaction threshold
+    // (50 entries here), far below what a leader holds for it (64 × 50).
+    net.cut.lock().insert(3);
+    let enqueue = || Command::Enqueue {
+        vhost: "/".into(),
+        queue: "busy".into(),
+        flags: 1,
+        header: bytes::Bytes::from_static(b"h"),
+        body: bytes::Bytes::from_static(b"m"),
+    };
+    for n in 0..400 {
+        hs[n % 2].propose_blocking(vec![enqueue()]).unwrap();
+    }
+    let behind = hs[2].with_state(|s| s.applied_index);
+    // The leader is lost as node 3 comes back: the other follower is elected (node 3's log
+    // is shorter) and must bring node 3 up to date.
+    let leader = agreed_leader(&[&hs[0], &hs[1]]).expect("one leader of nodes 1 and 2");
+    let other = if leader == 1 { 2 } else { 1 };
+    {
+        let mut cut = net.cut.lock();
+        cut.clear();
+        cut.insert(leader);
+    }
+    let (h_other, h3) = (&hs[other as usize - 1], &hs[2]);
+    wait_for("a new leader", Duration::from_secs(10), || h_other.is_leader());
+    h_other.propose_blocking(vec![enqueue()]).unwrap();
+    let head = h_other.with_state(|s| s.applied_index);
+    wait_for("node 3 to catch up", Duration::from_secs(20), || h3.with_state(|s| s.applied_index) >= head);
+    assert!(head > behind + 400, "node 3 was {} entries behind", head - behind);
+    assert_eq!(h3.stats().snapshots_installed, 0, "node 3 was sent a snapshot, not the log");
+    block_on(h_other.sync()).unwrap();
+    assert_eq!(replicas(h_other), Some(vec![1, 2, 3]), "node 3 kept its place in the replica set");
+    for h in &hs {
+        h.shutdown();
+    }
+}
+
 /// Users, permissions and policies are replicated like the topology: proposed on a follower,
 /// every node holds them after a read barrier.
 #[test]

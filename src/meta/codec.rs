@@ -72,6 +72,7 @@ const TAG_COPY_MESSAGES: u8 = 17;
 const TAG_JOIN_REPLICA_SET: u8 = 18;
 const TAG_RETURN: u8 = 19;
 const TAG_SET_CLUSTER_NAME: u8 = 20;
+const TAG_LOG_COMPACTED: u8 = 21;
 
 fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
     if super::access::encode(cmd, out) {
@@ -255,6 +256,10 @@ fn encode_command(cmd: &Command, out: &mut Vec<u8>) {
             put_str(out, permanent_id);
             out.push(*initial as u8);
         }
+        Command::LogCompacted { index } => {
+            out.push(TAG_LOG_COMPACTED);
+            put_varint(out, *index);
+        }
     }
 }
 
@@ -381,6 +386,7 @@ fn decode_command(r: &mut Reader<'_>) -> Result<Command, DecodeError> {
         }
         TAG_JOIN_REPLICA_SET => Command::JoinReplicaSet { vhost: r.string()?, queue: r.string()?, id: r.varint()?, tail: r.varint()? },
         TAG_SET_CLUSTER_NAME => Command::SetClusterName { name: r.string()?, permanent_id: r.string()?, initial: r.u8()? != 0 },
+        TAG_LOG_COMPACTED => Command::LogCompacted { index: r.varint()? },
         32..=63 => super::access::decode(tag, r)?,
         _ => return Err(r.err("unknown command tag")),
     })

@@ -33,7 +33,9 @@
 //! 6. Fail proposals and read barriers older than the propose timeout (10 s,
 //!    [`MetaError::NoQuorum`]); compact when the log passed 10,000 entries or 16 MiB
 //!    (`snapshot.rs`); a leader takes the state then and writes it once every follower has
-//!    its index (at most until twice that).
+//!    its index (at most until twice that), then proposes `LogCompacted`; a follower writes
+//!    its state once a leader compacted past it, so a new leader still has what a node
+//!    briefly behind lacks.
 //!
 //! # Cluster (raft-rs's driver contract)
 //! `check_quorum` and `pre_vote` are on in a cluster: a leader cut off from a majority steps
@@ -509,9 +511,9 @@ impl Driver {
         self.publish_figures();
         if (self.raw.store().wants_compaction() || self.compact_for_join) && self.compact_after.is_none_or(|t| now >= t) {
             // The state to snapshot is taken when the log first wants compaction; a leader
-            // writes it once every follower has its index (`follower_lags`).
+            // writes it once every follower has its index (`compaction_waits`).
             let state = self.compact_state.take().unwrap_or_else(|| self.shared.state.lock().clone());
-            if self.follower_lags(state.applied_index) {
+            if self.compaction_waits(state.applied_index) {
                 self.compact_state = Some(state);
             } else if !self.stores_synced() {
                 // The stores sync while the driver goes on (waiting for them took 1.6-2.1 ms
@@ -527,6 +529,10 @@ impl Driver {
                     Ok(()) => {
                         self.compact_after = None;
                         self.compact_for_join = false;
+                        if self.raw.raft.state == StateRole::Leader && self.voters.len() > 1 {
+                            // The followers' floor (`compaction_waits`).
+                            self.propose_own(vec![Command::LogCompacted { index: state.applied_index }]);
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
@@ -538,21 +544,29 @@ impl Driver {
         Ok(stopping)
     }
 
-    /// True while this leader's compaction up to `index` would drop entries a follower still
-    /// lacks: that follower would need the whole snapshot, and its proposals in those entries
-    /// would never be answered (it learns an outcome only by applying the entry; found by the
-    /// simulator, `sim.rs`). Compaction waits for it, but not past twice the thresholds (a
-    /// follower that is down or cut off). Once replicated queue data is in the log
-    /// (`data.rs`) the limit is [`LAGGING_FOLLOWER_FACTOR`] times them: a follower sent a
-    /// snapshot misses the messages committed meanwhile, so a node down for minutes under
-    /// load catches up from the log instead.
-    fn follower_lags(&self, index: u64) -> bool {
+    /// True while compacting up to `index` would drop entries a node may still need, so the
+    /// compaction waits (but not past twice the thresholds: a node that is down or cut off).
+    /// - A leader waits for every follower to hold `index`: a follower sent a snapshot
+    ///   instead would never learn the outcome of its proposals in those entries (found by
+    ///   the simulator, `sim.rs`).
+    /// - A follower waits until a leader compacted past `index` ([`Command::LogCompacted`]),
+    ///   every voter holding it then: a follower compacting on its own would, once leader,
+    ///   send a snapshot to a node only briefly behind.
+    ///
+    /// Once replicated queue data is in the log (`data.rs`) the limit is
+    /// [`LAGGING_FOLLOWER_FACTOR`] times the thresholds: a node sent a snapshot misses the
+    /// messages committed meanwhile and leaves those queues' replica sets, so a node down for
+    /// minutes under load catches up from the log instead.
+    fn compaction_waits(&self, index: u64) -> bool {
         let r = &self.raw.raft;
         let store = self.raw.store();
         let (entries, bytes) = store.compact_at;
         let factor = if self.shared.data.carries_data() { LAGGING_FOLLOWER_FACTOR } else { 2 };
-        if r.state != StateRole::Leader || store.entry_count() > factor * entries || store.log_bytes() > factor * bytes {
+        if store.entry_count() > factor * entries || store.log_bytes() > factor * bytes {
             return false;
+        }
+        if r.state != StateRole::Leader {
+            return self.shared.state.lock().compacted_to < index;
         }
         // A node that just joined has nothing yet: it is what the compaction is for.
         r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index && !(self.compact_for_join && pr.matched == 0))

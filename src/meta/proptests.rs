@@ -97,6 +97,7 @@ fn command() -> impl Strategy<Value = Command> {
             .prop_map(|(vhost, queue, counts)| Command::Return { vhost, queue, counts }),
         1 => ("[a-c]{1,2}", "[xy]", any::<bool>())
             .prop_map(|(name, permanent_id, initial)| Command::SetClusterName { name, permanent_id, initial }),
+        1 => (0u64..8).prop_map(|index| Command::LogCompacted { index }),
         4 => access_command(vhost),
     ]
 }

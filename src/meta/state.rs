@@ -77,6 +77,10 @@ pub struct MetaState {
     /// state (snapshots carry it), so every node skips the same copies.
     #[serde(default)]
     pub applied_proposals: BTreeMap<u64, AppliedProposals>,
+    /// The highest index a leader compacted its log to ([`Command::LogCompacted`]): every
+    /// voter held the entries up to it then; a follower compacts no further (Raft log index).
+    #[serde(default)]
+    pub compacted_to: u64,
 }
 
 /// The latest entries one driver proposed that were applied ([`MetaState::applied_proposals`]).
@@ -328,6 +332,14 @@ pub enum Command {
         /// Only if the cluster has no name yet (a node's start proposes its default so).
         initial: bool,
     },
+    /// The leader compacted its log up to `index`, an entry every voter had then (`driver.rs`,
+    /// step 6) → `Updated` (the floor rose, [`MetaState::compacted_to`]) | `Existed`. A
+    /// follower compacts no further than this floor, so whoever leads next still holds the
+    /// entries a node briefly behind lacks, and sends it those instead of a snapshot.
+    LogCompacted {
+        /// Raft log index.
+        index: u64,
+    },
 }
 
 /// Result of applying one [`Command`].
@@ -389,7 +401,8 @@ impl Command {
             | Command::Settle { .. }
             | Command::Return { .. }
             | Command::Reserve { .. }
-            | Command::CopyMessages { .. } => false,
+            | Command::CopyMessages { .. }
+            | Command::LogCompacted { .. } => false,
             Command::NodeBoot { .. } => true,
             Command::MoveQueue { .. } | Command::LeaveReplicaSet { .. } | Command::JoinReplicaSet { .. } => {
                 matches!(outcome, Outcome::Moved)
@@ -604,6 +617,11 @@ impl MetaState {
                     Outcome::Updated
                 }
             },
+            Command::LogCompacted { index } if *index > self.compacted_to => {
+                self.compacted_to = *index;
+                Outcome::Updated
+            }
+            Command::LogCompacted { .. } => Outcome::Existed,
         }
     }
 
