@@ -14,7 +14,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::cluster::{channel, confirming, durable_queue, persistent, publish_all, run, Cluster};
+use common::cluster::{channel, confirming, drain_distinct, durable_queue, persistent, publish_all, run, Cluster};
 use common::*;
 use futures_lite::StreamExt;
 use lapin::options::*;
@@ -45,37 +45,6 @@ async fn publish_until_confirmed(conn: &Connection, ch: &mut Channel, queue: &st
 /// `default`.
 fn serving_node(c: &Cluster, queue: &str, default: usize) -> usize {
     (0..c.len()).rev().find(|&i| c.log(i).lines().any(|l| l.contains("queue leader moved here") && l.contains(queue))).unwrap_or(default)
-}
-
-/// Consumes from `queue` on `conn` until `want` distinct bodies arrived (bounded by `limit`);
-/// acks each; returns (bodies, how many came redelivered=true).
-async fn drain_distinct(conn: &Connection, queue: &str, want: usize, limit: Duration) -> (BTreeSet<String>, BTreeSet<String>) {
-    let deadline = Instant::now() + limit;
-    let (mut seen, mut redelivered) = (BTreeSet::new(), BTreeSet::new());
-    while seen.len() < want && Instant::now() < deadline {
-        let ch = channel(conn).await;
-        let Ok(mut sub) =
-            t("basic.consume", ch.basic_consume(queue.into(), "drain".into(), BasicConsumeOptions::default(), FieldTable::default())).await
-        else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        while seen.len() < want {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left.min(Duration::from_secs(5)), sub.next()).await {
-                Ok(Some(Ok(d))) => {
-                    let body = String::from_utf8_lossy(&d.data).into_owned();
-                    if d.redelivered {
-                        redelivered.insert(body.clone());
-                    }
-                    seen.insert(body);
-                    let _ = d.ack(BasicAckOptions::default()).await;
-                }
-                _ => break,
-            }
-        }
-    }
-    (seen, redelivered)
 }
 
 #[test]

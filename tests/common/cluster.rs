@@ -16,8 +16,12 @@
 //! - A node keeps its data dir and its three ports across [`Cluster::kill9`] and
 //!   [`Cluster::start_node`], as a restarted machine would.
 //!
+//! [`Cluster::start_linked`] puts a proxy on every link between two nodes (`proxy.rs`), so
+//! that a test can partition them ([`Cluster::partition`], [`Cluster::set_link`]).
+//!
 //! When the owning test panics, `Drop` prints the end of every node's log.
 
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -28,11 +32,13 @@ use std::time::{Duration, Instant};
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard};
 
-use lapin::options::QueueDeclareOptions;
+use futures_lite::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
 use super::http::http_get;
+use super::proxy::{Mode, Proxy};
 use super::{broker_binary, confirm_mode, declare_queue, free_port, publish_confirmed, t};
 
 /// How long a start (of the whole cluster, or of one node) may take until every started node
@@ -94,6 +100,8 @@ pub struct Cluster {
     peers: String,
     /// Extra flags for every node at every start.
     extra_args: Vec<String>,
+    /// The proxy of each directed link (from, to) when started by [`Cluster::start_linked`].
+    links: HashMap<(usize, usize), Proxy>,
 }
 
 impl Cluster {
@@ -106,8 +114,32 @@ impl Cluster {
     pub fn start_with_args(n: usize, extra: &[&str]) -> Cluster {
         assert!(n >= 1, "a cluster has at least one node");
         let nodes: Vec<Node> = (0..n).map(Node::fresh).collect();
+        Self::launch(nodes, HashMap::new(), extra)
+    }
+
+    /// [`Cluster::start_with_args`] with every link between two nodes through a proxy of its
+    /// own (`proxy.rs`), so that a test can partition them: node i's `--peers` names node j
+    /// at the proxy of link i→j.
+    pub fn start_linked(n: usize, extra: &[&str]) -> Cluster {
+        let mut nodes: Vec<Node> = (0..n).map(Node::fresh).collect();
+        let listens: Vec<SocketAddr> = nodes.iter().map(|n| n.cluster).collect();
+        let mut links = HashMap::new();
+        for (i, node) in nodes.iter_mut().enumerate() {
+            let mut peers = Vec::new();
+            for (j, &listen) in listens.iter().enumerate() {
+                let addr = if i == j { listen } else { links.entry((i, j)).or_insert_with(|| Proxy::start(listen)).addr() };
+                peers.push(format!("{}={addr}", j + 1));
+            }
+            node.own = Some((peers.join(","), Vec::new()));
+        }
+        Self::launch(nodes, links, extra)
+    }
+
+    /// Spawns `nodes` and waits until all are ready.
+    fn launch(nodes: Vec<Node>, links: HashMap<(usize, usize), Proxy>, extra: &[&str]) -> Cluster {
+        let n = nodes.len();
         let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
-        let mut c = Cluster { nodes, peers, extra_args: extra.iter().map(|s| s.to_string()).collect() };
+        let mut c = Cluster { nodes, peers, extra_args: extra.iter().map(|s| s.to_string()).collect(), links };
         // All first, then wait: a node may not serve before a majority of its peers is up.
         for i in 0..n {
             c.spawn(i);
@@ -140,6 +172,18 @@ impl Cluster {
     /// Node `i`'s management API port.
     pub fn management_port(&self, i: usize) -> u16 {
         self.nodes[i].management.port()
+    }
+
+    /// Sets the mode of the link from node `from` to node `to` (the connections `from` dials),
+    /// of a cluster started by [`Cluster::start_linked`].
+    pub fn set_link(&self, from: usize, to: usize, mode: Mode) {
+        self.links.get(&(from, to)).unwrap_or_else(|| panic!("no proxied link {from} -> {to}")).set(mode);
+    }
+
+    /// Both links between nodes `a` and `b` in `mode` (`Mode::Pass` heals them).
+    pub fn partition(&self, a: usize, b: usize, mode: Mode) {
+        self.set_link(a, b, mode);
+        self.set_link(b, a, mode);
     }
 
     /// Number of nodes (running or not).
@@ -495,4 +539,35 @@ pub async fn publish_all(ch: &Channel, queue: &str, prefix: &str, n: usize) -> V
         bodies.push(body);
     }
     bodies
+}
+
+/// Consumes from `queue` on `conn` until `want` distinct bodies arrived (bounded by `limit`);
+/// acks each; returns (bodies, how many came redelivered=true).
+pub async fn drain_distinct(conn: &Connection, queue: &str, want: usize, limit: Duration) -> (BTreeSet<String>, BTreeSet<String>) {
+    let deadline = Instant::now() + limit;
+    let (mut seen, mut redelivered) = (BTreeSet::new(), BTreeSet::new());
+    while seen.len() < want && Instant::now() < deadline {
+        let ch = channel(conn).await;
+        let Ok(mut sub) =
+            t("basic.consume", ch.basic_consume(queue.into(), "drain".into(), BasicConsumeOptions::default(), FieldTable::default())).await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while seen.len() < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left.min(Duration::from_secs(5)), sub.next()).await {
+                Ok(Some(Ok(d))) => {
+                    let body = String::from_utf8_lossy(&d.data).into_owned();
+                    if d.redelivered {
+                        redelivered.insert(body.clone());
+                    }
+                    seen.insert(body);
+                    let _ = d.ack(BasicAckOptions::default()).await;
+                }
+                _ => break,
+            }
+        }
+    }
+    (seen, redelivered)
 }

@@ -28,6 +28,7 @@ pub mod cluster;
 pub mod flood;
 pub mod http;
 pub mod pki;
+pub mod proxy;
 pub mod python;
 pub mod raw;
 pub mod rounds;

@@ -74,8 +74,10 @@ struct Unanswered {
     parked: Option<Instant>,
 }
 
+/// How often `Remote::repark_moved` looks again without a topology change.
+const MOVED_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A's forwarding state (under `Remote::client`).
-#[derive(Default)]
 pub struct ClientSide {
     /// Requests waiting for their reply, with their queue (whose node answers).
     waiting: HashMap<u64, (QueueRef, Waiting)>,
@@ -91,6 +93,22 @@ pub struct ClientSide {
     /// Publishes and consumers held while their replicated queue has no server in reach
     /// (`failover.rs`).
     pub(super) failover: super::failover::Held,
+    /// The topology version `repark_moved` last looked at, and when.
+    moved_seen: (u64, Instant),
+}
+
+impl Default for ClientSide {
+    fn default() -> ClientSide {
+        ClientSide {
+            waiting: HashMap::new(),
+            conns: HashMap::new(),
+            consumers: HashMap::new(),
+            confirms: HashMap::new(),
+            held: HashMap::new(),
+            failover: Default::default(),
+            moved_seen: (u64::MAX, Instant::now()),
+        }
+    }
 }
 
 impl ClientSide {
@@ -441,19 +459,38 @@ impl Remote {
         }
         // The credit held for the peer comes back: what it had not taken is lost with it.
         let released: Vec<_> = cl.held.iter_mut().filter(|((p, _), _)| *p == peer).flat_map(|(_, h)| h.drain(..)).collect();
-        // Publish order per channel: what is parked again goes to the next server in it.
-        let mut unanswered: Vec<_> = cl.confirms.keys().filter(|k| k.0 == peer).copied().collect();
-        unanswered.sort_unstable();
+        let resend = self.take_unanswered(&mut cl, |k, _| k.0 == peer, &mut events);
+        self.park_first(&mut cl, resend);
+        drop(cl);
+        drop(released);
+        for (qref, w) in failed {
+            w.fail(unreachable(&qref, "the link to it went down"));
+        }
+        for (tx, ev) in events {
+            let _ = tx.send(ev);
+        }
+    }
+
+    /// Takes the confirms not answered yet that `pick` selects, for publishes whose fate at
+    /// their peer is unknown: each publish to one replicated queue comes back, in publish
+    /// order per channel, to be parked ahead of the others and sent to the queue's next server
+    /// (a duplicate when the peer had stored it too; the publisher would send it again after
+    /// a nack all the same); every other is nacked through `events`.
+    fn take_unanswered(
+        &self,
+        cl: &mut ClientSide,
+        pick: impl Fn(&(NodeId, u64, u64, u64), &Unanswered) -> bool,
+        events: &mut Vec<(ClientTx, ClientEvent)>,
+    ) -> Vec<(QueueRef, QueueOp, Option<Instant>)> {
+        let mut picked: Vec<_> = cl.confirms.iter().filter(|(k, u)| pick(k, u)).map(|(k, _)| *k).collect();
+        picked.sort_unstable();
         let mut resend = Vec::new();
-        for key in unanswered {
+        for key in picked {
             let Some(u) = cl.confirms.remove(&key) else { continue };
             let (_, conn, chan_uid, seq) = key;
             let Some(tx) = cl.conns.get(&conn).map(|c| c.tx.clone()) else { continue };
             let channel = ChannelId(u.channel);
             match u.resend.filter(|(q, _)| u.due == 1 && self.replicated(&q.key)) {
-                // Its fate on the dead node is unknown: the next server stores it (a duplicate
-                // when the dead one had stored it too; the publisher would send it again after
-                // a nack all the same).
                 Some((qref, message)) => {
                     let confirm = ConfirmTo { tx, conn: ConnId(conn), channel, chan_uid, seq };
                     let op = QueueOp::Publish { message, confirm: Some(confirm), published: None, credit: None };
@@ -466,15 +503,36 @@ impl Remote {
                 }
             }
         }
-        self.park_first(&mut cl, resend);
-        drop(cl);
-        drop(released);
-        for (qref, w) in failed {
-            w.fail(unreachable(&qref, "the link to it went down"));
+        resend
+    }
+
+    /// `failover.rs`, rule 7: publishes in flight to a node that no longer serves their
+    /// queue (the metadata moved it while the link to that node stayed up: a bridge, where
+    /// the old server has no leader and commits nothing) are parked for the new server, as
+    /// if the link had gone down. Looks when the topology changed, and once a second for
+    /// publishes sent on a view older than the move. Under the client lock `cl`.
+    pub(super) fn repark_moved(&self, cl: &mut ClientSide) {
+        let version = self.meta.topology_version();
+        if cl.confirms.is_empty() || (version == cl.moved_seen.0 && cl.moved_seen.1.elapsed() < MOVED_RECHECK) {
+            return;
         }
-        for (tx, ev) in events {
-            let _ = tx.send(ev);
+        cl.moved_seen = (version, Instant::now());
+        let topo = self.meta.topology();
+        let mut servers: HashMap<QueueKey, Option<NodeId>> = HashMap::new();
+        let mut moved = |k: &(NodeId, u64, u64, u64), u: &Unanswered| {
+            let Some((qref, _)) = u.resend.as_ref().filter(|_| u.due == 1) else { return false };
+            let now = *servers.entry(qref.key.clone()).or_insert_with(|| topo.queue(&qref.key.vhost, &qref.key.name).map(|d| d.owner_node));
+            now.is_some_and(|n| n != k.0)
+        };
+        let picked: HashSet<(NodeId, u64, u64, u64)> = cl.confirms.iter().filter(|(k, u)| moved(k, u)).map(|(k, _)| *k).collect();
+        if picked.is_empty() {
+            return;
         }
+        let mut none = Vec::new();
+        let resend = self.take_unanswered(cl, |k, _| picked.contains(k), &mut none);
+        debug_assert!(none.is_empty(), "only publishes to one queue are picked");
+        tracing::info!(count = resend.len(), "publishes in flight to a node that no longer serves their queue are sent to its new server");
+        self.park_first(cl, resend);
     }
 
     /// This node's connection `conn` closed (after its channels' `ChannelClosed`): the

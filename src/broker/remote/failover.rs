@@ -38,6 +38,15 @@
 //!    dropped (cancel-ok when asked); otherwise the operation goes to the node the metadata
 //!    names now, not to the one the channel knew ([`Node::steered`]). Wherever it lands, the
 //!    cancel is answered, once (`broker::CancelOkTo`).
+//!
+//! # Publishes in flight to a server that lost its queue
+//! 7. A confirm-mode publish to one replicated queue sent to a node that the metadata no
+//!    longer names as the queue's server, not answered yet, is parked as in rule 1 (ahead of
+//!    the others, in publish order per channel) and goes to the new server by rule 2
+//!    (`Remote::repark_moved`, at the start of every `retry_held`). In a bridge the old
+//!    server keeps its link to this node but has lost its leader: it commits nothing, and
+//!    would nack only when its proposals time out (10 s), long after the queue moved (2-3 s).
+//!    Its later answer for such a publish finds no entry here and is dropped.
 
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -190,6 +199,7 @@ impl Remote {
     /// cancels what waited too long.
     pub fn retry_held(self: &std::sync::Arc<Self>) {
         let mut cl = self.client.lock();
+        self.repark_moved(&mut cl);
         if cl.failover.list.is_empty() && cl.failover.orphans.is_empty() {
             return;
         }
