@@ -52,6 +52,18 @@ impl DataNet for DataLane {
 /// The metadata group's errors ([`crate::meta::MetaError`]); the transport's
 /// ([`crate::cluster::TransportError`]: the cluster port is taken).
 pub fn start_meta(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>), Box<dyn std::error::Error>> {
+    let (meta, parts) = start_meta_group(config)?;
+    // A node whose metadata log fails (EIO, a disk gone read-only) can commit nothing again:
+    // it ends, and a restart recovers from what the disk holds (PostgreSQL's lesson: after a
+    // failed fsync the page cache is no longer to be trusted, so nothing is retried).
+    meta.on_failure(|why| {
+        crate::core::fatal::fatal(&format!("the metadata group stopped: {why}; a restart recovers from the data on disk"))
+    });
+    Ok((meta, parts))
+}
+
+/// [`start_meta`] without the failure hook.
+fn start_meta_group(config: &Config) -> Result<(MetaHandle, Option<ClusterParts>), Box<dyn std::error::Error>> {
     if !config.is_cluster() {
         return Ok((MetaHandle::start(&config.meta_dir(), config.node_id)?, None));
     }

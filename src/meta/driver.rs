@@ -109,6 +109,9 @@ pub(super) enum Request {
     },
 }
 
+/// What [`super::MetaHandle::on_failure`] registers.
+pub(super) type FailureHook = Box<dyn FnOnce(String) + Send>;
+
 /// State shared by the driver thread and every handle.
 pub(super) struct Shared {
     pub(super) node: NodeId,
@@ -128,6 +131,8 @@ pub(super) struct Shared {
     pub(super) stopped: AtomicBool,
     /// The fatal error that stopped the driver, if any.
     pub(super) failure: Mutex<Option<String>>,
+    /// Called once with that error, on the driver's thread ([`super::MetaHandle::on_failure`]).
+    pub(super) on_failure: Mutex<Option<FailureHook>>,
     /// The group's figures, refreshed by the driver after every loop iteration.
     pub(super) figures: Mutex<ClusterFigures>,
     /// Applied replicated-queue data, on its way to the stores (`data.rs`).
@@ -153,6 +158,7 @@ impl Shared {
             counters,
             stopped: AtomicBool::new(false),
             failure: Mutex::new(None),
+            on_failure: Mutex::new(None),
             figures: Mutex::new(ClusterFigures::default()),
             data: Default::default(),
             replay_to: AtomicU64::new(0),
@@ -428,6 +434,10 @@ impl Driver {
             tracing::error!(error = %why, "metadata driver stopped on a fatal error");
             *self.shared.failure.lock() = Some(why.clone());
             self.shared.stopped.store(true, Ordering::Release);
+            let hook = self.shared.on_failure.lock().take();
+            if let Some(hook) = hook {
+                hook(why.clone());
+            }
             self.fail_all(|| MetaError::Failed(why.clone()));
             // Fail whatever is still queued (bounded by the channel's capacity).
             let queued: Vec<Request> = rx.drain().collect();

@@ -61,6 +61,23 @@ impl std::fmt::Debug for MetaHandle {
 }
 
 impl MetaHandle {
+    /// Calls `hook` once with the error when the driver stops on a fatal one (its log cannot
+    /// be written or read: an I/O error, a full disk that a write hit), on the driver's
+    /// thread; at once when it has already. The group does nothing after such an error: a
+    /// server ends the process there, so that its supervisor restarts it from what is on the
+    /// disk (`server::start_meta`), instead of serving with a metadata group that is gone.
+    pub fn on_failure(&self, hook: impl FnOnce(String) + Send + 'static) {
+        let mut slot = self.shared.on_failure.lock();
+        let failed = self.shared.failure.lock().clone();
+        match failed {
+            Some(why) => {
+                drop(slot);
+                hook(why);
+            }
+            None => *slot = Some(Box::new(hook)),
+        }
+    }
+
     /// Tests: makes this node's log writer wait `ms` before each group of writes (0: none).
     #[cfg(test)]
     pub(super) fn stall_disk(&self, ms: u64) {

@@ -66,6 +66,8 @@ struct Node {
     child: Option<Child>,
     /// This node's own `--peers` and extra flags (a node added later), else the cluster's.
     own: Option<(String, Vec<String>)>,
+    /// Its data directory when not `<dir>/data` ([`Cluster::put_data_in`]).
+    data: Option<PathBuf>,
 }
 
 impl Node {
@@ -81,11 +83,12 @@ impl Node {
             dir: tempfile::Builder::new().prefix(&format!("ringmq-cluster-n{}-", i + 1)).tempdir().expect("temp dir"),
             child: None,
             own: None,
+            data: None,
         }
     }
 
     fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
+        self.data.clone().unwrap_or_else(|| self.dir.path().join("data"))
     }
 
     fn log_path(&self) -> PathBuf {
@@ -133,6 +136,19 @@ impl Cluster {
             node.own = Some((peers.join(","), Vec::new()));
         }
         Self::launch(nodes, links, extra)
+    }
+
+    /// `n` nodes as [`Cluster::start_with_args`] makes them, none started: a test sets them up
+    /// ([`Cluster::put_data_in`]) before [`Cluster::start_all_again`] starts them all.
+    pub fn unstarted(n: usize, extra: &[&str]) -> Cluster {
+        let nodes: Vec<Node> = (0..n).map(Node::fresh).collect();
+        let peers = nodes.iter().map(|n| format!("{}={}", n.id, n.cluster)).collect::<Vec<_>>().join(",");
+        Cluster { nodes, peers, extra_args: extra.iter().map(|s| s.to_string()).collect(), links: HashMap::new() }
+    }
+
+    /// Node `i` keeps its data in `dir` (e.g. on a disk of the test's own) from its next start.
+    pub fn put_data_in(&mut self, i: usize, dir: PathBuf) {
+        self.nodes[i].data = Some(dir);
     }
 
     /// Spawns `nodes` and waits until all are ready.
@@ -239,6 +255,23 @@ impl Cluster {
         }
     }
 
+    /// Waits (polling every 50 ms, up to `limit`) for node `i`'s process to exit on its own;
+    /// its exit status, or None while it still runs (it is left running).
+    pub fn wait_exit(&mut self, i: usize, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let child = self.nodes[i].child.as_mut()?;
+            if let Ok(Some(status)) = child.try_wait() {
+                self.nodes[i].child = None;
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Indexes of the nodes whose process runs.
     pub fn running(&mut self) -> Vec<usize> {
         (0..self.len()).filter(|&i| self.is_running(i)).collect()
@@ -338,7 +371,8 @@ impl Cluster {
     }
 
     /// Starts every node again at once (after each was killed: alone, none would find the
-    /// majority it waits for at start) and waits until all are ready.
+    /// majority it waits for at start; or the first time, after [`Cluster::unstarted`]) and
+    /// waits until all are ready.
     pub fn start_all_again(&mut self) {
         let all: Vec<usize> = (0..self.len()).collect();
         for &i in &all {

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub mod cluster;
+pub mod disk;
 pub mod flood;
 pub mod http;
 pub mod pki;
