@@ -57,7 +57,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
         tracing::warn!(cores = config.cores, cpus, "--cores is above the CPUs this process may use; cores will share CPUs");
     }
     let data = config.data_dir.clone();
-    at(&data, "creating the data directory", std::fs::create_dir_all(&data))?;
+    at(&data, "creating the data directory", ringmq_shards::create_dir_all_durable(&data))?;
     // Absolute from here on: glommio opens directories relative to no directory at all.
     config.data_dir = at(&data, "resolving the data directory", std::fs::canonicalize(&data))?;
     let _lock = lock_data_dir(&config.data_dir)?;
@@ -68,7 +68,7 @@ fn run(mut config: Config) -> Result<(), Box<dyn std::error::Error>> {
     }
     at(&transient, "creating", std::fs::create_dir_all(&transient))?;
     let durable = config.durable_dir();
-    at(&durable, "creating", std::fs::create_dir_all(&durable))?;
+    at(&durable, "creating", ringmq_shards::create_dir_all_durable(&durable))?;
     let (meta, cluster) = ringmq::server::start_meta(&config)?;
     seed(&config, &meta)?;
     at(&durable, "removing shards of deleted queues in", remove_orphan_shards(&config, &meta))?;

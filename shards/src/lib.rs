@@ -251,6 +251,33 @@ pub struct RecoveryReport {
     pub warnings: Vec<String>,
 }
 
+/// Creates directory `dir` and its missing parents, then fsyncs the parent of each one it
+/// created, top down: a new directory's entry is durable only once its parent is synced.
+/// ext4 and XFS commit it sooner in practice, POSIX does not promise it, and a power loss
+/// that follows POSIX (`lazyfs/`) otherwise takes the directory and everything under it,
+/// fsynced files included. A directory that exists already costs one `stat` (one created by
+/// a process that crashed before its fsync is left to the kernel's writeback).
+///
+/// # Errors
+/// The first failed `mkdir`, open or fsync.
+pub fn create_dir_all_durable(dir: &Path) -> std::io::Result<()> {
+    let mut missing = Vec::new();
+    let mut next = Some(dir);
+    while let Some(d) = next.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        missing.push(d);
+        next = d.parent();
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    for d in missing.iter().rev() {
+        let parent = d.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// Bytes available to unprivileged writers on the filesystem holding `path`
 /// (statvfs `f_bavail * f_frsize`). The broker blocks publishers below a margin.
 pub fn free_disk_bytes(path: &Path) -> std::io::Result<u64> {

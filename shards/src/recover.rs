@@ -27,7 +27,7 @@ const SCAN_WINDOW: usize = 4 << 20;
 /// Blocking part of `open`, run on glommio's blocking thread: creates the
 /// directory and the `format` marker, lists segment files.
 fn prepare_dir(dir: &Path) -> Result<Vec<String>, StoreError> {
-    std::fs::create_dir_all(dir).map_err(|e| StoreError::io("creating shard directory", dir, e))?;
+    crate::create_dir_all_durable(dir).map_err(|e| StoreError::io("creating shard directory", dir, e))?;
     let marker = dir.join(FORMAT_FILE);
     match std::fs::read(&marker) {
         Ok(buf) => format::check_format_file(&buf).map_err(|reason| StoreError::Format { path: marker.clone(), reason })?,

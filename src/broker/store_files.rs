@@ -116,7 +116,7 @@ pub(super) async fn claim_store(dir: PathBuf, incarnation: u64, queue: String) -
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(StoreError::io("reading", marker, e)),
             }
-            std::fs::create_dir_all(&dir).map_err(|e| StoreError::io("creating", &dir, e))?;
+            ringmq_shards::create_dir_all_durable(&dir).map_err(|e| StoreError::io("creating", &dir, e))?;
             let tmp = dir.join(format!("{INCARNATION_FILE}.tmp"));
             let write = |f: &mut std::fs::File| {
                 use std::io::Write;

@@ -109,7 +109,7 @@ impl DiskStorage {
     /// `meta.log`. A torn log tail is truncated (with a warning). Errors: [`MetaError::Io`],
     /// [`MetaError::CorruptLog`], [`MetaError::CorruptSnapshot`].
     pub(crate) fn open(dir: &Path, counters: Arc<Counters>) -> Result<(DiskStorage, Recovered), MetaError> {
-        fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
+        ringmq_shards::create_dir_all_durable(dir).map_err(io_err("create directory", dir))?;
         for tmp in [LOG_TMP, SNAP_TMP] {
             let p = dir.join(tmp);
             if p.exists() {
