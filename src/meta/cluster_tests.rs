@@ -417,6 +417,17 @@ impl crate::meta::data::DataSink for NullSink {
     fn skipped_to(&self, _index: u64) {}
 }
 
+/// One message for the replicated queue "busy".
+fn enqueue_busy() -> Command {
+    Command::Enqueue {
+        vhost: "/".into(),
+        queue: "busy".into(),
+        flags: 1,
+        header: bytes::Bytes::from_static(b"h"),
+        body: bytes::Bytes::from_static(b"m"),
+    }
+}
+
 #[test]
 fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_it_missed() {
     use crate::meta::topology::QueueDef;
@@ -434,18 +445,11 @@ fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_i
     // Node 3 cut off while more than the leader holds for a lagging follower (64 × 50
     // entries here) goes through the log: it will be sent a snapshot.
     net.cut.lock().insert(3);
-    let enqueue = || Command::Enqueue {
-        vhost: "/".into(),
-        queue: "busy".into(),
-        flags: 1,
-        header: bytes::Bytes::from_static(b"h"),
-        body: bytes::Bytes::from_static(b"m"),
-    };
     let mut n = 0;
     // (A follower compacts on its own at 50; the leader is what node 3 catches up from.)
     while !hs[..2].iter().any(|h| h.is_leader() && h.stats().snapshots > 0) {
         assert!(n < 10_000, "no compaction after {n} entries");
-        hs[n % 2].propose_blocking(vec![enqueue()]).unwrap();
+        hs[n % 2].propose_blocking(vec![enqueue_busy()]).unwrap();
         n += 1;
     }
     net.cut.lock().clear();
@@ -478,15 +482,8 @@ fn a_node_briefly_behind_catches_up_from_the_log_after_the_leader_changes() {
     // Node 3 cut off while 400 entries go through: eight times the compaction threshold
     // (50 entries here), far below what a leader holds for it (64 × 50).
     net.cut.lock().insert(3);
-    let enqueue = || Command::Enqueue {
-        vhost: "/".into(),
-        queue: "busy".into(),
-        flags: 1,
-        header: bytes::Bytes::from_static(b"h"),
-        body: bytes::Bytes::from_static(b"m"),
-    };
     for n in 0..400 {
-        hs[n % 2].propose_blocking(vec![enqueue()]).unwrap();
+        hs[n % 2].propose_blocking(vec![enqueue_busy()]).unwrap();
     }
     let behind = hs[2].with_state(|s| s.applied_index);
     // The leader is lost as node 3 comes back: the other follower is elected (node 3's log
@@ -500,7 +497,7 @@ fn a_node_briefly_behind_catches_up_from_the_log_after_the_leader_changes() {
     }
     let (h_other, h3) = (&hs[other as usize - 1], &hs[2]);
     wait_for("a new leader", Duration::from_secs(10), || h_other.is_leader());
-    h_other.propose_blocking(vec![enqueue()]).unwrap();
+    h_other.propose_blocking(vec![enqueue_busy()]).unwrap();
     let head = h_other.with_state(|s| s.applied_index);
     wait_for("node 3 to catch up", Duration::from_secs(20), || h3.with_state(|s| s.applied_index) >= head);
     assert!(head > behind + 400, "node 3 was {} entries behind", head - behind);

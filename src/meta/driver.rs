@@ -519,67 +519,8 @@ impl Driver {
         self.expire_member_changes();
         self.balance_leadership();
         self.publish_figures();
-        if (self.raw.store().wants_compaction() || self.compact_for_join) && self.compact_after.is_none_or(|t| now >= t) {
-            // The state to snapshot is taken when the log first wants compaction; a leader
-            // writes it once every follower has its index (`compaction_waits`).
-            let state = self.compact_state.take().unwrap_or_else(|| self.shared.state.lock().clone());
-            if self.compaction_waits(state.applied_index) {
-                self.compact_state = Some(state);
-            } else if !self.stores_synced() {
-                // The stores sync while the driver goes on (waiting for them took 1.6-2.1 ms
-                // p50 and up to 35 ms, twice a second, in the 3-node bench); data not synced
-                // in them stays in the log (`data.rs`, invariant 2).
-                self.compact_state = Some(state);
-            } else {
-                // A failed compaction (no disk space for the snapshot or the new log) leaves
-                // the old log in use, consistent with memory: retried later, not fatal. It
-                // replaces `meta.log`, so every write in flight lands first.
-                self.writer.wait_idle()?;
-                match self.raw.mut_store().compact(&state) {
-                    Ok(()) => {
-                        self.compact_after = None;
-                        self.compact_for_join = false;
-                        if self.raw.raft.state == StateRole::Leader && self.voters.len() > 1 {
-                            // The followers' floor (`compaction_waits`).
-                            self.propose_own(vec![Command::LogCompacted { index: state.applied_index }]);
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "metadata compaction failed; retried in 10 s");
-                        self.compact_after = Some(now + Duration::from_secs(10));
-                    }
-                }
-            }
-        }
+        self.compact_when_due(now)?;
         Ok(stopping)
-    }
-
-    /// True while compacting up to `index` would drop entries a node may still need, so the
-    /// compaction waits (but not past twice the thresholds: a node that is down or cut off).
-    /// - A leader waits for every follower to hold `index`: a follower sent a snapshot
-    ///   instead would never learn the outcome of its proposals in those entries (found by
-    ///   the simulator, `sim.rs`).
-    /// - A follower waits until a leader compacted past `index` ([`Command::LogCompacted`]),
-    ///   every voter holding it then: a follower compacting on its own would, once leader,
-    ///   send a snapshot to a node only briefly behind.
-    ///
-    /// Once replicated queue data is in the log (`data.rs`) the limit is
-    /// [`LAGGING_FOLLOWER_FACTOR`] times the thresholds: a node sent a snapshot misses the
-    /// messages committed meanwhile and leaves those queues' replica sets, so a node down for
-    /// minutes under load catches up from the log instead.
-    fn compaction_waits(&self, index: u64) -> bool {
-        let r = &self.raw.raft;
-        let store = self.raw.store();
-        let (entries, bytes) = store.compact_at;
-        let factor = if self.shared.data.carries_data() { LAGGING_FOLLOWER_FACTOR } else { 2 };
-        if store.entry_count() > factor * entries || store.log_bytes() > factor * bytes {
-            return false;
-        }
-        if r.state != StateRole::Leader {
-            return self.shared.state.lock().compacted_to < index;
-        }
-        // A node that just joined has nothing yet: it is what the compaction is for.
-        r.prs().iter().any(|(id, pr)| *id != self.shared.node && pr.matched < index && !(self.compact_for_join && pr.matched == 0))
     }
 
     /// Proposes `cmds` on this driver's own account (nobody waits for the outcome) at the
