@@ -15,9 +15,10 @@
 //!    when the proposer itself applies the entry (it reads its own writes). With no leader
 //!    known, proposals wait (up to `PROPOSE_TIMEOUT`) for one. Entries in flight to a leader
 //!    that changed are proposed again first, in their order, then the waiting ones, then the
-//!    new ones: proposals from one thread reach the log in the order they were made, but for
-//!    one lost on the way with no leader change (a dropped message, a leader transfer): it
-//!    fails at the timeout while later ones may be applied.
+//!    new ones (a leader elected again in a later term counts as changed): proposals from one
+//!    thread reach the log in the order they were made, but for one lost on the way with no
+//!    leader change (a dropped message, a leader transfer): it fails at the timeout while
+//!    later ones may be applied.
 //! 4. Ready loop (`ready.rs`), raft-rs's asynchronous steps: send the leader's messages;
 //!    install a received snapshot; apply committed entries (raft-rs hands out only those
 //!    durable here); stage new entries and the HardState in memory and hand their one write
@@ -194,8 +195,9 @@ pub(super) struct InFlight {
     /// reach the log, the second is skipped by its context (`MetaState::first_application`).
     ctx: Vec<u8>,
     data: Vec<u8>,
-    /// The leader it was proposed to.
-    leader: NodeId,
+    /// The leader it was proposed to, and that leader's term: a leader killed and elected
+    /// again (same id, a later term) lost what was forwarded to it before its crash.
+    leader: (NodeId, u64),
 }
 
 pub(super) struct PendingEntry {
@@ -622,7 +624,7 @@ impl Driver {
             }
             match self.raw.propose(ctx.clone(), data.clone()) {
                 Ok(()) => {
-                    let leader = self.raw.raft.leader_id;
+                    let leader = (self.raw.raft.leader_id, self.raw.raft.term);
                     if self.raw.raft.state == StateRole::Leader {
                         self.note_load(self.raw.raft.id, bytes);
                     }
@@ -643,11 +645,14 @@ impl Driver {
     }
 
     /// Proposes again, in proposal order, every in-flight entry proposed to another leader than
-    /// the current one (module doc, step 3): it may have died with the old leader. The entry
+    /// the current one, or to the same node in an earlier term (module doc, step 3): it may
+    /// have died with the old leader, or with the leader's own run when it was killed and
+    /// elected again (seen in CI: a grow's copy batches and a queue's enqueues stalled 10 s,
+    /// then nacked, behind proposals forwarded to a leader killed just before). The entry
     /// keeps its context, so whichever copy is applied first resolves its waiters.
     fn repropose(&mut self) {
-        let leader = self.raw.raft.leader_id;
-        if leader == 0 || self.net.is_none() {
+        let leader = (self.raw.raft.leader_id, self.raw.raft.term);
+        if leader.0 == 0 || self.net.is_none() {
             return;
         }
         let mut stale: Vec<u64> = self.in_flight.iter().filter(|(_, f)| f.leader != leader).map(|(seq, _)| *seq).collect();
