@@ -40,12 +40,9 @@ impl Raw {
             .spawn()
             .expect("spawn ringmq");
         let mut raw = Raw { child, log, _data: data };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !raw.log().contains("ringmq ready:") || !accepts(std::net::SocketAddr::from(([127, 0, 0, 1], port))) {
-            assert!(raw.child.try_wait().unwrap().is_none(), "ringmq exited during start-up; log:\n{}", raw.log());
-            assert!(Instant::now() < deadline, "ringmq did not start; log:\n{}", raw.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let path = raw.log.clone();
+        wait_started(&mut raw.child, addr, || std::fs::read_to_string(&path).unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"));
         (raw, port)
     }
 

@@ -22,12 +22,8 @@ fn spawn_in(cwd: &std::path::Path, args: &[&str]) -> std::process::Child {
 }
 
 fn wait_accepting(port: u16, child: &mut std::process::Child) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !accepts(std::net::SocketAddr::from(([127, 0, 0, 1], port))) {
-        assert!(child.try_wait().unwrap().is_none(), "ringmq exited during start-up");
-        assert!(Instant::now() < deadline, "ringmq did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // stderr is piped (read at the end), so the port accepting for 1 s in a row counts.
+    wait_started(child, std::net::SocketAddr::from(([127, 0, 0, 1], port)), String::new).unwrap_or_else(|e| panic!("{e}"));
 }
 
 fn stop(mut child: std::process::Child) -> String {

@@ -72,15 +72,11 @@ async fn listen_takes_a_host_name() {
     let log = data.path().with_extension("log");
     let mut b = spawn(&["--listen", &format!("localhost:{port}")], data.path(), &log);
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let deadline = Instant::now() + START_TIMEOUT;
-    while !accepts(addr) {
-        assert!(b.try_wait().unwrap().is_none(), "ringmq exited:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
-        assert!(Instant::now() < deadline, "nothing listens on {addr}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_started(&mut b, addr, log_text).unwrap_or_else(|e| panic!("{e}"));
     let conn = t("connect", lapin::Connection::connect(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f"), Default::default()))
         .await
-        .expect("a client connects through localhost's IPv4 address");
+        .unwrap_or_else(|e| panic!("a client connects through localhost's IPv4 address: {e:?}; log:\n{}", log_text()));
     t("close", conn.close(200, "".into())).await.unwrap();
     let _ = Command::new("kill").arg("-TERM").arg(b.id().to_string()).status();
     let status = exit_within(&mut b, STOP_TIMEOUT).expect("stops on SIGTERM");

@@ -120,6 +120,28 @@ pub fn accepts(addr: SocketAddr) -> bool {
     }
 }
 
+/// Waits (up to [`START_TIMEOUT`]) until a broker we spawned is ready on `addr`: its port
+/// accepts and `log()` (its log so far; empty when not captured) has a "ringmq ready" line, or
+/// the port has accepted for 1 s in a row (see `StartWatch`).
+///
+/// # Errors
+/// The broker exited, or was not ready in time (then the caller still owns `child`); the
+/// text carries the log.
+pub fn wait_started(child: &mut Child, addr: SocketAddr, log: impl Fn() -> String) -> Result<(), String> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut watch = StartWatch::new(0);
+    while !watch.ready(addr, &log()) {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("ringmq exited during start-up ({status}); log:\n{}", log()));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("ringmq was not ready on {addr} within {START_TIMEOUT:?}; log:\n{}", log()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 /// A broker under test: either a ringmq child process we own, or an external broker.
 pub struct Broker {
     addr: SocketAddr,
