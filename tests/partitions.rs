@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::{confirming, drain_distinct, durable_queue, persistent, publish_all, run, Cluster};
 use common::proxy::Mode;
+use common::raw::{be_u64, RawConn};
 use common::*;
 use lapin::options::BasicPublishOptions;
 
@@ -51,6 +52,88 @@ fn a_bridge_partition_sends_the_publishes_in_flight_to_the_queues_new_server() {
         let (seen, _) = drain_distinct(&conn, &q, bodies.len(), Duration::from_secs(60)).await;
         let missing: Vec<&String> = bodies.iter().filter(|b| !seen.contains(*b)).collect();
         assert!(missing.is_empty(), "confirmed but not in the queue after the heal: {missing:?}");
+    });
+}
+
+/// The confirms `raw` reads until `until` or until it has `max`: (delivery tag, ack,
+/// multiple). Anything else on the connection fails the test.
+fn read_confirms(raw: &mut RawConn, until: Instant, max: usize) -> Vec<(u64, bool, bool)> {
+    let mut got = Vec::new();
+    // Bounded: each read waits at most the socket's read timeout.
+    for _ in 0..10_000 {
+        if Instant::now() >= until || got.len() >= max {
+            break;
+        }
+        let Some(f) = raw.read_frame() else { continue };
+        match f.method_id() {
+            Some((60, 80)) => got.push((be_u64(&f.payload[4..12]), true, f.payload[12] & 1 != 0)),
+            Some((60, 120)) => got.push((be_u64(&f.payload[4..12]), false, f.payload[12] & 1 != 0)),
+            other => panic!("unexpected frame on the publishing connection: {other:?} {f:?}"),
+        }
+    }
+    got
+}
+
+/// The nemesis's seed 2 (a confirmed message lost): a publish in flight to a queue's server
+/// when that server froze (every link of it stalled, bytes held, none lost) is sent on to the
+/// queue's next server once the queue moves, and confirmed from there; when the links flow
+/// again, the old server answers it as well. That late answer reached the client as a second
+/// confirm of the same delivery tag, and a client that waits for one confirm per publish
+/// (pika's blocking channel) then took each later confirm for the next publish: a publish
+/// the broker never stored was "confirmed" by its predecessor's ack. Every delivery tag is
+/// confirmed exactly once.
+#[test]
+fn a_late_answer_from_a_queues_old_server_is_not_a_second_confirm() {
+    run(async {
+        let mut c = Cluster::start_linked(3, &[]);
+        let leader = c.wait_one_leader(Duration::from_secs(30));
+        // As in the nemesis run: the publisher on the metadata leader, which moves the queue.
+        let (server, client) = ((leader + 1) % 3, leader);
+        let q = uniq("late");
+        durable_queue(&connect_uri(&c.amqp_uri(server)).await, &q).await;
+        let mut raw = RawConn::open(c.amqp_addr(client));
+        raw.open_channel(1);
+        raw.durable_queue_in_confirm_mode(1, &q);
+        // Short reads, so that `read_confirms` keeps its deadlines.
+        raw.sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        raw.write(&RawConn::persistent_publish_frames(1, "", &q, b"before"));
+        assert_eq!(
+            read_confirms(&mut raw, Instant::now() + Duration::from_secs(45), 1),
+            vec![(1, true, false)],
+            "the first publish is confirmed"
+        );
+
+        // The server freezes: nothing flows between it and the two other nodes.
+        for other in [leader, client] {
+            c.partition(server, other, Mode::Stall);
+        }
+        raw.write(&RawConn::persistent_publish_frames(1, "", &q, b"in-flight"));
+        let frozen = Instant::now();
+        // The queue moves off the frozen server after DOWN_AFTER (2 s); the links flow again
+        // before the 5 s a data lane may stay silent, so the old server's lanes survive and
+        // carry its late answer.
+        let mut first = read_confirms(&mut raw, frozen + Duration::from_millis(4_500), 1);
+        eprintln!("publish in flight at the freeze answered {:.1} s after it: {first:?}", frozen.elapsed().as_secs_f64());
+        for other in [leader, client] {
+            c.partition(server, other, Mode::Pass);
+        }
+        if first.is_empty() {
+            first = read_confirms(&mut raw, Instant::now() + Duration::from_secs(45), 1);
+        }
+        assert_eq!(first, vec![(2, true, false)], "the publish in flight is confirmed by the queue's next server");
+        let late = read_confirms(&mut raw, Instant::now() + Duration::from_secs(15), usize::MAX);
+        assert!(late.is_empty(), "a publish confirmed once was confirmed again after the heal: {late:?}");
+        // Later publishes are confirmed once each, with their own tags.
+        for i in 3..=5u64 {
+            raw.write(&RawConn::persistent_publish_frames(1, "", &q, format!("after-{i}").as_bytes()));
+            assert_eq!(
+                read_confirms(&mut raw, Instant::now() + Duration::from_secs(45), 1),
+                vec![(i, true, false)],
+                "publish {i} after the heal"
+            );
+        }
+        let extra = read_confirms(&mut raw, Instant::now() + Duration::from_secs(2), usize::MAX);
+        assert!(extra.is_empty(), "confirms nobody asked for: {extra:?}");
     });
 }
 

@@ -152,36 +152,34 @@ impl Confirms {
         Confirms { enabled, next_seq, ..Default::default() }
     }
 
-    /// Records one queue's answer for `seq`. Returns `Some(ok)` when `seq` is complete
-    /// (every target answered, or it was unroutable and never pending); `None` while it
-    /// waits for other queues, and for an answer to a publish nacked already as overdue.
+    /// Records one queue's answer for `seq`. Returns `Some(ok)` when `seq` is complete (every
+    /// target answered); `None` while it waits for other queues, and for any answer to a
+    /// publish that is not waiting: one nacked already as overdue, or one answered already
+    /// (a second confirm of a delivery tag would make a client that counts confirms, as
+    /// pika's blocking channel does, take it for the next publish's).
     pub fn stored(&mut self, seq: u64, ok: bool) -> Option<bool> {
-        match self.pending.get_mut(&seq) {
-            None if seq < self.forgotten_below => None,
-            None if !self.abandoned.is_empty() => {
-                let Some(left) = self.abandoned.get_mut(&seq) else { return Some(ok) };
+        let Some((left, failed)) = self.pending.get_mut(&seq) else {
+            if let Some(left) = self.abandoned.get_mut(&seq) {
                 *left = left.saturating_sub(1);
                 if *left == 0 {
                     self.abandoned.remove(&seq);
                 }
-                None
             }
-            None => Some(ok),
-            Some((left, failed)) => {
-                *left = left.saturating_sub(1);
-                *failed |= !ok;
-                if *left == 0 {
-                    let (_, failed) = self.pending.remove(&seq).expect("present");
-                    Some(!failed)
-                } else {
-                    None
-                }
-            }
+            return None;
+        };
+        *left = left.saturating_sub(1);
+        *failed |= !ok;
+        if *left > 0 {
+            return None;
         }
+        let (_, failed) = self.pending.remove(&seq).expect("present");
+        Some(!failed)
     }
 
-    /// Takes the next sequence number for a publish routed to `queues` queues; it waits
-    /// for their answers unless there are none (unroutable: complete at once).
+    /// Takes the next sequence number for a publish that waits for `queues` answers (none:
+    /// complete at once, as a transaction's unroutable publish is; a confirm-mode channel's
+    /// unroutable publish waits for the one answer the channel sends itself after the
+    /// basic.return).
     pub fn take_seq(&mut self, queues: usize) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -346,8 +344,9 @@ mod tests {
         assert_eq!(c.stored(2, false), Some(false));
         assert_eq!(c.stored(1, true), Some(true));
         assert_eq!(c.lowest_pending(), None);
-        // unroutable publishes were never pending
-        assert_eq!(c.stored(9, true), Some(true));
+        // A second answer for a publish answered already is no second confirm.
+        assert_eq!(c.stored(1, true), None);
+        assert_eq!(c.stored(2, true), None);
     }
 
     #[test]
@@ -374,7 +373,8 @@ mod tests {
         c.mark(t0 + Duration::from_secs(40));
         assert_eq!(c.stored(next, false), Some(false));
         assert_eq!(c.overdue(t0 + Duration::from_secs(80), CONFIRM_LIMIT), Vec::<u64>::new());
-        let unroutable = c.take_seq(0);
+        let unroutable = c.take_seq(1);
         assert_eq!(c.stored(unroutable, true), Some(true));
+        assert_eq!(c.stored(unroutable, true), None, "answered once");
     }
 }

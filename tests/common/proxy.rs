@@ -6,7 +6,9 @@
 //! [`Mode`]s: `Pass` forwards; `Reset` closes every connection of the link and closes each
 //! new one at once (a peer that refuses: the nodes notice within a send); `Blackhole`
 //! keeps the connections open and drops every byte both ways (a silent network: the nodes
-//! notice by their timeouts only).
+//! notice by their timeouts only); `Stall` reads nothing either way, so the senders' buffers
+//! fill and every byte waits (a frozen peer or a congested path), all delivered, none lost,
+//! once the link passes again.
 //!
 //! # Invariants
 //! - Threads only: an accept thread per proxy, two pump threads per connection. Each polls
@@ -32,6 +34,8 @@ pub enum Mode {
     Reset = 1,
     /// Keep connections open, drop every byte.
     Blackhole = 2,
+    /// Keep connections open, read nothing: bytes wait and flow again on `Pass`.
+    Stall = 3,
 }
 
 /// State shared by a proxy's threads.
@@ -48,7 +52,8 @@ impl Shared {
         match self.mode.load(Ordering::Acquire) {
             0 => Mode::Pass,
             1 => Mode::Reset,
-            _ => Mode::Blackhole,
+            2 => Mode::Blackhole,
+            _ => Mode::Stall,
         }
     }
 
@@ -133,16 +138,24 @@ fn connect(inbound: TcpStream, outbound: TcpStream, shared: &Arc<Shared>) {
 }
 
 /// Copies `from` to `to` while the link passes; reads and drops while it is a blackhole;
-/// ends (closing both) at EOF, on an error, on `Reset` or on stop.
+/// reads nothing while it stalls; ends (closing both) at EOF, on an error, on `Reset` or on stop.
 fn pump(mut from: TcpStream, mut to: TcpStream, shared: Arc<Shared>) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         if shared.stop.load(Ordering::Acquire) || shared.mode() == Mode::Reset {
             break;
         }
+        if shared.mode() == Mode::Stall {
+            std::thread::sleep(POLL);
+            continue;
+        }
         match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
+                // Bytes read as the link began to stall wait with the others.
+                while shared.mode() == Mode::Stall && !shared.stop.load(Ordering::Acquire) {
+                    std::thread::sleep(POLL);
+                }
                 if shared.mode() == Mode::Pass && to.write_all(&buf[..n]).is_err() {
                     break;
                 }

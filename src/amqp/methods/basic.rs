@@ -444,7 +444,8 @@ pub fn publish(s: &Rc<Session>, channel: u16, p: PendingPublish) -> Result<(), A
             None
         } else {
             Stats::add(&s.core.stats().received_confirm, 1);
-            let seq = c.confirms.take_seq(routed.queues.len());
+            // Unroutable: it waits for the answer sent below, after the basic.return.
+            let seq = c.confirms.take_seq(routed.queues.len().max(1));
             if !routed.queues.is_empty() && !std::mem::replace(&mut st.confirm_clock, true) {
                 // The writer starts the publish clock (`outbound::give_up_overdue`), waking
                 // if idle: an answer that never comes is given up after CONFIRM_LIMIT.

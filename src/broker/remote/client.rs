@@ -382,12 +382,19 @@ impl Remote {
             }
             Event::Stored { channel, chan_uid, seq, ok } => {
                 let key = (from, conn, chan_uid, seq);
-                if let Some(e) = cl.confirms.get_mut(&key) {
-                    e.due = e.due.saturating_sub(1);
-                    e.resend = None;
-                    if e.due == 0 {
-                        cl.confirms.remove(&key);
-                    }
+                let Some(e) = cl.confirms.get_mut(&key) else {
+                    // A late answer from a node this publish is no longer waiting for: it was
+                    // sent on to the queue's next server, or nacked, when the link went down or
+                    // the queue moved (`take_unanswered`). The publish has its one answer
+                    // from there; a second confirm of its delivery tag would make a client that
+                    // counts confirms take it for the next publish's.
+                    tracing::debug!(from, seq, ok, "late answer of a publish answered elsewhere: dropped");
+                    return;
+                };
+                e.due = e.due.saturating_sub(1);
+                e.resend = None;
+                if e.due == 0 {
+                    cl.confirms.remove(&key);
                 }
                 // The broker's own publish (a dead-letter copy) is done with once answered.
                 if conn >= super::PSEUDO_CONNS && !cl.confirms.keys().any(|k| k.1 == conn) {
