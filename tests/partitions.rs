@@ -137,6 +137,71 @@ fn a_late_answer_from_a_queues_old_server_is_not_a_second_confirm() {
     });
 }
 
+/// The nemesis's seed 1 (a publish never answered): publishes in flight to a queue's server
+/// as its links are cut (reset) are held by the nodes that sent them, and sent on once the
+/// queue moves, to another node or to their own node, which then serves it. Each is
+/// answered once, within the 30 s a client may wait, and the queue holds every one.
+#[test]
+fn publishes_in_flight_when_their_server_is_cut_off_are_answered_once() {
+    run(async {
+        let mut c = Cluster::start_linked(3, &[]);
+        let leader = c.wait_one_leader(Duration::from_secs(30));
+        let server = (leader + 1) % 3;
+        let others = [leader, (leader + 2) % 3];
+        let on_server = connect_uri(&c.amqp_uri(server)).await;
+        let q = uniq("cut");
+        durable_queue(&on_server, &q).await;
+        // A publisher on each other node: the queue moves to one of them.
+        let mut raws: Vec<RawConn> = others
+            .iter()
+            .map(|&i| {
+                let mut raw = RawConn::open(c.amqp_addr(i));
+                raw.open_channel(1);
+                raw.durable_queue_in_confirm_mode(1, &q);
+                raw.sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+                raw
+            })
+            .collect();
+        for (k, raw) in raws.iter_mut().enumerate() {
+            raw.write(&RawConn::persistent_publish_frames(1, "", &q, format!("before-{k}").as_bytes()));
+            assert_eq!(read_confirms(raw, Instant::now() + Duration::from_secs(45), 1), vec![(1, true, false)]);
+        }
+        for round in 0..3u64 {
+            // A queue of its own each round, served by the node cut off.
+            let q = format!("{q}-{round}");
+            durable_queue(&on_server, &q).await;
+            for (k, raw) in raws.iter_mut().enumerate() {
+                raw.write(&RawConn::persistent_publish_frames(1, "", &q, format!("cut-{round}-{k}").as_bytes()));
+            }
+            for &other in &others {
+                c.partition(server, other, Mode::Reset);
+            }
+            let cut = Instant::now();
+            for (k, raw) in raws.iter_mut().enumerate() {
+                let got = read_confirms(raw, cut + Duration::from_secs(30), 1);
+                assert_eq!(
+                    got,
+                    vec![(round + 2, true, false)],
+                    "round {round}: the publish in flight on node {} at the cut",
+                    others[k] + 1
+                );
+            }
+            eprintln!("round {round}: publishes in flight at the cut confirmed {:.1} s after it", cut.elapsed().as_secs_f64());
+            for &other in &others {
+                c.partition(server, other, Mode::Pass);
+            }
+            for raw in raws.iter_mut() {
+                let late = read_confirms(raw, Instant::now() + Duration::from_secs(3), usize::MAX);
+                assert!(late.is_empty(), "round {round}: confirmed again: {late:?}");
+            }
+            let (seen, _) = drain_distinct(&connect_uri(&c.amqp_uri(leader)).await, &q, 2, Duration::from_secs(30)).await;
+            for k in 0..2 {
+                assert!(seen.contains(&format!("cut-{round}-{k}")), "round {round}: confirmed but not in {q}: {seen:?}");
+            }
+        }
+    });
+}
+
 /// Lines of node `i`'s log where its data link to node `peer` (an index) changed, as
 /// (up, count so far): the last state and how many times it went down.
 fn data_link(c: &Cluster, i: usize, peer: usize) -> (Option<bool>, usize) {
