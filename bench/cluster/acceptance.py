@@ -376,6 +376,23 @@ class Client(threading.Thread):
             self.say(f"{what} through node {self.node + 1}", None)
 
 
+def paced(conn, rate, stop):
+    """Yields once per publish due at `rate` a second (0: at once, each time) until `stop`
+    is set, sleeping through `conn.sleep` (which services heartbeats). Far behind (a stall of
+    over 1 s), it starts over from now instead of bursting to catch up."""
+    interval = 1.0 / rate if rate > 0 else 0.0
+    due = now()
+    while not stop.is_set():
+        if interval:
+            due += interval
+            wait = due - now()
+            if wait > 0:
+                conn.sleep(wait)
+            elif wait < -1.0:
+                due = now()
+        yield
+
+
 class Publisher(Client):
     def __init__(self, ports, queue, run_id, rate, guard, stop):
         super().__init__("publisher", ports, 0, guard, stop)
@@ -397,16 +414,7 @@ class Publisher(Client):
         with self.guard.busy("channel.open/confirm.select"):
             ch = conn.channel()
             ch.confirm_delivery()
-        interval = 1.0 / self.rate if self.rate > 0 else 0.0
-        due = now()
-        while not self.stop.is_set():
-            if interval:
-                due += interval
-                wait = due - now()
-                if wait > 0:
-                    conn.sleep(wait)  # services heartbeats while pacing
-                elif wait < -1.0:
-                    due = now()  # far behind (a stall): do not burst to catch up
+        for _ in paced(conn, self.rate, self.stop):
             self.seq += 1
             seq = self.seq
             body = f"{self.run_id} {seq} {self.node + 1}".encode()

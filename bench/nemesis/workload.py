@@ -67,15 +67,7 @@ class Publisher(acceptance.Client):
         with self.guard.busy("channel.open/confirm.select"):
             ch = conn.channel()
             ch.confirm_delivery()
-        interval = 1.0 / self.rate
-        due = now()
-        while not self.stop.is_set():
-            due += interval
-            wait = due - now()
-            if wait > 0:
-                conn.sleep(wait)  # services heartbeats while pacing
-            elif wait < -1.0:
-                due = now()  # far behind (a stall): do not burst to catch up
+        for _ in acceptance.paced(conn, self.rate, self.stop):
             if self.stop.is_set() or away_too_long(self, since):
                 return
             self.publish_one(ch)

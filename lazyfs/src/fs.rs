@@ -101,6 +101,16 @@ impl LazyFs {
         }
     }
 
+    /// unlink (`dir` false) and rmdir (`dir` true) of `name` in `parent`.
+    fn remove(&self, parent: INodeNo, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+        let mut d = self.disk();
+        let parent = Self::ino(&d, parent);
+        match d.remove(parent, Path::new(name), dir) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn attr(d: &Disk, md: &Metadata) -> FileAttr {
         let ino = if md.ino() == d.root_ino() { 1 } else { md.ino() };
         FileAttr {
@@ -308,21 +318,11 @@ impl Filesystem for LazyFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let mut d = self.disk();
-        let parent = Self::ino(&d, parent);
-        match d.remove(parent, Path::new(name), false) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.remove(parent, name, false, reply);
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        let mut d = self.disk();
-        let parent = Self::ino(&d, parent);
-        match d.remove(parent, Path::new(name), true) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.remove(parent, name, true, reply);
     }
 
     fn rename(

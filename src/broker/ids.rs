@@ -36,6 +36,24 @@ impl fmt::Display for Offset {
 #[repr(transparent)]
 pub struct ConnId(pub u64);
 
+impl ConnId {
+    /// First of the ids the broker makes up for its own publishes (dead-letter copies): far
+    /// above what the connection id counter reaches, below the 48 bits a peer's id keeps.
+    pub const FIRST_PSEUDO: u64 = 1 << 47;
+
+    /// A fresh made-up id for one of the broker's own publishes: its confirms from another
+    /// node come back to that publish alone (`remote::client`).
+    pub fn pseudo() -> ConnId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(ConnId::FIRST_PSEUDO);
+        ConnId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// True for an id [`ConnId::pseudo`] made.
+    pub fn is_pseudo(self) -> bool {
+        self.0 >= ConnId::FIRST_PSEUDO
+    }
+}
+
 impl fmt::Display for ConnId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.fmt(f)

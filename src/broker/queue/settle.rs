@@ -512,7 +512,7 @@ impl DeadLetterTarget {
         }
         let (tx, rx) = flume::unbounded();
         // Its own "connection" id: a target on another node answers this flow, not another.
-        let conn = crate::broker::ConnId(crate::broker::remote::pseudo_conn());
+        let conn = crate::broker::ConnId::pseudo();
         let n = route.queues.len();
         let published = crate::observe::sample_at(crate::observe::SamplePoint::DeadLetter).then(Instant::now);
         for target in &route.queues {

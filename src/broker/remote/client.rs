@@ -397,7 +397,7 @@ impl Remote {
                     cl.confirms.remove(&key);
                 }
                 // The broker's own publish (a dead-letter copy) is done with once answered.
-                if conn >= super::PSEUDO_CONNS && !cl.confirms.keys().any(|k| k.1 == conn) {
+                if ConnId(conn).is_pseudo() && !cl.confirms.keys().any(|k| k.1 == conn) {
                     cl.conns.remove(&conn);
                 }
                 ClientEvent::Stored { channel: ChannelId(channel), chan_uid, seq, ok }

@@ -56,17 +56,6 @@ pub use client::ClientSide;
 pub use failover::PARK_LIMIT;
 pub use owner::OwnerSide;
 
-/// First id of the connection ids the broker makes up for its own publishes (dead-letter
-/// copies): far above what the id counter reaches, below the 48 bits a peer's id keeps.
-pub const PSEUDO_CONNS: u64 = 1 << 47;
-
-/// A fresh made-up connection id for one of the broker's own publishes (see
-/// [`PSEUDO_CONNS`]); its confirms from another node come back to that publish alone.
-pub fn pseudo_conn() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(PSEUDO_CONNS);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
 /// The data lane as the broker sees it (a `cluster::Transport` in a cluster).
 pub trait DataNet: Send + Sync {
     /// Queues `payload` for `to`; never blocks. Errors: the lane is down, its queue is full,
