@@ -46,7 +46,10 @@
 //!    (`Remote::repark_moved`, at the start of every `retry_held`). In a bridge the old
 //!    server keeps its link to this node but has lost its leader: it commits nothing, and
 //!    would nack only when its proposals time out (10 s), long after the queue moved (2-3 s).
-//!    Its later answer for such a publish finds no entry here and is dropped.
+//!    Its later answer for such a publish finds no entry here and is dropped, as is any
+//!    answer from a node a publish was taken back from (rule 1's link loss, or a nack): a
+//!    publish has one answer, from where it went last (a second confirm of a delivery tag
+//!    made pika's blocking channel take every later confirm for the next publish's).
 
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
