@@ -124,20 +124,27 @@ pub fn unmount(mnt: &Path) {
     }
 }
 
-/// A loop-mounted ext4 filesystem of `size_mib` MiB, or None (with a printed SKIPPED note) where this
-/// machine cannot make one. In CI, as root with mkfs.ext4 present, a failure fails the test.
-pub fn loop_disk(test: &str, size_mib: u64) -> Option<LoopMount> {
+/// mkfs.ext4's path where this test may make an ext4 image (`why` says what for), or None
+/// with a printed SKIPPED note: tests with external tools skipped, not root, or no mkfs.ext4.
+fn ext4_tools(test: &str, why: &str) -> Option<PathBuf> {
     if skip_external(test) {
         return None;
     }
     if !is_root() {
-        eprintln!("SKIPPED: {test}: needs root to loop-mount an ext4 image");
+        eprintln!("SKIPPED: {test}: needs root {why}");
         return None;
     }
-    let Some(mkfs) = find_program("mkfs.ext4") else {
+    let mkfs = find_program("mkfs.ext4");
+    if mkfs.is_none() {
         eprintln!("SKIPPED: {test}: mkfs.ext4 not found (package e2fsprogs)");
-        return None;
-    };
+    }
+    mkfs
+}
+
+/// A loop-mounted ext4 filesystem of `size_mib` MiB, or None (with a printed SKIPPED note) where this
+/// machine cannot make one. In CI, as root with mkfs.ext4 present, a failure fails the test.
+pub fn loop_disk(test: &str, size_mib: u64) -> Option<LoopMount> {
+    let mkfs = ext4_tools(test, "to loop-mount an ext4 image")?;
     match LoopMount::new(&mkfs, size_mib) {
         Ok(m) => Some(m),
         Err(e) if std::env::var_os("CI").is_some() => {
@@ -285,17 +292,7 @@ impl Drop for FaultyDisk {
 /// In CI, as root with mkfs.ext4 and chattr present (both e2fsprogs), a failure to mount it or
 /// to make its writes fail fails the test.
 pub fn faulty_disk(test: &str, size_mib: u64) -> Option<FaultyDisk> {
-    if skip_external(test) {
-        return None;
-    }
-    if !is_root() {
-        eprintln!("SKIPPED: {test}: needs root to loop-mount an ext4 image and make it immutable");
-        return None;
-    }
-    let Some(mkfs) = find_program("mkfs.ext4") else {
-        eprintln!("SKIPPED: {test}: mkfs.ext4 not found (package e2fsprogs)");
-        return None;
-    };
+    let mkfs = ext4_tools(test, "to loop-mount an ext4 image and make it immutable")?;
     let Some(chattr) = find_program("chattr") else {
         eprintln!("SKIPPED: {test}: chattr not found (package e2fsprogs)");
         return None;
