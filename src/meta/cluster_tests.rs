@@ -545,3 +545,27 @@ fn users_permissions_and_policies_reach_every_node() {
         assert_eq!(t.access.policies_in("/", false).collect::<Vec<_>>(), [&policy], "node {}", h.node_id());
     }
 }
+
+/// A read barrier asked while its node knows no leader (raft-rs drops it then, telling
+/// nobody, as a leader does before its first commit of a term) is answered once a leader is
+/// back, not failed at the proposal timeout: a node that synced right after an election
+/// started 10 s late ("could not catch up with the metadata group").
+#[test]
+fn a_read_barrier_asked_without_a_leader_is_answered_once_one_is_known() {
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let hs = start_all(&net, &dirs);
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let lone = hs.iter().find(|h| h.node_id() != leader).unwrap();
+    net.cut.lock().insert(lone.node_id());
+    wait_for("the cut node to lose its leader", Duration::from_secs(10), || lone.leader_id().is_none());
+    let asked = Instant::now();
+    let read = {
+        let lone = lone.clone();
+        std::thread::spawn(move || block_on(lone.sync()))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    net.cut.lock().clear();
+    let answer = read.join().unwrap();
+    assert!(answer.is_ok(), "the barrier failed after {:?}: {answer:?}", asked.elapsed());
+}

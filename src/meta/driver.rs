@@ -239,12 +239,12 @@ pub(super) struct Driver {
     pub(super) in_flight: HashMap<u64, InFlight>,
     /// Proposals made while no leader was known, retried each iteration.
     awaiting_leader: Vec<PendingEntry>,
-    /// Read barriers sent to raft-rs, by request id, with the time they were asked.
-    pub(super) reads: HashMap<u64, (Instant, flume::Sender<Result<(), MetaError>>)>,
+    /// Read barriers sent to raft-rs whose read index is not known yet, by request id.
+    pub(super) reads: HashMap<u64, super::ready::PendingRead>,
     /// Read barriers whose read index is known: resolved once applied reaches it.
     /// (read index, when asked, reply).
     pub(super) reads_at: Vec<(u64, Instant, ReadReply)>,
-    next_read: u64,
+    pub(super) next_read: u64,
     /// The clock of the last `turn` (the simulator drives it).
     pub(super) now: Instant,
     last_tick: Instant,
@@ -517,6 +517,7 @@ impl Driver {
         self.on_ready()?;
         self.on_persisted()?;
         self.repropose();
+        self.ask_reads_again();
         self.expire();
         self.expire_member_changes();
         self.balance_leadership();
@@ -560,10 +561,7 @@ impl Driver {
                     // A single voter's state is the committed state.
                     let _ = reply.send(Ok(()));
                 } else {
-                    let id = self.next_read;
-                    self.next_read += 1;
-                    self.raw.read_index(id.to_le_bytes().to_vec());
-                    self.reads.insert(id, (self.now, reply));
+                    self.ask_read(reply);
                 }
             }
             Request::ChangeMembers { change, reply } => self.propose_member_change(change, reply),
@@ -687,10 +685,10 @@ impl Driver {
                 }
             }
         }
-        let late: Vec<u64> = self.reads.iter().filter(|(_, (since, _))| old(*since)).map(|(id, _)| *id).collect();
+        let late: Vec<u64> = self.reads.iter().filter(|(_, r)| old(r.since)).map(|(id, _)| *id).collect();
         for id in late {
-            if let Some((_, reply)) = self.reads.remove(&id) {
-                let _ = reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
+            if let Some(r) = self.reads.remove(&id) {
+                let _ = r.reply.send(Err(MetaError::NoQuorum { waited_ms: waited, leader }));
             }
         }
         // A barrier whose index is known but not applied in time (this node cut off since).
@@ -715,7 +713,7 @@ impl Driver {
                 let _ = w.reply.send(Err(err()));
             }
         }
-        for (_, (_, reply)) in self.reads.drain() {
+        for reply in self.reads.drain().map(|(_, r)| r.reply) {
             let _ = reply.send(Err(err()));
         }
         for (_, _, reply) in self.reads_at.drain(..) {

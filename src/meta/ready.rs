@@ -17,6 +17,19 @@ use super::MetaError;
 /// Most Ready rounds handled per loop iteration (each round needs fresh raft-rs work).
 const MAX_READY_ROUNDS: usize = 64;
 
+/// How long a read barrier waits for its read index before it is asked for again
+/// ([`Driver::ask_reads_again`]): a quarter of an election timeout.
+const READ_ASK_AGAIN: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// A read barrier handed to raft-rs whose read index is not known yet.
+pub(super) struct PendingRead {
+    /// When it was asked (its `PROPOSE_TIMEOUT` runs from here).
+    pub(super) since: std::time::Instant,
+    /// When it was last handed to raft-rs.
+    sent: std::time::Instant,
+    pub(super) reply: flume::Sender<Result<(), MetaError>>,
+}
+
 impl Driver {
     /// Hands messages to the network (a single voter has none to send).
     fn send(&self, msgs: Vec<Message>) {
@@ -136,11 +149,39 @@ impl Driver {
         Ok(true)
     }
 
+    /// Hands a read barrier to raft-rs (its context: a fresh request id).
+    pub(super) fn ask_read(&mut self, reply: flume::Sender<Result<(), MetaError>>) {
+        let id = self.next_read;
+        self.next_read += 1;
+        self.raw.read_index(id.to_le_bytes().to_vec());
+        self.reads.insert(id, PendingRead { since: self.now, sent: self.now, reply });
+    }
+
+    /// Asks again, under the same id, for every read barrier without a read index after
+    /// [`READ_ASK_AGAIN`]: raft-rs drops a read request, telling nobody, on a follower that knows
+    /// no leader and on a leader that has not committed an entry of its term yet (its first
+    /// moments), so a node that synced right after an election waited out the whole
+    /// `PROPOSE_TIMEOUT` (seen at start: "could not catch up with the metadata group", 10 s).
+    /// Whichever answer comes first resolves it; a later one finds no entry.
+    pub(super) fn ask_reads_again(&mut self) {
+        let now = self.now;
+        let mut due: Vec<u64> =
+            self.reads.iter().filter(|(_, r)| now.saturating_duration_since(r.sent) >= READ_ASK_AGAIN).map(|(id, _)| *id).collect();
+        // In id order: the simulator replays a seed exactly.
+        due.sort_unstable();
+        for id in due {
+            if let Some(r) = self.reads.get_mut(&id) {
+                r.sent = now;
+            }
+            self.raw.read_index(id.to_le_bytes().to_vec());
+        }
+    }
+
     /// A read index arrived for barrier `ctx`: it resolves once applied reaches `index`.
     fn read_state(&mut self, index: u64, ctx: &[u8]) {
         let Ok(id) = <[u8; 8]>::try_from(ctx).map(u64::from_le_bytes) else { return };
-        if let Some((since, reply)) = self.reads.remove(&id) {
-            self.reads_at.push((index, since, reply));
+        if let Some(r) = self.reads.remove(&id) {
+            self.reads_at.push((index, r.since, r.reply));
         }
     }
 
