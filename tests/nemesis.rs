@@ -82,7 +82,7 @@ fn nemesis_short_form_loses_no_confirmed_message() {
     for kind in KINDS {
         assert!(parsed["kinds"][kind].as_u64().unwrap_or(0) >= 1, "no {kind} fault in the short form: {summary}");
     }
-    for zero in ["lost", "minority_confirms", "unanswered"] {
+    for zero in ["lost", "minority_confirms", "double_confirms", "unanswered"] {
         assert_eq!(parsed[zero].as_u64(), Some(0), "{zero}: {summary}");
     }
     let _ = std::fs::remove_dir_all(&out_dir);

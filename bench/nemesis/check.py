@@ -16,12 +16,15 @@ What it counts:
 - unanswered: publishes whose answer (ack, nack, return, or an error of their connection)
   came later than --answer-limit seconds (README: "Every publish in confirm mode is answered
   within 30 s"), plus --grace, or never (the client's guard gave up, or the run ended).
+- double confirms: confirms that named no delivery tag waiting on their channel (a tag
+  confirmed already, or never published; workload.TagWatch), which a blocking client would
+  take for the next publish's answer.
 - per fault: seconds from its start to the first ack after it, and from its heal to the
   first ack after it, on any node and per node; `gap_s`, the longest time without any ack
   from its start to 10 s after its heal (the failover as clients see it), worst per kind.
 
-Exit status: 0 when nothing confirmed was lost, no minority confirm, every publish answered
-within the limit, no node exited unexpectedly and something was confirmed; 1 otherwise.
+Exit status: 0 when nothing confirmed was lost, no minority confirm, no double confirm, every
+publish answered within the limit, no node exited unexpectedly and something was confirmed; 1 otherwise.
 """
 
 import argparse
@@ -144,6 +147,8 @@ def verdict(summary, exits):
         reasons.append(f"{summary['lost']} confirmed messages lost")
     if summary["minority_confirms"]:
         reasons.append(f"{summary['minority_confirms']} confirms on a minority node")
+    if summary["double_confirms"]:
+        reasons.append(f"{summary['double_confirms']} confirms of a delivery tag not waiting")
     if summary["unanswered"]:
         reasons.append(f"{summary['unanswered']} publishes not answered within {summary['answer_limit_s']:g} s")
     if exits:
@@ -176,6 +181,7 @@ def check(events, answer_limit=30.0, minority_after=2.0, grace=0.5):
     for f in faults:
         worst[f["kind"]] = max(worst.get(f["kind"], 0.0), f["gap_s"])
     exits = [e for e in events if e["ev"] == "unexpected_exit"]
+    doubles = [e for e in events if e["ev"] == "double_confirm"]
 
     summary = {
         "seed": run.get("seed"),
@@ -193,6 +199,8 @@ def check(events, answer_limit=30.0, minority_after=2.0, grace=0.5):
         "delivered_unconfirmed": sum(1 for i in deliveries if i not in acked),
         "minority_confirms": len(minority),
         "minority_first": sorted(minority, key=lambda m: m["t"])[:20],
+        "double_confirms": len(doubles),
+        "double_confirms_first": doubles[:20],
         "unanswered": len(unanswered),
         "unanswered_first": unanswered[:20],
         "answer_limit_s": answer_limit,

@@ -36,8 +36,8 @@ What it does
    (connections reset, new ones reset at once).
 5. Heals everything, lets load run to --duration, stops the publishers, drains the consumers
    (until --drain-idle s without a delivery, at most --drain-timeout s), stops everything.
-6. Checks the history (check.py: lost, duplicates, minority confirms, unanswered publishes,
-   time to an ack after each fault and heal) and writes, in --out: history.jsonl, plan.json,
+6. Checks the history (check.py: lost, duplicates, minority confirms, double confirms,
+   unanswered publishes, time to an ack after each fault and heal) and writes, in --out: history.jsonl, plan.json,
    summary.json and report.html (confirms per second per node, confirm latency, the faults
    as bands, the summary).
 
@@ -232,7 +232,8 @@ def human(s):
            f"  published {s['published']}, confirmed {s['confirmed']}, outcomes {s['outcomes']}",
            f"  delivered {s['delivered_unique']} unique ({s['deliveries']} deliveries, {s['redeliveries']} redelivered, "
            f"{s['duplicates']} duplicates)",
-           f"  lost {s['lost']}, minority confirms {s['minority_confirms']}, unanswered {s['unanswered']}",
+           f"  lost {s['lost']}, minority confirms {s['minority_confirms']}, double confirms {s['double_confirms']}, "
+           f"unanswered {s['unanswered']}",
            f"  confirm latency p50 {lat['p50']}, p99 {lat['p99']}, max {lat['max']} s",
            f"  worst ack gap by kind {s['worst_gap_by_kind_s']}"]
     for f in s["fault_list"]:

@@ -138,7 +138,7 @@ def write(history_path, summary, out_path):
     kinds = " ".join(f'<span style="background:{c}">&nbsp;{k}&nbsp;</span>' for k, c in KIND_COLORS.items())
     main_rows = [(k, json.dumps(summary[k])) for k in
                  ("ok", "fail_reasons", "seed", "duration_s", "published", "confirmed", "outcomes", "delivered_unique",
-                  "lost", "duplicates", "redeliveries", "minority_confirms", "unanswered", "confirm_latency_s",
+                  "lost", "duplicates", "redeliveries", "minority_confirms", "double_confirms", "unanswered", "confirm_latency_s",
                   "kinds", "worst_gap_by_kind_s", "slow_failovers", "unexpected_exits")]
     doc = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>ringmq nemesis, seed {html.escape(str(summary['seed']))}</title>

@@ -50,6 +50,37 @@ class History:
             self._file.close()
 
 
+class TagWatch:
+    """Reads the confirms (basic.ack and basic.nack) of one confirm-mode channel by delivery
+    tag, beside pika's own callback. pika's blocking channel takes whichever confirm comes next
+    for the publish it waits for, whatever tag it names, so a second confirm of one tag would
+    shift every later answer by one, unseen (an ack "for" a publish the broker never stored).
+    Records `double_confirm` for a confirm that names no tag waiting: one confirmed already,
+    or one never published."""
+
+    def __init__(self, history, node, k):
+        self.history, self.node, self.k = history, node, k
+        self.published = 0  # tags taken: one per basic.publish on the channel
+        self.low = 1  # every tag below is confirmed
+        self.confirmed = set()  # confirmed tags at or above `low`
+
+    def listen(self, ch):
+        for method in (pika.spec.Basic.Ack, pika.spec.Basic.Nack):
+            ch._impl.callbacks.add(ch.channel_number, method, self.on_confirm, False)
+
+    def on_confirm(self, frame):
+        m = frame.method
+        tags = range(self.low, m.delivery_tag + 1) if m.multiple else [m.delivery_tag]
+        fresh = [t for t in tags if self.low <= t <= self.published and t not in self.confirmed]
+        if not fresh:
+            self.history.record("double_confirm", pub=self.k, node=self.node, tag=m.delivery_tag,
+                                multiple=bool(m.multiple), published=self.published)
+        self.confirmed.update(fresh)
+        while self.low in self.confirmed:
+            self.confirmed.discard(self.low)
+            self.low += 1
+
+
 class Publisher(acceptance.Client):
     """Publishes to one queue at `rate` msgs/s, one confirm at a time. Records `publish`
     before each basic.publish, then `confirm` with outcome ack, nack, return (basic.return:
@@ -67,9 +98,12 @@ class Publisher(acceptance.Client):
         with self.guard.busy("channel.open/confirm.select"):
             ch = conn.channel()
             ch.confirm_delivery()
+        tags = TagWatch(self.history, self.node + 1, self.k)
+        tags.listen(ch)
         for _ in acceptance.paced(conn, self.rate, self.stop):
             if self.stop.is_set() or away_too_long(self, since):
                 return
+            tags.published += 1
             self.publish_one(ch)
 
     def publish_one(self, ch):
