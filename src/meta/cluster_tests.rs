@@ -569,3 +569,51 @@ fn a_read_barrier_asked_without_a_leader_is_answered_once_one_is_known() {
     let answer = read.join().unwrap();
     assert!(answer.is_ok(), "the barrier failed after {:?}: {answer:?}", asked.elapsed());
 }
+
+/// Proposes from `h` (batches of 20 exchange declarations) until `h` leads: the balancer moves
+/// the leadership to the node that proposes most (bounded: 15 s).
+fn propose_until_leader(h: &MetaHandle, prefix: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut n = 0;
+    while !h.is_leader() {
+        assert!(Instant::now() < deadline, "node {} proposed {n} commands and never got the leadership", h.node_id());
+        let cmds: Vec<Command> =
+            (0..20).map(|i| Command::DeclareExchange(exchange(&format!("{prefix}{}", n + i), ExchangeKind::Direct, true))).collect();
+        block_on(h.propose_batch(cmds)).expect("a proposal while the leadership moves");
+        n += 20;
+    }
+}
+
+/// A follower's proposal forwarded to the leader and lost on the way, while the leadership
+/// goes elsewhere and comes back to that same node in a later term, is proposed again: the
+/// proposer tells leaders by (id, term), so "the same leader" at a later term is a new one
+/// (a leader killed and elected again lost what was forwarded to it: seen in CI as a grow's
+/// copy batches stalled 10 s, then nacked).
+#[test]
+fn a_proposal_lost_by_a_leader_that_leads_again_later_is_proposed_again() {
+    let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
+    let balance =
+        super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
+    let cfg = MetaConfig { leader_balance: Some(balance), propose_timeout: Duration::from_secs(30), ..config() };
+    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let first = hs.iter().find(|h| h.node_id() == leader).unwrap();
+    let mut others = hs.iter().filter(|h| h.node_id() != leader);
+    let (proposer, other) = (others.next().unwrap().clone(), others.next().unwrap());
+
+    // The proposer is cut off as it proposes: its proposal, forwarded to the leader, is lost.
+    net.cut.lock().insert(proposer.node_id());
+    let pending = {
+        let p = proposer.clone();
+        std::thread::spawn(move || declare_exchange(&p, "lost-on-the-way"))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // The leadership moves to the other node and back: the first leader leads again, later.
+    propose_until_leader(other, "away");
+    propose_until_leader(first, "back");
+    net.cut.lock().clear();
+    let answer = pending.join().unwrap();
+    assert!(matches!(answer, Ok(Outcome::Created)), "the lost proposal was not proposed again: {answer:?}");
+}
