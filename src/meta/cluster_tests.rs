@@ -432,7 +432,12 @@ fn enqueue_busy() -> Command {
 fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_it_missed() {
     use crate::meta::topology::QueueDef;
     let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
-    let hs = start_all(&net, &dirs);
+    // The new leader's first proposal commits once node 3 took the 400 entries before it,
+    // which can outlast the group's usual 3 s on two loaded cores (the likeliest reading of
+    // one failure in 14 runs, whose message was not kept).
+    let cfg = MetaConfig { propose_timeout: Duration::from_secs(15), ..config() };
+    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
     for h in &hs {
         h.attach_data_sink(Arc::new(NullSink));
     }
@@ -471,7 +476,12 @@ fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_i
 fn a_node_briefly_behind_catches_up_from_the_log_after_the_leader_changes() {
     use crate::meta::topology::QueueDef;
     let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
-    let hs = start_all(&net, &dirs);
+    // The new leader's first proposal commits once node 3 took the 400 entries before it,
+    // which can outlast the group's usual 3 s on two loaded cores (the likeliest reading of
+    // one failure in 14 runs, whose message was not kept).
+    let cfg = MetaConfig { propose_timeout: Duration::from_secs(15), ..config() };
+    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
+    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
     for h in &hs {
         h.attach_data_sink(Arc::new(NullSink));
     }
