@@ -124,11 +124,6 @@ pub struct Confirms {
     /// Marks of the publish clock ([`Confirms::mark`]): `(s, t)` says every sequence number
     /// below `s` was taken before `t`. Oldest first, at most one per [`MARK_EVERY`].
     marks: VecDeque<(u64, Instant)>,
-    /// Publishes nacked by [`Confirms::overdue`] whose queues may still answer: seq →
-    /// answers still due. Those answers are dropped (the publish was answered once).
-    abandoned: BTreeMap<u64, u32>,
-    /// Abandoned publishes below this were forgotten (beyond [`ABANDONED_MAX`]).
-    forgotten_below: u64,
 }
 
 /// Longest a confirm-mode publish waits for its answer before the connection nacks it itself,
@@ -140,10 +135,6 @@ pub const CONFIRM_LIMIT: Duration = Duration::from_secs(30);
 /// Spacing of the publish clock's marks: an overdue publish is nacked within
 /// `CONFIRM_LIMIT + MARK_EVERY` of its basic.publish.
 pub const MARK_EVERY: Duration = Duration::from_secs(1);
-
-/// Most abandoned publishes remembered per channel with the answers they still expect;
-/// beyond it the oldest are forgotten, and any late answer below them is dropped.
-const ABANDONED_MAX: usize = 65_536;
 
 impl Confirms {
     /// Confirms of a channel that starts numbering its publishes at `next_seq` (1 after
@@ -158,15 +149,7 @@ impl Confirms {
     /// (a second confirm of a delivery tag would make a client that counts confirms, as
     /// pika's blocking channel does, take it for the next publish's).
     pub fn stored(&mut self, seq: u64, ok: bool) -> Option<bool> {
-        let Some((left, failed)) = self.pending.get_mut(&seq) else {
-            if let Some(left) = self.abandoned.get_mut(&seq) {
-                *left = left.saturating_sub(1);
-                if *left == 0 {
-                    self.abandoned.remove(&seq);
-                }
-            }
-            return None;
-        };
+        let (left, failed) = self.pending.get_mut(&seq)?;
         *left = left.saturating_sub(1);
         *failed |= !ok;
         if *left > 0 {
@@ -245,17 +228,8 @@ impl Confirms {
         let Some(below) = below else { return Vec::new() };
         let kept = self.pending.split_off(&below);
         let late = std::mem::replace(&mut self.pending, kept);
-        let mut seqs = Vec::with_capacity(late.len());
-        for (seq, (left, _)) in late {
-            self.abandoned.insert(seq, left);
-            seqs.push(seq);
-        }
         self.sampled.retain(|&(s, _)| s >= below);
-        while self.abandoned.len() > ABANDONED_MAX {
-            let Some((oldest, _)) = self.abandoned.pop_first() else { break };
-            self.forgotten_below = oldest + 1;
-        }
-        seqs
+        late.into_keys().collect()
     }
 }
 
