@@ -86,7 +86,12 @@ fn dirs() -> Vec<tempfile::TempDir> {
 
 /// Starts nodes 1, 2 and 3 in `dirs` at once and waits for all three.
 fn start_all(net: &Arc<MemNet>, dirs: &[tempfile::TempDir]) -> Vec<MetaHandle> {
-    let starts: Vec<_> = (1..=3).map(|id| spawn(net, dirs[id as usize - 1].path(), id)).collect();
+    start_all_with(net, dirs, config())
+}
+
+/// [`start_all`] with a configuration of its own.
+fn start_all_with(net: &Arc<MemNet>, dirs: &[tempfile::TempDir], cfg: MetaConfig) -> Vec<MetaHandle> {
+    let starts: Vec<_> = (1..=3).map(|id| spawn_with(net, dirs[id as usize - 1].path(), id, cfg)).collect();
     starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect()
 }
 
@@ -120,8 +125,7 @@ fn the_leadership_moves_to_the_node_that_proposes_most() {
     let balance =
         super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
     let cfg = MetaConfig { leader_balance: Some(balance), ..config() };
-    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let hs = start_all_with(&net, &dirs, cfg);
     wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
     let first = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
     let busy = hs.iter().find(|h| h.node_id() != first).unwrap();
@@ -436,8 +440,7 @@ fn a_node_sent_a_snapshot_leaves_the_replica_sets_of_the_queues_whose_messages_i
     // which can outlast the group's usual 3 s on two loaded cores (the likeliest reading of
     // one failure in 14 runs, whose message was not kept).
     let cfg = MetaConfig { propose_timeout: Duration::from_secs(15), ..config() };
-    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let hs = start_all_with(&net, &dirs, cfg);
     for h in &hs {
         h.attach_data_sink(Arc::new(NullSink));
     }
@@ -480,8 +483,7 @@ fn a_node_briefly_behind_catches_up_from_the_log_after_the_leader_changes() {
     // which can outlast the group's usual 3 s on two loaded cores (the likeliest reading of
     // one failure in 14 runs, whose message was not kept).
     let cfg = MetaConfig { propose_timeout: Duration::from_secs(15), ..config() };
-    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let hs = start_all_with(&net, &dirs, cfg);
     for h in &hs {
         h.attach_data_sink(Arc::new(NullSink));
     }
@@ -605,8 +607,7 @@ fn a_proposal_lost_by_a_leader_that_leads_again_later_is_proposed_again() {
     let balance =
         super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
     let cfg = MetaConfig { leader_balance: Some(balance), propose_timeout: Duration::from_secs(30), ..config() };
-    let starts: Vec<_> = (1..=3).map(|id| spawn_with(&net, dirs[id as usize - 1].path(), id, cfg)).collect();
-    let hs: Vec<MetaHandle> = starts.into_iter().map(|t| t.join().unwrap().unwrap()).collect();
+    let hs = start_all_with(&net, &dirs, cfg);
     wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
     let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
     let first = hs.iter().find(|h| h.node_id() == leader).unwrap();
