@@ -117,6 +117,12 @@ fn agreed_leader(hs: &[&MetaHandle]) -> Option<NodeId> {
     hs.iter().all(|h| h.leader_id() == Some(first)).then_some(first)
 }
 
+/// Waits (up to 10 s) until the three nodes of `hs` agree on one leader; its id.
+fn wait_leader(hs: &[MetaHandle]) -> NodeId {
+    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    agreed_leader(&[&hs[0], &hs[1], &hs[2]]).expect("agreed above")
+}
+
 /// `balance.rs`: the leadership moves to the follower that proposes most, and every proposal
 /// made across the move is answered and applied once.
 #[test]
@@ -126,8 +132,7 @@ fn the_leadership_moves_to_the_node_that_proposes_most() {
         super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
     let cfg = MetaConfig { leader_balance: Some(balance), ..config() };
     let hs = start_all_with(&net, &dirs, cfg);
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
-    let first = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let first = wait_leader(&hs);
     let busy = hs.iter().find(|h| h.node_id() != first).unwrap();
 
     // One follower proposes, in batches of 20, until it leads (bounded: 15 s).
@@ -161,8 +166,7 @@ fn three_nodes_share_one_state_and_survive_the_loss_of_the_leader() {
         assert!(h.is_cluster());
         assert_eq!(h.boot_epoch(), 1);
     }
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
-    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let leader = wait_leader(&hs);
     assert_eq!(hs.iter().filter(|h| h.is_leader()).count(), 1);
     let follower = hs.iter().find(|h| !h.is_leader()).unwrap();
     let other = hs.iter().find(|h| !h.is_leader() && h.node_id() != follower.node_id()).unwrap();
@@ -254,8 +258,7 @@ fn lagging_and_restarted_nodes_catch_up_from_a_snapshot_and_boot_once() {
 fn a_leader_whose_disk_stalls_keeps_its_place_while_its_followers_commit() {
     let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
     let hs = start_all(&net, &dirs);
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
-    let id = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let id = wait_leader(&hs);
     let leader = hs[(id - 1) as usize].clone();
     let term = leader.cluster_figures().term;
     let follower = hs.iter().find(|h| h.node_id() != id).unwrap();
@@ -528,7 +531,7 @@ fn users_permissions_and_policies_reach_every_node() {
     use super::access::{ApplyTo, Permission, PolicyDef, UserDef};
     let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
     let hs = start_all(&net, &dirs);
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
+    wait_leader(&hs);
     let follower = hs.iter().find(|h| !h.is_leader()).unwrap();
     let user = UserDef { name: "app".into(), password_hash: "aGFzaA==".into(), tags: vec!["monitoring".into()] };
     let perm = Permission { user: "app".into(), vhost: "/".into(), configure: "^a".into(), write: ".*".into(), read: "".into() };
@@ -566,8 +569,7 @@ fn users_permissions_and_policies_reach_every_node() {
 fn a_read_barrier_asked_without_a_leader_is_answered_once_one_is_known() {
     let (dirs, net) = (dirs(), Arc::new(MemNet::default()));
     let hs = start_all(&net, &dirs);
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
-    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let leader = wait_leader(&hs);
     let lone = hs.iter().find(|h| h.node_id() != leader).unwrap();
     net.cut.lock().insert(lone.node_id());
     wait_for("the cut node to lose its leader", Duration::from_secs(10), || lone.leader_id().is_none());
@@ -608,8 +610,7 @@ fn a_proposal_lost_by_a_leader_that_leads_again_later_is_proposed_again() {
         super::LeaderBalance { window: Duration::from_millis(200), min_bytes_per_s: 1_000, factor: 2, hold: Duration::from_millis(500) };
     let cfg = MetaConfig { leader_balance: Some(balance), propose_timeout: Duration::from_secs(30), ..config() };
     let hs = start_all_with(&net, &dirs, cfg);
-    wait_for("one leader", Duration::from_secs(10), || agreed_leader(&[&hs[0], &hs[1], &hs[2]]).is_some());
-    let leader = agreed_leader(&[&hs[0], &hs[1], &hs[2]]).unwrap();
+    let leader = wait_leader(&hs);
     let first = hs.iter().find(|h| h.node_id() == leader).unwrap();
     let mut others = hs.iter().filter(|h| h.node_id() != leader);
     let (proposer, other) = (others.next().unwrap().clone(), others.next().unwrap());
