@@ -56,6 +56,14 @@ struct Ledger {
     /// Ids whose ack was older than [`ACK_DEADLINE`] at a crash.
     settled: HashSet<u32>,
     delivered: HashSet<u32>,
+    /// Id → when it was first delivered (for the violations' text).
+    first_delivered: HashMap<u32, Instant>,
+    /// When the crashes happened.
+    crashes: Vec<Instant>,
+    /// Set for the cluster form: a delivery again without redelivered=true goes to
+    /// `unflagged` (counted, printed), not to `violations` (see that test's doc).
+    cluster: bool,
+    unflagged: Vec<String>,
     /// Deliveries of an id acked before (an ack a crash undid).
     undone_acks: u64,
     violations: Vec<String>,
@@ -72,13 +80,27 @@ impl Ledger {
         if self.acked.contains_key(&id) {
             self.undone_acks += 1;
         }
+        let now = Instant::now();
         if !self.delivered.insert(id) && !redelivered {
-            self.violations.push(format!("{how}: message {id} delivered again without redelivered=true"));
+            let ms = |t: Instant| now.duration_since(t).as_millis();
+            let first = self.first_delivered.get(&id).map_or("?".into(), |t| ms(*t).to_string());
+            let acked = self.acked.get(&id).map_or("no".into(), |t| format!("{} ms ago", ms(*t)));
+            let crash = self.crashes.last().map_or("none".into(), |t| format!("{} ms ago", ms(*t)));
+            let what = format!(
+                "{how}: message {id} delivered again without redelivered=true (first {first} ms ago, acked {acked}, last crash {crash})"
+            );
+            if self.cluster {
+                self.unflagged.push(what);
+            } else {
+                self.violations.push(what);
+            }
         }
+        self.first_delivered.entry(id).or_insert(now);
     }
 
     /// The crash happens now: acks old enough are settled for good.
     fn crash(&mut self, now: Instant) {
+        self.crashes.push(now);
         let old: Vec<u32> = self.acked.iter().filter(|(_, t)| now.duration_since(**t) >= ACK_DEADLINE).map(|(id, _)| *id).collect();
         self.settled.extend(old);
     }
@@ -254,13 +276,19 @@ async fn power_loss_rounds_single_node_lose_nothing_confirmed() {
     }
     let drained = drain(&node.uri(), &ledger).await;
     let l = ledger.lock().unwrap();
+    verdict("power-loss", &l, &drained, &[node.log()], (rounds, seed, dropped_names), started);
+}
+
+/// The checks of a run (see the module doc), after its summary line (`what` names the run):
+/// no panic or fatal error in any of `logs`, no violation, nothing confirmed lost, and load
+/// enough. `run` is (rounds, seed, names undone by the crashes).
+fn verdict(what: &str, l: &Ledger, drained: &HashSet<u32>, logs: &[String], run: (u64, u64, usize), started: Instant) {
+    let (rounds, seed, dropped_names) = run;
     let mut lost: Vec<u32> = l.confirmed.iter().copied().filter(|id| !l.acked.contains_key(id) && !drained.contains(id)).collect();
     lost.sort_unstable();
-    let panics: Vec<String> =
-        node.log().lines().filter(|s| s.contains("panicked at") || s.contains("ringmq: fatal")).map(str::to_owned).collect();
     eprintln!(
-        "power-loss summary: rounds={rounds} seed={seed} published={} confirmed={} acked={} settled_acks={} drained={} undone_acks={} \
-         lost={} violations={} names_undone={dropped_names} duration_s={:.1}",
+        "{what} summary: rounds={rounds} seed={seed} published={} confirmed={} acked={} settled_acks={} drained={} undone_acks={} \
+         lost={} violations={} unflagged_duplicates={} names_undone={dropped_names} duration_s={:.1}",
         l.published,
         l.confirmed.len(),
         l.acked.len(),
@@ -269,9 +297,19 @@ async fn power_loss_rounds_single_node_lose_nothing_confirmed() {
         l.undone_acks,
         lost.len(),
         l.violations.len(),
+        l.unflagged.len(),
         started.elapsed().as_secs_f64()
     );
-    assert!(panics.is_empty(), "the broker log holds panics or fatal errors:\n{}", tail(&node.log(), 60));
+    for v in l.violations.iter().take(40) {
+        eprintln!("VIOLATION: {v}");
+    }
+    for v in l.unflagged.iter().take(40) {
+        eprintln!("UNFLAGGED DUPLICATE: {v}");
+    }
+    for (i, log) in logs.iter().enumerate() {
+        let panics: Vec<&str> = log.lines().filter(|s| s.contains("panicked at") || s.contains("ringmq: fatal")).collect();
+        assert!(panics.is_empty(), "broker {} log holds panics or fatal errors:\n{}", i + 1, tail(log, 60));
+    }
     assert!(
         l.violations.is_empty(),
         "{} violations, e.g. {:?}; seed {seed}",
@@ -280,4 +318,157 @@ async fn power_loss_rounds_single_node_lose_nothing_confirmed() {
     );
     assert!(lost.is_empty(), "{} confirmed messages lost, e.g. {:?}; seed {seed}", lost.len(), &lost[..lost.len().min(10)]);
     assert!(l.confirmed.len() as u64 > 20 * rounds, "too little load: {} confirmed in {rounds} rounds", l.confirmed.len());
+}
+
+/// One node of [`power_loss_rounds_cluster_lose_nothing_confirmed`]: its layer and broker.
+struct Member {
+    lazy: Lazy,
+    node: Node,
+    backing: std::path::PathBuf,
+    mount: std::path::PathBuf,
+    control: std::path::PathBuf,
+    lazy_log: std::path::PathBuf,
+}
+
+impl Member {
+    /// Mounts the layer again over the same backing dir (after its crash).
+    fn remount(&mut self) {
+        self.lazy = Lazy::mount(&self.backing, &self.mount, &self.control, &self.lazy_log);
+    }
+}
+
+/// The cluster form (issue 40 item 3, "each cluster node in turn"): three brokers on loopback,
+/// each with its data dir on its own `ringmq-lazyfs` mount; the durable queue is replicated on
+/// all three. Round r takes node r mod 3 down (SIGKILL and its layer's crash at the same
+/// moment) while a publisher and a consumer work through the next node, lets the two others
+/// go on without it for a moment, then mounts its layer again and restarts it. A confirm is
+/// an entry fsynced in the Raft log of a majority, a settle too: one node's power loss must
+/// cost nothing confirmed, bring back no ack older than [`ACK_DEADLINE`], and the node must
+/// rejoin and serve. `RINGMQ_POWER_LOSS_CLUSTER_ROUNDS` (default 6), `RINGMQ_POWER_LOSS_SEED`
+/// and `RINGMQ_POWER_LOSS_KEEP` (keep the run's directory and logs) control a run.
+///
+/// Not yet a violation here: a message delivered a second time without redelivered=true
+/// right after the consumer followed the queue to its next server (issue 40, open: a few per
+/// run, the same class as the nemesis's unflagged duplicates after a pause). They are counted
+/// and printed ("UNFLAGGED DUPLICATE"); the single-node form fails on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn power_loss_rounds_cluster_lose_nothing_confirmed() {
+    if let Some(why) = cannot_mount() {
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        eprintln!("NOTE: skipped: {why}");
+        return;
+    }
+    let rounds = env_u64("RINGMQ_POWER_LOSS_CLUSTER_ROUNDS", 6).max(1);
+    let seed = env_u64("RINGMQ_POWER_LOSS_SEED", std::process::id() as u64 * 7919 + 3);
+    eprintln!("cluster power-loss rounds: {rounds} rounds, seed {seed} (RINGMQ_POWER_LOSS_SEED={seed} replays the kill moments)");
+    let budget = Duration::from_secs(90 + 45 * rounds);
+    let started = Instant::now();
+    let mut rng = Rng::new(seed);
+    let tmp = tempfile::Builder::new().prefix("ringmq-power-loss-cluster-").tempdir().expect("temp dir");
+    if std::env::var_os("RINGMQ_POWER_LOSS_KEEP").is_some() {
+        eprintln!("keeping {} (RINGMQ_POWER_LOSS_KEEP)", tmp.path().display());
+    }
+    let tmp = Keep(Some(tmp));
+    let amqp: Vec<u16> = (0..3).map(|_| harness::free_port()).collect();
+    let cluster: Vec<u16> = (0..3).map(|_| harness::free_port()).collect();
+    let peers = (0..3).map(|i| format!("{}=127.0.0.1:{}", i + 1, cluster[i])).collect::<Vec<_>>().join(",");
+    let mut members: Vec<Member> = (0..3)
+        .map(|i| {
+            let dir = tmp.path().join(format!("n{}", i + 1));
+            let (backing, mount) = (dir.join("backing"), dir.join("mount"));
+            std::fs::create_dir_all(backing.join("data")).unwrap();
+            std::fs::create_dir_all(&mount).unwrap();
+            let (control, lazy_log) = (dir.join("control.sock"), dir.join("lazyfs.log"));
+            let lazy = Lazy::mount(&backing, &mount, &control, &lazy_log);
+            let mut args: Vec<String> =
+                ["--node-id", &(i + 1).to_string(), "--listen", &format!("127.0.0.1:{}", amqp[i])].iter().map(|s| s.to_string()).collect();
+            args.extend(["--cluster-listen".to_owned(), format!("127.0.0.1:{}", cluster[i]), "--peers".to_owned(), peers.clone()]);
+            args.extend(Node::side_args(&mount.join("data")));
+            args.extend(["--cores".to_owned(), "1".to_owned()]);
+            let node = Node::new(std::net::SocketAddr::from(([127, 0, 0, 1], amqp[i])), args, &dir.join("ringmq.log"));
+            Member { lazy, node, backing, mount, control, lazy_log }
+        })
+        .collect();
+    tokio::task::block_in_place(|| {
+        let before: Vec<usize> = members.iter_mut().map(|m| m.node.launch()).collect();
+        for (m, b) in members.iter_mut().zip(before) {
+            m.node.wait_ready(b);
+        }
+    });
+    assert!(declare(&members[0].node.uri(), false).await, "queue.declare failed");
+    let ledger = Arc::new(Mutex::new(Ledger { cluster: true, ..Ledger::default() }));
+    let mut dropped_names = 0usize;
+    for round in 1..=rounds {
+        assert!(started.elapsed() < budget, "over the time budget of {budget:?} after {} rounds; seed {seed}", round - 1);
+        let victim = (round as usize - 1) % 3;
+        let via = members[(victim + 1) % 3].node.uri();
+        let before = {
+            let l = ledger.lock().unwrap();
+            (l.confirmed.len(), l.acked.len())
+        };
+        let tasks = [tokio::spawn(publisher(via.clone(), ledger.clone())), tokio::spawn(consumer(via.clone(), ledger.clone()))];
+        let delay = rng.range(1000, 4000);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        let m = &mut members[victim];
+        m.node.kill9();
+        ledger.lock().unwrap().crash(Instant::now());
+        let report = tokio::task::block_in_place(|| m.lazy.crash());
+        m.node.reap();
+        // The two others go on without it (a failover when it served the queue).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        for task in tasks {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
+                abort.abort();
+            }
+        }
+        dropped_names += report.lines().filter(|l| l.starts_with("undid")).count();
+        eprintln!(
+            "round {round}/{rounds}: node {} crashed after {delay} ms; lazyfs dropped:\n  {}",
+            victim + 1,
+            report.trim_end().replace('\n', "\n  ")
+        );
+        let log_before = m.node.log().len();
+        m.remount();
+        tokio::task::block_in_place(|| m.node.spawn());
+        if !declare(&m.node.uri(), true).await {
+            let what = format!("round {round}: node {} does not know the durable queue {QUEUE:?} after its crash", victim + 1);
+            eprintln!("VIOLATION: {what}");
+            ledger.lock().unwrap().violations.push(what);
+        }
+        let log = m.node.log();
+        let recovered = recovery_lines(&log[log_before..]);
+        let l = ledger.lock().unwrap();
+        eprintln!(
+            "round {round}/{rounds}: +{} confirmed, +{} acked; node {} restarted, {} recovery lines{}",
+            l.confirmed.len() - before.0,
+            l.acked.len() - before.1,
+            victim + 1,
+            recovered.len(),
+            recovered.iter().map(|s| format!("\n  {s}")).collect::<String>()
+        );
+    }
+    let drained = drain(&members[0].node.uri(), &ledger).await;
+    let logs: Vec<String> = members.iter().map(|m| m.node.log()).collect();
+    let l = ledger.lock().unwrap();
+    verdict("cluster power-loss", &l, &drained, &logs, (rounds, seed, dropped_names), started);
+}
+
+/// A run's directory, kept when `RINGMQ_POWER_LOSS_KEEP` is set (its logs, to read a failure).
+struct Keep(Option<tempfile::TempDir>);
+
+impl Keep {
+    fn path(&self) -> &std::path::Path {
+        self.0.as_ref().expect("the run's dir").path()
+    }
+}
+
+impl Drop for Keep {
+    fn drop(&mut self) {
+        if std::env::var_os("RINGMQ_POWER_LOSS_KEEP").is_some() {
+            if let Some(t) = self.0.take() {
+                let _ = t.keep();
+            }
+        }
+    }
 }

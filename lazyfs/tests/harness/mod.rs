@@ -165,26 +165,42 @@ impl Node {
     /// Starts ringmq with `--data-dir data_dir` on free loopback ports and waits until ready.
     pub fn start(data_dir: &Path, log: &Path) -> Node {
         let port = free_port();
-        let args = vec![
-            "--listen".to_owned(),
-            format!("127.0.0.1:{port}"),
+        let mut args = vec!["--listen".to_owned(), format!("127.0.0.1:{port}")];
+        args.extend(Node::side_args(data_dir));
+        args.extend(["--cores".to_owned(), "2".to_owned()]);
+        let mut n = Node::new(SocketAddr::from(([127, 0, 0, 1], port)), args, log);
+        n.spawn();
+        n
+    }
+
+    /// `--data-dir data_dir` and free loopback ports for the metrics and management listeners.
+    pub fn side_args(data_dir: &Path) -> Vec<String> {
+        vec![
             "--data-dir".to_owned(),
             data_dir.display().to_string(),
             "--metrics-listen".to_owned(),
             format!("127.0.0.1:{}", free_port()),
             "--management-listen".to_owned(),
             format!("127.0.0.1:{}", free_port()),
-            "--cores".to_owned(),
-            "2".to_owned(),
-        ];
-        let mut n = Node { child: None, addr: SocketAddr::from(([127, 0, 0, 1], port)), args, log: log.to_owned() };
-        n.spawn();
-        n
+        ]
+    }
+
+    /// A broker run with `args` (which make it listen for AMQP on `addr`), output appended to
+    /// `log`; not started ([`Node::launch`], [`Node::spawn`]).
+    pub fn new(addr: SocketAddr, args: Vec<String>, log: &Path) -> Node {
+        Node { child: None, addr, args, log: log.to_owned() }
     }
 
     /// Starts the process again with the same flags; panics (with the log) when it exits or is
     /// not ready in time.
     pub fn spawn(&mut self) {
+        let before = self.launch();
+        self.wait_ready(before);
+    }
+
+    /// Starts the process without waiting; returns what [`Node::wait_ready`] takes (the
+    /// count of ready lines in the log before it).
+    pub fn launch(&mut self) -> usize {
         let before = self.log().matches("ringmq ready:").count();
         let err = std::fs::File::options().create(true).append(true).open(&self.log).expect("broker log");
         let child = Command::new(broker_binary())
@@ -195,6 +211,12 @@ impl Node {
             .spawn()
             .expect("spawn ringmq");
         self.child = Some(child);
+        before
+    }
+
+    /// Waits until the process [`Node::launch`] started (`before` ready lines earlier) is ready;
+    /// panics (with the log) when it exits or is not ready in time.
+    pub fn wait_ready(&mut self, before: usize) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if self.log().matches("ringmq ready:").count() > before && accepts(self.addr) {
