@@ -230,6 +230,36 @@ async fn declare(uri: &str, passive: bool) -> bool {
     ok
 }
 
+/// True (with a note) when this machine cannot mount FUSE; outside CI the rounds are then
+/// skipped, in CI that is a failure.
+fn skipped() -> bool {
+    let Some(why) = cannot_mount() else { return false };
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("NOTE: skipped: {why}");
+    true
+}
+
+/// The power loss: `node`'s process and its layer's unsynced state go at the same moment
+/// (SIGKILL, then the layer's crash); the ledger's acks old enough are settled for good.
+/// Returns the layer's report of what it dropped.
+fn power_loss(node: &mut Node, lazy: &mut Lazy, ledger: &Mutex<Ledger>) -> String {
+    node.kill9();
+    ledger.lock().unwrap().crash(Instant::now());
+    let report = tokio::task::block_in_place(|| lazy.crash());
+    node.reap();
+    report
+}
+
+/// Waits (up to 10 s each) for a round's clients to end, aborting those that do not.
+async fn stop_clients(tasks: [tokio::task::JoinHandle<()>; 2]) {
+    for task in tasks {
+        let abort = task.abort_handle();
+        if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
+            abort.abort();
+        }
+    }
+}
+
 /// Lines of a broker log that report a recovery with losses or a torn tail.
 fn recovery_lines(log: &str) -> Vec<&str> {
     log.lines().filter(|l| l.contains("torn tail") || l.contains("recovered with losses") || l.contains("truncating")).collect()
@@ -241,9 +271,7 @@ fn recovery_lines(log: &str) -> Vec<&str> {
 // broker booted as a fresh node. Fixed by `ringmq_shards::create_dir_all_durable`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_loss_rounds_single_node_lose_nothing_confirmed() {
-    if let Some(why) = cannot_mount() {
-        assert!(std::env::var_os("CI").is_none(), "{why}");
-        eprintln!("NOTE: skipped: {why}");
+    if skipped() {
         return;
     }
     let rounds = env_u64("RINGMQ_POWER_LOSS_ROUNDS", 6).max(1);
@@ -271,17 +299,8 @@ async fn power_loss_rounds_single_node_lose_nothing_confirmed() {
         let tasks = [tokio::spawn(publisher(node.uri(), ledger.clone())), tokio::spawn(consumer(node.uri(), ledger.clone()))];
         let delay = rng.range(500, 3000);
         tokio::time::sleep(Duration::from_millis(delay)).await;
-        // The power loss: the process and the unsynced state go at the same moment.
-        node.kill9();
-        ledger.lock().unwrap().crash(Instant::now());
-        let report = tokio::task::block_in_place(|| lazy.crash());
-        node.reap();
-        for task in tasks {
-            let abort = task.abort_handle();
-            if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
-                abort.abort();
-            }
-        }
+        let report = power_loss(&mut node, &mut lazy, &ledger);
+        stop_clients(tasks).await;
         dropped_names += report.lines().filter(|l| l.starts_with("undid")).count();
         eprintln!("round {round}/{rounds}: crashed after {delay} ms; lazyfs dropped:\n  {}", report.trim_end().replace('\n', "\n  "));
         let log_before = node.log().len();
@@ -386,9 +405,7 @@ impl Member {
 /// enqueue by the channel's sequence number; ringmq does not yet (issue 40, open).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_loss_rounds_cluster_lose_nothing_confirmed() {
-    if let Some(why) = cannot_mount() {
-        assert!(std::env::var_os("CI").is_none(), "{why}");
-        eprintln!("NOTE: skipped: {why}");
+    if skipped() {
         return;
     }
     let rounds = env_u64("RINGMQ_POWER_LOSS_CLUSTER_ROUNDS", 6).max(1);
@@ -443,18 +460,10 @@ async fn power_loss_rounds_cluster_lose_nothing_confirmed() {
         let delay = rng.range(1000, 4000);
         tokio::time::sleep(Duration::from_millis(delay)).await;
         let m = &mut members[victim];
-        m.node.kill9();
-        ledger.lock().unwrap().crash(Instant::now());
-        let report = tokio::task::block_in_place(|| m.lazy.crash());
-        m.node.reap();
+        let report = power_loss(&mut m.node, &mut m.lazy, &ledger);
         // The two others go on without it (a failover when it served the queue).
         tokio::time::sleep(Duration::from_secs(3)).await;
-        for task in tasks {
-            let abort = task.abort_handle();
-            if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
-                abort.abort();
-            }
-        }
+        stop_clients(tasks).await;
         dropped_names += report.lines().filter(|l| l.starts_with("undid")).count();
         eprintln!(
             "round {round}/{rounds}: node {} crashed after {delay} ms; lazyfs dropped:\n  {}",
