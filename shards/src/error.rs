@@ -111,11 +111,6 @@ impl StoreError {
         matches!(self, StoreError::DiskFull { .. })
     }
 
-    /// True for [`StoreError::Corrupt`]: the record failed its check and was dropped.
-    pub fn is_corrupt(&self) -> bool {
-        matches!(self, StoreError::Corrupt { .. })
-    }
-
     /// True when the process or the system is out of file descriptors (EMFILE, ENFILE).
     pub fn is_out_of_files(&self) -> bool {
         matches!(self, StoreError::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)))

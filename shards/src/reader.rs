@@ -25,24 +25,10 @@ pub const READ_WINDOW: u64 = 1 << 20;
 impl Shard {
     pub(crate) fn drop_corrupt(&self, offset: Offset, path: PathBuf, reason: String) -> StoreError {
         tracing::error!(offset, path = %path.display(), %reason, "corrupt record dropped");
-        self.inner.corrupt.borrow_mut().push(offset);
         if let Err(e) = self.inner.st.borrow_mut().delete_one(&self.inner.dir, offset, &mut 0) {
             tracing::warn!(offset, error = %e, "corrupt record not marked deleted");
         }
         StoreError::Corrupt { offset, path, reason }
-    }
-
-    /// Offsets of the records dropped since the last call because they failed their CRC or
-    /// framing check when read (invariant 2), in the order found. A [`Reader`] skips such a
-    /// record without an error, and [`Shard::read`] reports it once: an owner for which a
-    /// missing record matters (a replicated copy is incomplete without it) asks here after
-    /// its reads. Empty on a store that never failed a check.
-    pub fn take_corrupt(&self) -> Vec<Offset> {
-        let mut found = self.inner.corrupt.borrow_mut();
-        if found.is_empty() {
-            return Vec::new();
-        }
-        std::mem::take(&mut *found)
     }
 
     /// Reads the live records of one segment from `from` on, up to about

@@ -76,9 +76,6 @@ pub(crate) struct Inner {
     pub dir: PathBuf,
     pub cfg: ShardConfig,
     pub faults: Option<Faults>,
-    /// Offsets of the records dropped for failing their check, not yet taken by
-    /// [`crate::Shard::take_corrupt`].
-    pub(crate) corrupt: RefCell<Vec<crate::format::Offset>>,
 }
 
 impl State {
@@ -240,6 +237,5 @@ pub(crate) fn new_inner(st: State, dir: PathBuf, cfg: ShardConfig, faults: Optio
         dir,
         cfg,
         faults,
-        corrupt: RefCell::new(Vec::new()),
     })
 }

@@ -444,7 +444,6 @@ impl Node {
         for (from, to, why) in &report.dropped {
             tracing::warn!(queue = %qref.key.name, from, to, why, "recovery dropped message records");
         }
-        let damage = super::queue::Recovered::damage_of(&report, shard.next_offset(), &dir);
         let want = super::queue::RecordScan {
             body_lens: super::policy::counts_bytes(&self.shared.meta.topology(), def),
             priorities: super::queue::priority::max_priority(&def.arguments).is_some(),
@@ -452,7 +451,7 @@ impl Node {
         let (body_lens, priorities) =
             if want.body_lens || want.priorities { super::queue::scan_records(&shard, want).await? } else { Default::default() };
         if !qref.durable {
-            return Ok((shard, None, Recovered { body_lens, priorities, damage, ..Recovered::default() }));
+            return Ok((shard, None, Recovered { body_lens, priorities, ..Recovered::default() }));
         }
         let index_cfg = ringmq_shards::ShardConfig { segment_bytes: 4 << 20, cache_bytes: 1 << 20, ..Default::default() };
         let (index, _) = ringmq_shards::Shard::open(&dir.join("unacked"), index_cfg).await?;
@@ -461,7 +460,7 @@ impl Node {
         let (vhost, name) = (&qref.key.vhost, &qref.key.name);
         let (cursor, reserved, tail) =
             self.shared.meta.with_state(|s| (s.cursor(vhost, name).unwrap_or(0), s.reservation(vhost, name), s.tail(vhost, name)));
-        Ok((shard, Some(index), Recovered { cursor, held, returns, reserved, reservation, tail, body_lens, priorities, damage }))
+        Ok((shard, Some(index), Recovered { cursor, held, returns, reserved, reservation, tail, body_lens, priorities }))
     }
 
     fn run_op(self: &Rc<Self>, cell: &QueueCell, op: QueueOp) {

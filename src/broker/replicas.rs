@@ -235,9 +235,9 @@ impl super::node::Node {
         let topo = self.router();
         let copying_here = self.grows_here();
         for cell in self.open_queues() {
-            let (key, serving, replicated, damaged) = {
+            let (key, serving, replicated) = {
                 let q = cell.borrow();
-                (q.qref.key.clone(), q.serving(), q.replicated(), q.damaged())
+                (q.qref.key.clone(), q.serving(), q.replicated())
             };
             if !matches!(self.queue_slot(&key), Some(Some(c)) if Rc::ptr_eq(&c, &cell)) {
                 // Reopened since this pass began (an operation took it over while an earlier
@@ -245,12 +245,9 @@ impl super::node::Node {
                 continue;
             }
             let Some(def) = topo.topology.queue(&key.vhost, &key.name) else { continue };
-            if replicated && !serving && !def.stored_on(me) && (!copying_here.contains(&key) || damaged) {
+            if replicated && !serving && !def.stored_on(me) && !copying_here.contains(&key) {
                 // Out of the queue's replica set (its copy here missed messages, or the node
-                // was forgotten): the copy goes; the queue lives on in its set. A damaged copy
-                // goes even when a grow to this node began: a copy is stored over what is here,
-                // and this store lacks what it lost (`queue/damage.rs`, rule 2); the grow's
-                // next batch finds the store restarted and the grow starts again.
+                // was forgotten): the copy goes; the queue lives on in its set.
                 tracing::info!(queue = %key.name, vhost = %key.vhost, "this node left the queue's replica set: dropping its copy");
                 self.drop_replica(&cell);
                 continue;

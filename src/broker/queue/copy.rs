@@ -79,10 +79,7 @@ pub struct GrowState {
     /// Server: the settles that wait.
     pub(super) held_settles: Vec<u64>,
     /// This copy proposed to leave the replica set already (step 3).
-    pub(super) leaving: bool,
-    /// This copy lost messages to a damaged store (`damage.rs`): it leaves the set, and as
-    /// a server copies nothing more.
-    pub(super) damaged: bool,
+    leaving: bool,
 }
 
 /// What the receiving end needs of a store: the queue's shard ([`Queue`] through
@@ -354,17 +351,6 @@ async fn read_batch(shard: &ringmq_shards::Shard, from: u64, tail: u64, all: boo
     Ok(Batch { messages, to: tail, complete: true })
 }
 
-/// Whether the copier must stop because this server's store is damaged (`damage.rs`, rule
-/// 3): what it read may lack a message the store dropped.
-fn stop_at_damage(weak: &Weak<RefCell<Queue>>) -> bool {
-    let Some(cell) = weak.upgrade() else { return true };
-    let damaged = cell.borrow_mut().check_damage();
-    if damaged {
-        tracing::warn!(queue = %cell.borrow().qref.key.name, "the queue's store is damaged: no copy is made from it");
-    }
-    damaged
-}
-
 /// Server steps 1–3.
 async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
     let started = Instant::now();
@@ -389,12 +375,7 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
         rounds += 1;
         // Settles of what this round may name wait until its batch is in the log.
         hold_settles(&weak, Some(from));
-        let batch = read_batch(&shard, from, shard.next_offset(), false).await;
-        if stop_at_damage(&weak) {
-            hold_settles(&weak, None);
-            return;
-        }
-        let batch = match batch {
+        let batch = match read_batch(&shard, from, shard.next_offset(), false).await {
             Ok(b) => b,
             Err(e) => {
                 hold_settles(&weak, None);
@@ -426,11 +407,6 @@ async fn copier(weak: Weak<RefCell<Queue>>, id: u64, node: NodeId) {
             continue;
         };
         let rest = read_batch(&shard, from, tail, true).await;
-        if stop_at_damage(&weak) {
-            release_enqueuer(&weak);
-            hold_settles(&weak, None);
-            return;
-        }
         let outcome = match rest {
             Ok(b) => {
                 let join = Command::JoinReplicaSet { vhost: key.0.clone(), queue: key.1.clone(), id, tail };

@@ -93,8 +93,6 @@ pub(super) async fn dispatcher(weak: Weak<RefCell<Queue>>, wake: flume::Receiver
                     let Some(cell) = weak.upgrade() else { return };
                     let mut q = cell.borrow_mut();
                     q.paging -= 1;
-                    // A record the read dropped as corrupt is not in `run` (`damage.rs`).
-                    q.check_damage();
                     match run {
                         Ok(recs) if !q.deleted => {
                             // Entries below the one read were settled elsewhere; whatever
@@ -198,7 +196,6 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
         let Some(cell) = weak.upgrade() else { return };
         let mut q = cell.borrow_mut();
         q.paging -= 1;
-        q.check_damage();
         match rec {
             Ok(Some(rec)) if q.expire_if_due(&rec) => {
                 // Expired: the next message is the answer.
@@ -212,11 +209,6 @@ pub(super) fn basic_get(cell: &QueueCell, no_ack: bool, holder: Holder, reply: c
             }
             Ok(None) => {
                 let _ = reply.send(Ok(None));
-            }
-            Err(e) if e.is_corrupt() => {
-                // Dropped by the store (`damage.rs`, rule 1): the next message is the answer.
-                drop(q);
-                basic_get(&cell, no_ack, holder, reply);
             }
             Err(e) => {
                 q.unclaim(offset);

@@ -32,7 +32,6 @@
 
 pub mod consumer;
 pub mod copy;
-mod damage;
 pub mod delivery_limit;
 pub mod dispatch;
 pub mod durability;
@@ -148,9 +147,6 @@ pub struct Recovered {
     /// (offset, `priority` property) of every live message, read only for a queue with
     /// `x-max-priority` ([`priority`]); empty otherwise.
     pub priorities: Vec<(u64, u8)>,
-    /// Records the store's recovery dropped as damage below where the store continues (not
-    /// a torn tail), described; `None` when there are none (`damage.rs`).
-    pub damage: Option<String>,
 }
 
 /// What a queue that opens needs read from each of its live records.
@@ -459,11 +455,6 @@ impl Queue {
         if limits.is_some() {
             q.borrow_mut().drop_head();
         }
-        // `damage.rs`: what the recovery or the record scan dropped below the store's end.
-        if let Some(why) = &recovered.damage {
-            q.borrow_mut().lost_to_damage(why);
-        }
-        q.borrow_mut().check_damage();
         q
     }
 

@@ -439,11 +439,7 @@ impl Queue {
         let weak = self.me.clone();
         crate::core::spawn_soon(async move {
             for off in offsets {
-                let rec = shard.read(off).await;
-                if let Some(cell) = weak.upgrade() {
-                    cell.borrow_mut().check_damage();
-                }
-                let rec = match rec {
+                let rec = match shard.read(off).await {
                     Ok(Some(r)) => r,
                     Ok(None) => continue,
                     Err(e) => {
