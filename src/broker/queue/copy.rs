@@ -133,13 +133,13 @@ pub(super) fn store_copy(
 /// continue). The copy's last batch is in the join's entry and ends at `tail`, so a store
 /// that took it is there already (or past it, in a replay); one short of it lost that batch
 /// (refused while the store was being dropped, say) and is not complete: the error says so,
-/// and the node leaves the set instead of joining with a gap.
-pub(super) fn store_joined(store: &mut impl CopyStore, tombstones: &mut std::collections::BTreeSet<u64>, tail: u64) -> Result<(), String> {
+/// and the node leaves the set instead of joining with a gap. On success the caller drops
+/// its tombstones (step 2: nothing is copied any more).
+pub(super) fn store_joined(store: &impl CopyStore, tail: u64) -> Result<(), String> {
     let next = store.next_offset();
     if next < tail {
         return Err(format!("the copy's last batch never reached this store (it ends at offset {next}, the join at {tail})"));
     }
-    tombstones.clear();
     Ok(())
 }
 
@@ -191,20 +191,17 @@ impl Queue {
         }
     }
 
-    /// Receiving step 1, at the join: the store's next offset becomes `tail`, where the
-    /// queue's enqueues continue.
+    /// Receiving step 1, at the join ([`store_joined`]): the node is a member from here on,
+    /// or leaves the set when its store lacks the copy's last batch.
     pub(super) fn apply_joined(&mut self, tail: u64) {
-        let mut tombstones = self.repl_mut().map(|r| std::mem::take(&mut r.grow.tombstones)).unwrap_or_default();
-        let joined = store_joined(&mut QueueStore(self), &mut tombstones, tail);
+        if let Err(why) = store_joined(&QueueStore(self), tail) {
+            self.leave_replica_set(&why);
+            return;
+        }
         if let Some(r) = self.repl_mut() {
-            r.grow.tombstones = tombstones;
+            r.grow.tombstones.clear();
         }
-        match joined {
-            Ok(()) => {
-                tracing::info!(queue = %self.qref.key.name, vhost = %self.qref.key.vhost, tail, "this node joined the queue's replica set with a complete copy")
-            }
-            Err(why) => self.leave_replica_set(&why),
-        }
+        tracing::info!(queue = %self.qref.key.name, vhost = %self.qref.key.vhost, tail, "this node joined the queue's replica set with a complete copy");
     }
 
     /// Receiving step 2 ([`note_settled`]) on this queue's store.
@@ -626,7 +623,10 @@ mod tests {
                     store.delete(offsets);
                 }
                 Op::Copy { from, to, messages } => store_copy(store, tombstones, *from, *to, messages)?,
-                Op::Joined(tail) => store_joined(store, tombstones, *tail)?,
+                Op::Joined(tail) => {
+                    store_joined(store, *tail)?;
+                    tombstones.clear();
+                }
                 Op::Enqueue(m) if m.offset < store.next => {}
                 Op::Enqueue(m) if m.offset == store.next => store.append(m).map_err(|e| e.to_string())?,
                 Op::Enqueue(m) => return Err(format!("enqueue {} past the store's next offset {}", m.offset, store.next)),
@@ -701,9 +701,9 @@ mod tests {
         // A batch from 10 when the store reached 6: one was lost.
         assert!(store_copy(&mut store, &mut tombstones, 10, 12, &[message(10)]).is_err());
         // The last batch (in the join's entry) lost: the join finds the store short of it.
-        assert!(store_joined(&mut store, &mut tombstones, 12).is_err(), "joined with a gap");
+        assert!(store_joined(&store, 12).is_err(), "joined with a gap");
         assert_eq!(store_copy(&mut store, &mut tombstones, 6, 12, &[message(7), message(11)]), Ok(()));
-        assert_eq!(store_joined(&mut store, &mut tombstones, 12), Ok(()));
+        assert_eq!(store_joined(&store, 12), Ok(()));
         assert_eq!(store.live, BTreeSet::from([1, 4, 7, 11]));
     }
 
